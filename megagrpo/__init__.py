@@ -1,0 +1,10 @@
+"""megagrpo: Megatron-Core policy + vLLM rollouts + checked weight sync, driven by one GRPO loop."""
+
+import warnings
+
+# Megatron-Core warns at import, once per module, that optional fused kernels (Transformer Engine,
+# Apex) are missing and it falls back to torch; on CPU that is the expected configuration.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
+warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+
+__version__ = "0.1.0"

@@ -1,0 +1,134 @@
+"""``megagrpo`` command line: thin argument parsing over the package.
+
+Subcommands that belong to work not yet landed say so and exit with status 2; none prints fake output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+_NOT_YET = {
+    "train": "the GRPO driver (megagrpo/driver.py) is not implemented yet",
+    "eval": "evaluation of a checkpoint is not implemented yet",
+    "export": "Megatron -> HF export (tools/convert_hf/megatron_to_hf.py) is not implemented yet",
+}
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="YAML config (default: configs/tiny_cpu.yaml, the embedded tiny CPU job)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides applied after the file, e.g. grpo.num_generations=8 parallel.backend=gloo",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megagrpo",
+        description="Megatron-Core + vLLM GRPO trainer.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="run GRPO (not implemented yet)")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint on the validation set (not implemented yet)")
+    _add_config_args(p)
+
+    p = sub.add_parser("plan", help="validate a config and print its layout, without starting anything")
+    _add_config_args(p)
+
+    p = sub.add_parser("export", help="Megatron checkpoint -> HF directory (not implemented yet)")
+    p.add_argument("--ckpt", required=True, help="Megatron distributed checkpoint directory")
+    p.add_argument("--out", required=True, help="HF output directory (must not exist)")
+
+    p = sub.add_parser(
+        "warmup",
+        help="supervised warm-up of the tiny model on the synthetic task (Megatron ranks, real optimizer)",
+    )
+    _add_config_args(p)
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    from megagrpo.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    par, gen, grpo = cfg.parallel, cfg.generation, cfg.grpo
+    model = (
+        f"tiny {cfg.model.arch} {cfg.model.tiny}" if cfg.model.tiny else f"HF checkpoint {cfg.model.hf_dir}"
+    )
+    print(f"run            {cfg.run_name}")
+    print(f"model          {model}, {cfg.model.dtype}, seq_length {cfg.model.seq_length}")
+    print(
+        f"trainer        {par.world_size} ranks = DP {par.data_parallel_size} x TP "
+        f"{par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x CP "
+        f"{par.context_parallel_size}; backend {par.backend}; layers {par.resolved_transformer_impl}"
+    )
+    print(
+        f"rollout        {gen.num_engines} vLLM engine(s) x TP {gen.engine_tensor_parallel_size}, "
+        f"{gen.placement}"
+    )
+    print(
+        f"step           {grpo.num_prompts_per_step} prompts x {grpo.num_generations} = "
+        f"{cfg.rollouts_per_step} rollouts, {cfg.mini_batches_per_step} optimizer step(s) of "
+        f"{cfg.policy.mini_batch_size}"
+    )
+    print("config OK")
+    return 0
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    from megagrpo.warmup import run_warmup
+
+    cfg = _load(args)
+    par = cfg.parallel
+    print(
+        f"megagrpo warmup: tiny Qwen2-shaped model, Megatron-Core over {par.backend} with "
+        f"{par.world_size} rank(s) (TP={par.tensor_model_parallel_size}, "
+        f"PP={par.pipeline_model_parallel_size}, DP={par.data_parallel_size}), "
+        f"{cfg.warmup.steps} optimizer steps on synthetic arithmetic",
+        flush=True,
+    )
+    res = run_warmup(cfg)
+    if res is None:  # a non-reporting rank under torchrun
+        return 0
+    print(
+        f"\nwarm-up done in {res.seconds:.1f}s of step time ({res.tokens_per_s:.0f} training tokens/s)\n"
+        f"  final answer-token loss  {res.final_loss:.4f}\n"
+        f"  greedy exact-match accuracy on held-out prompts: "
+        f"{res.accuracy_before:.1%} -> {res.accuracy_after:.1%}\n"
+        f"  metrics: {res.metrics_path}"
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command in _NOT_YET:
+        print(f"megagrpo {args.command}: not implemented: {_NOT_YET[args.command]}.", file=sys.stderr)
+        return 2
+    from megagrpo.config import ConfigError
+
+    try:
+        return {"plan": _plan, "warmup": _warmup}[args.command](args)
+    except ConfigError as err:
+        print(f"megagrpo {args.command}: config error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Dataset readers, prompt templates and the embedded synthetic task."""

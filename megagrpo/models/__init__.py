@@ -1,0 +1,1 @@
+"""Architecture registry and Megatron model construction."""

@@ -1,0 +1,145 @@
+"""Build Megatron ``GPTModel`` stages from a ``TransformerConfig``.
+
+The layer spec is chosen once here: Transformer Engine's when it is importable (GPU), Megatron's
+local spec otherwise. Each pipeline stage builds only its own layers; the first stage owns the
+embedding, the last the output layer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_transformer_impl(impl: str = "auto") -> str:
+    """``auto`` means Transformer Engine when it is installed, Megatron's local modules otherwise."""
+    if impl == "auto":
+        return "transformer_engine" if transformer_engine_available() else "local"
+    if impl == "transformer_engine" and not transformer_engine_available():
+        raise ValueError(
+            "parallel.transformer_impl='transformer_engine' but transformer_engine is not installed"
+        )
+    if impl not in ("local", "transformer_engine"):
+        raise ValueError(f"parallel.transformer_impl must be auto, local or transformer_engine; got {impl!r}")
+    return impl
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The HF-independent shape of a decoder-only model (what Megatron needs to build it)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    norm_epsilon: float = 1e-6
+    qkv_bias: bool = True
+    qk_layernorm: bool = False
+    tie_word_embeddings: bool = False
+    kv_channels: int | None = None
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron pads the vocabulary so each TP rank's slice is a multiple of ``divisible_by``."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_config(
+    shape: GPTShape,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+    on_cpu: bool = False,
+):
+    """The Megatron ``TransformerConfig`` for ``shape`` (RMSNorm + SwiGLU + RoPE decoder)."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels,
+        layernorm_epsilon=shape.norm_epsilon,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=on_cpu,
+        # Megatron scales attention scores in fp32 only under fp16; keep softmax in fp32 throughout.
+        attention_softmax_in_fp32=True,
+    )
+
+
+def layer_spec(config, transformer_impl: str = "auto"):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if resolve_transformer_impl(transformer_impl) == "transformer_engine":
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+
+
+def build_gpt_model(
+    shape: GPTShape,
+    config,
+    pgs,
+    *,
+    transformer_impl: str = "auto",
+    pre_process: bool = True,
+    post_process: bool = True,
+):
+    """One pipeline stage of the GPT model, its parameters on the current device."""
+    from megatron.core.models.gpt import GPTModel
+
+    tp = config.tensor_model_parallel_size
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, transformer_impl),
+        vocab_size=padded_vocab_size(shape.vocab_size, tp),
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+        pg_collection=pgs,
+    )
+    if not config.use_cpu_initialization:
+        model.cuda(torch.cuda.current_device())
+    return model

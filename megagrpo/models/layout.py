@@ -1,0 +1,74 @@
+"""How Megatron lays one logical tensor out over tensor- and pipeline-parallel ranks.
+
+Pure functions, shared by the converters, weight sync and the equivalence tests:
+
+- Pipeline: each stage numbers its transformer layers from 0; the global index adds the stage's
+  layer offset.
+- Tensor: a TP-parallel parameter carries Megatron's ``partition_dim``; its full tensor is the
+  concatenation of the rank shards along that dim, except for the gated MLP's ``linear_fc1``,
+  whose rank shard is ``[gate_r; up_r]`` (each half split separately), so that the SwiGLU pairing
+  stays local to a rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_LAYER_RE = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
+
+
+def layer_offset(num_layers: int, pp_size: int, pp_rank: int) -> int:
+    """Global index of a stage's first layer (layers split evenly across stages)."""
+    if num_layers % pp_size:
+        raise ValueError(f"num_layers={num_layers} is not divisible by pipeline parallel size {pp_size}")
+    return pp_rank * (num_layers // pp_size)
+
+
+def shift_layer_index(name: str, delta: int) -> str:
+    """``decoder.layers.3.x`` -> ``decoder.layers.{3 + delta}.x``; names without a layer index unchanged."""
+    match = _LAYER_RE.match(name)
+    if match is None:
+        return name
+    return f"{match.group(1)}{int(match.group(2)) + delta}{match.group(3)}"
+
+
+def is_gated_fc1(name: str) -> bool:
+    return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")
+
+
+def tp_shard(full: torch.Tensor, *, partition_dim: int, tp_rank: int, tp_size: int, gated: bool = False):
+    """This rank's slice of ``full`` (a view; ``partition_dim`` -1 means replicated)."""
+    if partition_dim < 0 or tp_size == 1:
+        return full
+    if gated:
+        gate, up = full.chunk(2, dim=partition_dim)
+        return torch.cat(
+            [gate.chunk(tp_size, dim=partition_dim)[tp_rank], up.chunk(tp_size, dim=partition_dim)[tp_rank]],
+            dim=partition_dim,
+        )
+    if full.shape[partition_dim] % tp_size:
+        raise ValueError(
+            f"dim {partition_dim} of a tensor of shape {tuple(full.shape)} is not divisible by TP={tp_size}"
+        )
+    return full.chunk(tp_size, dim=partition_dim)[tp_rank]
+
+
+def tp_merge(shards: list[torch.Tensor], *, partition_dim: int, gated: bool = False) -> torch.Tensor:
+    """Inverse of :func:`tp_shard` given every rank's shard in rank order."""
+    if partition_dim < 0 or len(shards) == 1:
+        return shards[0]
+    if gated:
+        halves = [s.chunk(2, dim=partition_dim) for s in shards]
+        gate = torch.cat([h[0] for h in halves], dim=partition_dim)
+        up = torch.cat([h[1] for h in halves], dim=partition_dim)
+        return torch.cat([gate, up], dim=partition_dim)
+    return torch.cat(shards, dim=partition_dim)
+
+
+def partition_dim_of(param: torch.Tensor) -> int:
+    """Megatron marks TP-split parameters with ``tensor_model_parallel`` and ``partition_dim``."""
+    if getattr(param, "tensor_model_parallel", False):
+        return int(param.partition_dim)
+    return -1

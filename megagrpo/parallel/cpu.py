@@ -1,0 +1,200 @@
+"""Run Megatron-Core 0.16 unmodified on machines without CUDA (gloo backend).
+
+Megatron-Core assumes a CUDA device in a few dozen places that have nothing to do with the math:
+it asks for ``torch.cuda.current_device()``, allocates scratch buffers with ``device="cuda"``,
+moves tensors with ``.cuda()``, forks the CUDA RNG for tensor-parallel dropout, and synchronizes
+streams. On a CPU-only machine every one of those raises. Rather than patching call sites one by
+one (there are ~60 in ``pipeline_parallel/``, ``distributed/`` and ``optimizer/`` alone), this
+module redirects the CUDA surface to the CPU in one place:
+
+1. A ``TorchFunctionMode`` rewrites any CUDA device argument (``"cuda"``, ``"cuda:N"``,
+   ``torch.device("cuda")`` or a bare device index) to ``cpu`` for every torch function and tensor
+   method, and turns ``Tensor.cuda()`` / ``Tensor.pin_memory()`` into no-ops. This covers tensor
+   factories, ``.to(...)``, ``new_*`` and friends without knowing who calls them.
+2. ``torch.cuda`` stream, event, synchronize and NVTX helpers become no-ops: CPU ops execute in
+   program order, so there is nothing to wait for.
+3. The "CUDA" RNG is the CPU default generator. Megatron's ``CudaRNGStatesTracker`` forks it for
+   tensor-parallel regions (dropout inside TP layers must differ per TP rank); mapping the CUDA
+   state functions onto the CPU generator keeps those semantics. Megatron's warning that the CPU
+   RNG changed inside a CUDA fork is then expected, and is filtered.
+4. Megatron's optimizers (and gradient clipping) dispatch on ``tensor.type()`` strings such as
+   ``"torch.cuda.FloatTensor"``; under the mode a CPU tensor reports the CUDA type name, which is
+   the same statement as 1. made for type strings: "the CUDA device" is the CPU.
+
+Nothing here runs when CUDA is present: ``activate()`` returns ``False`` and changes nothing, so
+the GPU path is exactly upstream Megatron. Call it once per process, before building models
+(``megagrpo.parallel.init_parallel`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE_MODE: _CudaToCpuMode | None = None
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int means "CUDA device N" to torch; bool is an int subclass but never a device.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CPU = torch.device("cpu")
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU for every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.type:
+            return _tensor_type(args, kwargs)
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _tensor_type(args: tuple, kwargs: dict) -> Any:
+    # Megatron's optimizers dispatch on type strings ("torch.cuda.FloatTensor"): a CPU tensor
+    # answers with the CUDA name, and a request to convert to a CUDA type stays on the CPU.
+    tensor, *rest = args
+    target = rest[0] if rest else kwargs.get("dtype")
+    if target is None:
+        name = torch.Tensor.type(tensor)
+        return name.replace("torch.", "torch.cuda.", 1) if tensor.device.type == "cpu" else name
+    if isinstance(target, str):
+        target = target.replace("torch.cuda.", "torch.", 1)
+    return torch.Tensor.type(tensor, target, *rest[1:], **{k: v for k, v in kwargs.items() if k != "dtype"})
+
+
+class _NullEvent:
+    """Stands in for ``torch.cuda.Event``: CPU work is already complete when recorded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: Any) -> float:
+        return 0.0
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream``: there is one in-order stream on the CPU."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NullEvent:
+        return event or _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def _noop_fn(name: str):
+    # One function object per patched name: torch._dynamo keeps a map keyed by torch's own
+    # functions and rejects one object registered under two names.
+    def noop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    noop.__name__ = noop.__qualname__ = name
+    return noop
+
+
+def _get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+class _DropForkWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def is_active() -> bool:
+    """True when this process runs Megatron through the CPU redirection."""
+    return _ACTIVE_MODE is not None
+
+
+def activate() -> bool:
+    """Install the CPU redirection if CUDA is absent. Idempotent; returns whether it is active."""
+    global _ACTIVE_MODE
+    if torch.cuda.is_available():
+        return False
+    if _ACTIVE_MODE is not None:
+        return True
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.set_device = _noop_fn("set_device")
+    cuda.synchronize = _noop_fn("synchronize")
+    cuda.empty_cache = _noop_fn("empty_cache")
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.current_stream = lambda *a, **k: _NullStream()
+    cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.set_stream = _noop_fn("set_stream")
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.nvtx.range_push = _noop_fn("nvtx.range_push")
+    cuda.nvtx.range_pop = _noop_fn("nvtx.range_pop")
+    cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
+    cuda.get_rng_state = _get_rng_state
+    cuda.random.get_rng_state = _get_rng_state
+    cuda.set_rng_state = _set_rng_state
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = _noop_fn("manual_seed_all")
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = _get_rng_state
+    mcore_random._set_cuda_rng_state = _set_rng_state
+    logging.getLogger(mcore_random.__name__).addFilter(_DropForkWarning())
+
+    # Entered for the life of the process: Megatron allocates CUDA buffers lazily, long after
+    # model construction (DDP buckets, pipeline receive buffers, optimizer state).
+    _ACTIVE_MODE = _CudaToCpuMode()
+    _ACTIVE_MODE.__enter__()
+    return True

@@ -1,0 +1,95 @@
+"""Run a function on N local ranks (one process each) and collect what each returns.
+
+For single-node CPU jobs, the multi-rank tests and the benchmarks; multinode runs go through Ray
+or torchrun (see ``launch/``). Each rank gets the torchrun environment variables, so code inside
+calls ``init_parallel`` exactly as it would under torchrun.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(
+    fn: Callable, rank: int, world_size: int, port: int, args: tuple, results, timeout_s: float
+) -> None:
+    # A hung collective shows up as every rank's stack on stderr just before the parent gives up.
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 2.0), exit=False)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        # Plain pickle (bytes), not torch's shared-memory tensor passing: the rank exits right
+        # after, and shared tensors would die with it.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_local_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return results by rank.
+
+    ``fn`` must be importable (module level). A rank that raises, dies or exceeds ``timeout_s``
+    stops all ranks and raises ``RuntimeError`` carrying the failing rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main, args=(fn, rank, world_size, port, args, results, timeout_s), daemon=True
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(collected) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                # A rank that died without reporting (segfault, OOM kill) ends the job now.
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in collected]
+                if dead and results.empty():
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise RuntimeError(
+                        f"rank(s) {dead} exited without a result (exit codes {codes})"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"local ranks timed out after {timeout_s:.0f}s (ranks done: {sorted(collected)})"
+                    ) from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+            collected[rank] = pickle.loads(value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10 if len(collected) == world_size else 0.1)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=10)
+    return [collected[r] for r in range(world_size)]

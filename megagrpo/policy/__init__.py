@@ -1,0 +1,1 @@
+"""Megatron policy: model/optimizer engine, logprobs, GRPO training step."""

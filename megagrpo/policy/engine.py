@@ -1,0 +1,214 @@
+"""Megatron model + DDP + optimizer for one trainer rank, and one step through Megatron's schedule.
+
+This is the thin layer between megagrpo and Megatron-Core's training machinery: it builds this
+rank's pipeline stage, wraps it in Megatron DDP (optionally with the distributed optimizer),
+creates Megatron's optimizer, and runs ``get_forward_backward_func`` with a caller-supplied loss.
+The policy actor (GRPO losses, logprobs, reference model) is built on top of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megagrpo.models.builder import GPTShape, build_gpt_model, transformer_config
+from megagrpo.parallel import ParallelContext
+
+# (output_tensor of the last stage, micro-batch) -> (summed loss, token count, metrics to report)
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Optimizer knobs passed to Megatron's ``OptimizerConfig``."""
+
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class TrainEngine:
+    """This rank's model chunk(s), DDP wrapper and optimizer."""
+
+    ctx: ParallelContext
+    shape: GPTShape
+    config: object  # megatron.core.transformer.TransformerConfig shared by model and schedule
+    model: list  # [DistributedDataParallel]: one chunk (no virtual pipeline stages yet)
+    optimizer: object  # megatron.core.optimizer.MegatronOptimizer
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare GPTModel of this stage (inside DDP)."""
+        return self.model[0].module
+
+
+def build_engine(
+    ctx: ParallelContext,
+    shape: GPTShape,
+    opt: OptimizerSettings,
+    *,
+    dtype: torch.dtype = torch.float32,
+    transformer_impl: str = "auto",
+    sequence_parallel: bool = False,
+) -> TrainEngine:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    sizes = ctx.sizes
+    config = transformer_config(
+        shape,
+        tp=sizes.tp,
+        pp=sizes.pp,
+        cp=sizes.cp,
+        sequence_parallel=sequence_parallel,
+        dtype=dtype,
+        on_cpu=ctx.device.type == "cpu",
+    )
+    # Token-level losses: the loss function returns (sum, token count) and Megatron divides by
+    # the global token count after the DP all-reduce, so micro-batching and DP never change it.
+    config.calculate_per_token_loss = True
+    module = build_gpt_model(
+        shape,
+        config,
+        ctx.pgs,
+        transformer_impl=transformer_impl,
+        pre_process=ctx.is_first_stage,
+        post_process=ctx.is_last_stage,
+    )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        average_in_collective=False,
+    )
+    ddp = DistributedDataParallel(config, ddp_config, module, pg_collection=ctx.pgs)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(
+        opt_config, [ddp], use_gloo_process_groups=ctx.backend == "nccl", pg_collection=ctx.pgs
+    )
+    return TrainEngine(ctx=ctx, shape=shape, config=config, model=[ddp], optimizer=optimizer)
+
+
+def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean [1, 1, seq, seq] mask, True where attention is *blocked*.
+
+    Passed explicitly because Megatron's default mask helper allocates on ``cuda``.
+    """
+    return torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device).triu(1)
+
+
+def forward_backward(
+    engine: TrainEngine,
+    micro_batches: Iterable[dict],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool = False,
+) -> list[dict]:
+    """Run Megatron's schedule over ``micro_batches`` (each: tokens/position_ids [b, s] + extras).
+
+    Returns the metrics dicts of the last pipeline stage (empty list elsewhere). Gradients are
+    accumulated into the DDP buffers and finalized (DP all-reduce, embedding tie, per-token
+    division) by Megatron; call ``optimizer_step`` afterwards.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    batches = list(micro_batches)
+    if not batches:
+        raise ValueError("forward_backward needs at least one micro-batch")
+    seq_len = batches[0]["tokens"].shape[1]
+    micro_batch_size = batches[0]["tokens"].shape[0]
+    if any(b["tokens"].shape != (micro_batch_size, seq_len) for b in batches):
+        # Pipeline stages exchange activations of a fixed shape per schedule call.
+        raise ValueError("all micro-batches of one schedule call must share one [batch, seq] shape")
+    device = engine.ctx.device
+    mask = causal_mask(seq_len, device)
+
+    def forward_step(data_iterator: Iterator[dict], model):
+        batch = next(data_iterator)
+        output = model(
+            batch["tokens"].to(device),
+            batch["position_ids"].to(device),
+            mask,
+        )
+        return output, lambda out: loss_fn(out, batch)
+
+    if not forward_only:
+        for chunk in engine.model:
+            chunk.zero_grad_buffer()
+        engine.optimizer.zero_grad()
+    pp = engine.ctx.sizes.pp
+    # With explicit process groups, the pipelined schedule also wants the p2p communicator.
+    p2p = P2PCommunicator(engine.ctx.pgs.pp, engine.config) if pp > 1 else None
+    return get_forward_backward_func(pp_size=pp)(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=engine.model,
+        num_microbatches=len(batches),
+        seq_length=seq_len,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+        pg_collection=engine.ctx.pgs,
+        p2p_communicator=p2p,
+    )
+
+
+def optimizer_step(engine: TrainEngine) -> tuple[bool, float]:
+    """One optimizer step on the accumulated gradients; returns (applied, grad norm before clipping)."""
+    applied, grad_norm, _ = engine.optimizer.step()
+    return bool(applied), float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def build_lr_scheduler(
+    engine: TrainEngine,
+    *,
+    lr: float,
+    min_lr: float = 0.0,
+    warmup_steps: int = 0,
+    total_steps: int = 1,
+    style: str = "constant",
+    weight_decay: float = 0.0,
+):
+    """Megatron's ``OptimizerParamScheduler``: linear warm-up, then constant or cosine to ``min_lr``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if style not in ("constant", "cosine"):
+        raise ValueError(f"lr schedule must be 'constant' or 'cosine', got {style!r}")
+    return OptimizerParamScheduler(
+        engine.optimizer,
+        init_lr=0.0 if warmup_steps else lr,
+        max_lr=lr,
+        min_lr=min_lr if style == "cosine" else lr,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(total_steps, warmup_steps + 1),
+        lr_decay_style=style,
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )

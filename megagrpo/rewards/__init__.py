@@ -1,0 +1,1 @@
+"""Reward functions (math-verify pool, synthetic tasks)."""

@@ -1,0 +1,400 @@
+"""Config loading: defaults, overrides, strict type/key checks, cross-field checks, save/load round trip."""
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megagrpo import config as config_module
+from megagrpo.config import (
+    DEFAULT_CONFIG_PATH,
+    Config,
+    ConfigError,
+    ParallelConfig,
+    config_to_dict,
+    load_config,
+    save_config,
+)
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = [REPO / "configs" / "tiny_cpu.yaml", REPO / "configs" / "deepscaler" / "8k.yaml"]
+
+
+def _error(overrides, path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading and overrides
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_default_is_the_tiny_cpu_file():
+    assert DEFAULT_CONFIG_PATH == REPO / "configs" / "tiny_cpu.yaml"
+    cfg = load_config(None)
+    assert cfg == load_config(DEFAULT_CONFIG_PATH)
+    assert cfg.model.tiny is not None
+    assert cfg.model.hf_dir is None
+    assert cfg.model.dtype == "float32"
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size) == (2, 1)
+    assert cfg.parallel.backend == "gloo"
+    assert cfg.parallel.world_size == 2
+    assert cfg.generation.num_engines == 1
+    assert cfg.data.train_path is None
+    assert cfg.data.synthetic_task == "arithmetic"
+    assert cfg.rollouts_per_step == cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations
+    assert cfg.mini_batches_per_step * cfg.policy.mini_batch_size == cfg.rollouts_per_step
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    assert isinstance(load_config(path), Config)
+
+
+def test_deepscaler_recipe_values():
+    cfg = load_config(REPO / "configs" / "deepscaler" / "8k.yaml")
+    assert cfg.model.hf_dir is not None
+    assert cfg.model.tiny is None
+    assert cfg.model.dtype == "bfloat16"
+    assert cfg.model.seq_length == 8192
+    assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations) == (128, 8)
+    assert cfg.policy.lr == 1e-6
+    assert isinstance(cfg.policy.lr, float)
+    assert cfg.grpo.kl_coef == 0.001
+    assert (cfg.grpo.clip_eps_low, cfg.grpo.clip_eps_high) == (0.2, 0.28)
+    assert cfg.reward.kind == "math_verify"
+    assert cfg.parallel.world_size == cfg.cluster.gpus_per_node * cfg.cluster.num_nodes == 8
+    assert "\\boxed{}" in cfg.data.template
+
+
+def test_overrides_parse_int_float_bool_null():
+    cfg = load_config(
+        None,
+        [
+            "grpo.num_generations=8",
+            "policy.lr=1e-6",  # no dot: plain PyYAML would read a string
+            "policy.min_lr=0",  # int widened to float
+            "parallel.sequence_parallel=true",
+            "grpo.tis_cap=null",
+            "run_name=abc",
+        ],
+    )
+    assert cfg.grpo.num_generations == 8
+    assert type(cfg.grpo.num_generations) is int
+    assert cfg.policy.lr == 1e-6
+    assert type(cfg.policy.lr) is float
+    assert cfg.policy.min_lr == 0.0
+    assert type(cfg.policy.min_lr) is float
+    assert cfg.parallel.sequence_parallel is True
+    assert cfg.grpo.tis_cap is None
+    assert load_config(None).grpo.tis_cap is not None
+    assert cfg.run_name == "abc"
+
+
+def test_override_reaches_nested_section_and_replaces_null_parent(tmp_path):
+    assert load_config(None, ["model.tiny.num_layers=4"]).model.tiny.num_layers == 4
+    path = _write(tmp_path, "model:\n  hf_dir: /x\n  tiny: null\n  seq_length: 4096\n")
+    cfg = load_config(path, ["model.hf_dir=null", "model.tiny.max_position_embeddings=4096"])
+    assert cfg.model.hf_dir is None
+    assert cfg.model.tiny.max_position_embeddings == 4096
+    assert cfg.model.tiny.num_layers == config_module.TinyModelConfig().num_layers  # the rest are defaults
+
+
+def test_missing_sections_take_defaults(tmp_path):
+    cfg = load_config(_write(tmp_path, "model:\n  hf_dir: /some/model\n"))
+    assert cfg.grpo == config_module.GRPOConfig()
+    assert cfg.model.hf_dir == "/some/model"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Key and type errors
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_unknown_key_suggests_close_match():
+    msg = _error(["grpo.num_generation=4"])
+    assert "grpo.num_generation:" in msg
+    assert "'num_generations'" in msg
+
+
+def test_unknown_key_in_file_names_file(tmp_path):
+    path = _write(tmp_path, "model:\n  tiny: {}\n  seq_lenght: 64\n")
+    msg = _error([], path)
+    assert str(path) in msg
+    assert "model.seq_lenght" in msg
+    assert "'seq_length'" in msg
+
+
+def test_unknown_section_in_override():
+    msg = _error(["gpro.num_generations=4"])
+    assert "gpro" in msg
+    assert "'grpo'" in msg
+
+
+@pytest.mark.parametrize("override", ["grpo.num_generations", "=3", "grpo..seed=1", ".seed=1"])
+def test_malformed_override(override):
+    msg = _error([override])
+    assert "malformed override" in msg
+    assert repr(override) in msg
+
+
+def test_override_into_scalar():
+    msg = _error(["grpo.seed.x=1"])
+    assert "grpo.seed:" in msg
+    assert "cannot set a key inside it" in msg
+
+
+def test_overrides_must_be_a_sequence_not_a_string():
+    with pytest.raises(TypeError):
+        load_config(None, "grpo.seed=1")
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "expected"),
+    [
+        ("grpo.num_generations=2.5", "grpo.num_generations", "expected int, got float 2.5"),
+        ("grpo.num_generations=true", "grpo.num_generations", "expected int, got bool True"),
+        ("policy.lr=fast", "policy.lr", "expected float, got str 'fast'"),
+        ("policy.lr=false", "policy.lr", "expected float, got bool False"),
+        ("parallel.sequence_parallel=1", "parallel.sequence_parallel", "expected bool, got int 1"),
+        ("data.train_path=3", "data.train_path", "expected str or null, got int 3"),
+        ("grpo.dual_clip=abc", "grpo.dual_clip", "expected float or null"),
+        ("model.dtype=fp8", "model.dtype", "'float32', 'bfloat16', 'float16'"),
+        ("grpo.kl_estimator=k4", "grpo.kl_estimator", "one of 'k1', 'k2', 'k3'"),
+        ("parallel.backend=null", "parallel.backend", "got null"),
+        ("grpo=3", "grpo", "expected a mapping"),
+        ("model.tiny=[1, 2]", "model.tiny", "expected a mapping or null"),
+    ],
+)
+def test_wrong_types(override, key, expected):
+    msg = _error([override])
+    assert f"{key}:" in msg
+    assert expected in msg
+    assert f"set by override {override.split('=')[0]}" in msg
+    assert str(DEFAULT_CONFIG_PATH) in msg
+
+
+def test_nested_error_keeps_its_own_key():
+    msg = _error(["model.tiny.num_layers=x"])
+    assert "model.tiny.num_layers: expected int" in msg
+
+
+def test_missing_model_section(tmp_path):
+    msg = _error([], _write(tmp_path, "run_name: x\n"))
+    assert "model: required but missing" in msg
+
+
+def test_yaml_syntax_error_and_non_mapping_top_level(tmp_path):
+    path = _write(tmp_path, "model: [unclosed\n")
+    msg = _error([], path)
+    assert str(path) in msg
+    assert "invalid YAML" in msg
+    path.write_text("- a\n- b\n")
+    assert "top level must be a mapping" in _error([], path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Value and cross-field checks
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys", "expected"),
+    [
+        (["parallel.tensor_model_parallel_size=0"], ["parallel.tensor_model_parallel_size"], ">= 1"),
+        (["grpo.num_prompts_per_step=-1"], ["grpo.num_prompts_per_step"], ">= 1"),
+        (
+            ["parallel.tensor_model_parallel_size=3"],
+            ["parallel.tensor_model_parallel_size", "model.tiny.num_attention_heads"],
+            "must divide num_attention_heads 4",
+        ),
+        (
+            ["parallel.tensor_model_parallel_size=4"],
+            ["parallel.tensor_model_parallel_size", "model.tiny.num_query_groups"],
+            "must divide num_query_groups 2",
+        ),
+        (
+            ["parallel.pipeline_model_parallel_size=3"],
+            ["parallel.pipeline_model_parallel_size", "model.tiny.num_layers"],
+            "must divide num_layers 2",
+        ),
+        (
+            ["parallel.context_parallel_size=2", "parallel.transformer_impl=local"],
+            ["parallel.context_parallel_size", "parallel.transformer_impl"],
+            "not 'local'",
+        ),
+        (
+            ["parallel.sequence_parallel=true", "parallel.tensor_model_parallel_size=1"],
+            ["parallel.sequence_parallel"],
+            "tensor_model_parallel_size > 1",
+        ),
+        (["parallel.expert_model_parallel_size=2"], ["parallel.expert_model_parallel_size"], "MoE"),
+        (["grpo.clip_eps_low=0"], ["grpo.clip_eps_low"], "in (0, 1)"),
+        (["grpo.clip_eps_high=1.0"], ["grpo.clip_eps_high"], "in (0, 1)"),
+        (["grpo.dual_clip=1.0"], ["grpo.dual_clip"], "> 1"),
+        (["grpo.num_generations=1"], ["grpo.num_generations"], ">= 2"),
+        (
+            ["policy.mini_batch_size=5"],
+            ["policy.mini_batch_size", "grpo.num_prompts_per_step", "grpo.num_generations"],
+            "must divide num_prompts_per_step * num_generations = 16",
+        ),
+        (
+            ["parallel.data_parallel_size=3", "policy.mini_batch_size=4"],
+            ["policy.mini_batch_size", "parallel.data_parallel_size"],
+            "divisible by data_parallel_size 3",
+        ),
+        (["generation.top_p=0"], ["generation.top_p"], "in (0, 1]"),
+        (["generation.top_p=1.5"], ["generation.top_p"], "in (0, 1]"),
+        (["generation.top_k=0"], ["generation.top_k"], "-1 (off) or >= 1"),
+        (["generation.temperature=0"], ["generation.temperature"], "> 0"),
+        (["generation.probe_max_error=0.99"], ["generation.probe_max_error"], ">= 1"),
+        (
+            ["generation.max_new_tokens=256"],
+            ["generation.max_new_tokens", "model.seq_length"],
+            "no room for a prompt",
+        ),
+        (
+            ["generation.engine_tensor_parallel_size=3"],
+            ["generation.engine_tensor_parallel_size"],
+            "must divide num_attention_heads",
+        ),
+        (
+            ["policy.micro_batch_max_tokens=100"],
+            ["policy.micro_batch_max_tokens", "model.seq_length"],
+            "cannot hold one sequence",
+        ),
+        (["policy.min_lr=1.0"], ["policy.min_lr"], "min_lr <= lr"),
+        (["policy.adam_beta2=1.0"], ["policy.adam_beta2"], "in [0, 1)"),
+        (["model.tiny=null"], ["model.hf_dir", "model.megatron_ckpt", "model.tiny"], "no model given"),
+        (["model.hf_dir=/m"], ["model.tiny", "model.hf_dir"], "not both"),
+        (
+            ["model.tiny=null", "model.megatron_ckpt=/ckpt"],
+            ["model.hf_dir"],
+            "megatron_ckpt needs hf_dir",
+        ),
+        (
+            ["model.seq_length=512"],
+            ["model.tiny.max_position_embeddings", "model.seq_length"],
+            "max_position_embeddings 256 < seq_length 512",
+        ),
+        (
+            ["model.tiny.num_query_groups=3"],
+            ["model.tiny.num_attention_heads", "model.tiny.num_query_groups"],
+            "must divide",
+        ),
+        (
+            ["grpo.overlong_policy=soft_penalty"],
+            ["grpo.overlong_buffer_tokens", "grpo.overlong_policy"],
+            "needs overlong_buffer_tokens >= 1",
+        ),
+        (
+            ["grpo.overlong_policy=soft_penalty", "grpo.overlong_buffer_tokens=16"],
+            ["grpo.overlong_buffer_tokens", "generation.max_new_tokens"],
+            "must be < max_new_tokens 16",
+        ),
+        (["grpo.tis_cap=0.5"], ["grpo.tis_cap"], ">= 1 or null"),
+        (["checkpoint.resume=true"], ["checkpoint.resume", "checkpoint.dir"], "needs dir"),
+        (["checkpoint.save_every=5"], ["checkpoint.save_every", "checkpoint.dir"], "needs dir"),
+        (
+            ["logging.val_every=2", "data.num_val_prompts=0"],
+            ["logging.val_every", "data.num_val_prompts"],
+            "num_val_prompts is 0",
+        ),
+        (["parallel.backend=nccl"], ["parallel.backend", "cluster.gpus_per_node"], "needs GPUs"),
+        (
+            ["cluster.gpus_per_node=1", "generation.placement=disaggregated"],
+            ["parallel.data_parallel_size", "generation.num_engines", "cluster.gpus_per_node"],
+            "needs 3 GPUs",
+        ),
+        (["data.template=no placeholder"], ["data.template"], "{prompt}"),
+        (["run_name=a/b"], ["run_name"], "letters, digits"),
+    ],
+)
+def test_invalid_values(overrides, keys, expected):
+    msg = _error(overrides)
+    for key in keys:
+        assert key in msg
+    assert expected in msg
+
+
+def test_context_parallel_auto_depends_on_transformer_engine(monkeypatch):
+    overrides = ["parallel.context_parallel_size=2", "parallel.transformer_impl=auto"]
+    monkeypatch.setattr(config_module, "_transformer_engine_available", lambda: False)
+    msg = _error(overrides)
+    assert "parallel.context_parallel_size" in msg
+    assert "transformer_engine is not importable" in msg
+    monkeypatch.setattr(config_module, "_transformer_engine_available", lambda: True)
+    cfg = load_config(None, overrides)
+    assert cfg.parallel.context_parallel_size == 2
+    assert cfg.parallel.resolved_transformer_impl == "transformer_engine"
+
+
+def test_context_parallel_needs_seq_length_divisible_by_2cp():
+    msg = _error(["parallel.context_parallel_size=3", "parallel.transformer_impl=transformer_engine"])
+    assert "parallel.context_parallel_size" in msg
+    assert "model.seq_length" in msg
+    assert "2 * context" in msg
+
+
+def test_direct_construction_validates_too():
+    with pytest.raises(ValueError, match="tensor_model_parallel_size"):
+        ParallelConfig(tensor_model_parallel_size=0)
+    with pytest.raises(TypeError):
+        ParallelConfig(2)  # keyword-only
+
+
+def test_config_is_frozen():
+    cfg = load_config(None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.grpo.num_generations = 3  # type: ignore[misc]
+
+
+def test_config_error_is_picklable_value_error():
+    err = ConfigError(("a.b", "c.d"), "bad", "f.yaml")
+    assert isinstance(err, ValueError)
+    assert str(err) == "f.yaml: a.b, c.d: bad"
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == str(err)
+    assert back.keys == err.keys
+    assert back.source == "f.yaml"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Saving
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_save_load_round_trip(tmp_path, path):
+    cfg = load_config(path, ["grpo.seed=7"])
+    out = tmp_path / "run" / "config.yaml"
+    save_config(cfg, out)
+    assert load_config(out) == cfg
+    assert sorted(p.name for p in out.parent.iterdir()) == ["config.yaml"]  # no temp file left behind
+
+
+def test_config_to_dict_is_plain_yaml():
+    cfg = load_config(None)
+    data = config_to_dict(cfg)
+    assert data["parallel"]["tensor_model_parallel_size"] == 2
+    assert data["model"]["tiny"]["num_layers"] == cfg.model.tiny.num_layers
+    assert yaml.safe_load(yaml.safe_dump(data)) == data
+
+
+def test_save_overwrites_existing_file(tmp_path):
+    out = tmp_path / "config.yaml"
+    save_config(load_config(None), out)
+    save_config(load_config(None, ["grpo.seed=3"]), out)
+    assert load_config(out).grpo.seed == 3
