@@ -12,7 +12,6 @@ from collections.abc import Sequence
 _NOT_YET = {
     "train": "the GRPO driver (megagrpo/driver.py) is not implemented yet",
     "eval": "evaluation of a checkpoint is not implemented yet",
-    "export": "Megatron -> HF export (tools/convert_hf/megatron_to_hf.py) is not implemented yet",
 }
 
 
@@ -28,6 +27,17 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="dotted overrides applied after the file, e.g. grpo.num_generations=8 parallel.backend=gloo",
     )
+
+
+def _parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    upper = text.strip().upper()
+    for unit, scale in units.items():
+        if upper.endswith(unit) and upper[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[: -len(unit)]) * scale)
+    if upper.isdigit():
+        return int(upper)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 1000000")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,9 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="validate a config and print its layout, without starting anything")
     _add_config_args(p)
 
-    p = sub.add_parser("export", help="Megatron checkpoint -> HF directory (not implemented yet)")
-    p.add_argument("--ckpt", required=True, help="Megatron distributed checkpoint directory")
+    p = sub.add_parser("export", help="Megatron checkpoint -> HF directory (safetensors, config, tokenizer)")
+    p.add_argument("--ckpt", required=True, help="megagrpo checkpoint directory (from hf_to_megatron)")
     p.add_argument("--out", required=True, help="HF output directory (must not exist)")
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        type=_parse_size,
+        help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)",
+    )
 
     p = sub.add_parser(
         "warmup",
@@ -116,6 +132,18 @@ def _warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from megagrpo.models.convert import megatron_to_hf
+
+    try:
+        out = megatron_to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"megagrpo export: error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote HF checkpoint {out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in _NOT_YET:
@@ -124,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megagrpo.config import ConfigError
 
     try:
-        return {"plan": _plan, "warmup": _warmup}[args.command](args)
+        return {"plan": _plan, "warmup": _warmup, "export": _export}[args.command](args)
     except ConfigError as err:
         print(f"megagrpo {args.command}: config error: {err}", file=sys.stderr)
         return 1

@@ -40,6 +40,7 @@ class GPTShape:
     num_attention_heads: int
     num_query_groups: int
     vocab_size: int
+    """The tokenizer's vocabulary (HF ``vocab_size``); Megatron's embedding is padded beyond it."""
     max_position_embeddings: int
     rope_theta: float = 10000.0
     norm_epsilon: float = 1e-6
@@ -47,12 +48,28 @@ class GPTShape:
     qk_layernorm: bool = False
     tie_word_embeddings: bool = False
     kv_channels: int | None = None
+    """Per-head width; None means hidden_size // num_attention_heads."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.x RoPE scaling factor (low/high frequency factors 1/4, original context 8192)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron pads the vocabulary so each TP rank's slice is a multiple of ``divisible_by``."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+VOCAB_DIVISIBLE_BY = 128
+
+
+def padded_vocab_size(vocab_size: int, tp: int = 1) -> int:
+    """Rows of Megatron's embedding/output layer: the vocabulary rounded up to a multiple of 128.
+
+    The padding deliberately does not depend on TP (Megatron-LM pads to 128 x TP), so one
+    checkpoint loads at every TP that divides the padded size (every power of two up to 128).
+    """
+    padded = -(-vocab_size // VOCAB_DIVISIBLE_BY) * VOCAB_DIVISIBLE_BY
+    if padded % tp:
+        raise ValueError(f"padded vocabulary {padded} (from {vocab_size}) is not divisible by TP={tp}")
+    return padded
 
 
 def transformer_config(
@@ -64,8 +81,12 @@ def transformer_config(
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
     on_cpu: bool = False,
+    initialize: bool = True,
 ):
-    """The Megatron ``TransformerConfig`` for ``shape`` (RMSNorm + SwiGLU + RoPE decoder)."""
+    """The Megatron ``TransformerConfig`` for ``shape`` (RMSNorm + SwiGLU + RoPE decoder).
+
+    ``initialize=False`` skips random initialisation (weights are about to be loaded).
+    """
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -98,6 +119,7 @@ def transformer_config(
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
         use_cpu_initialization=on_cpu,
+        perform_initialization=initialize,
         # Megatron scales attention scores in fp32 only under fp16; keep softmax in fp32 throughout.
         attention_softmax_in_fp32=True,
     )
@@ -138,6 +160,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta),
+        rope_scaling=shape.rope_scaling_factor is not None,
+        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         pg_collection=pgs,
     )
     if not config.use_cpu_initialization:

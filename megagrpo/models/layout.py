@@ -67,8 +67,24 @@ def tp_merge(shards: list[torch.Tensor], *, partition_dim: int, gated: bool = Fa
     return torch.cat(shards, dim=partition_dim)
 
 
-def partition_dim_of(param: torch.Tensor) -> int:
-    """Megatron marks TP-split parameters with ``tensor_model_parallel`` and ``partition_dim``."""
-    if getattr(param, "tensor_model_parallel", False):
-        return int(param.partition_dim)
+# Column-parallel layers split their output rows (dim 0), row-parallel ones their input columns
+# (dim 1); everything else (norms, the row-parallel biases we do not use) is replicated. Megatron
+# also tags parameters with ``partition_dim``, but only when it initialises them itself.
+_COLUMN_PARALLEL = (
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "linear_fc1.weight",
+    "linear_fc1.bias",
+    "word_embeddings.weight",
+    "output_layer.weight",
+)
+_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def tp_partition_dim(name: str) -> int:
+    """The dim a Megatron parameter is split along under TP, or -1 when every rank holds all of it."""
+    if name.endswith(_COLUMN_PARALLEL):
+        return 0
+    if name.endswith(_ROW_PARALLEL):
+        return 1
     return -1

@@ -56,10 +56,10 @@ def run_local_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    # Not daemonic: ranks may start processes of their own (Megatron's checkpoint writer does);
+    # the finally block below reaps them instead.
     procs = [
-        ctx.Process(
-            target=_rank_main, args=(fn, rank, world_size, port, args, results, timeout_s), daemon=True
-        )
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, args, results, timeout_s))
         for rank in range(world_size)
     ]
     for proc in procs:

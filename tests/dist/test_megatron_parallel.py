@@ -9,9 +9,9 @@ from megagrpo.models.builder import GPTShape
 from megagrpo.models.layout import (
     is_gated_fc1,
     layer_offset,
-    partition_dim_of,
     shift_layer_index,
     tp_merge,
+    tp_partition_dim,
     tp_shard,
 )
 from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
@@ -26,7 +26,7 @@ SHAPE = GPTShape(
     ffn_hidden_size=128,
     num_attention_heads=4,
     num_query_groups=2,
-    vocab_size=512,  # a multiple of 128 x TP: the padded vocab is the same at TP=1 and TP=2
+    vocab_size=300,  # padded to 384 rows: the padding rows exist (and stay zero-grad) at TP=1 and TP=2
     max_position_embeddings=64,
     rope_theta=10000.0,
 )
@@ -65,7 +65,9 @@ def _full_state(engine, what: str = "param") -> dict[str, torch.Tensor]:
     local = {}
     for name, param in engine.module.named_parameters():
         tensor = param.main_grad if what == "grad" else param.data
-        dim = partition_dim_of(param)
+        dim = tp_partition_dim(name)
+        # The declarative table agrees with the attributes Megatron sets on parameters it initialises.
+        assert dim == (param.partition_dim if getattr(param, "tensor_model_parallel", False) else -1), name
         if dim >= 0 and ctx.sizes.tp > 1:
             shards = [torch.empty_like(tensor) for _ in range(ctx.sizes.tp)]
             dist.all_gather(shards, tensor.contiguous(), group=ctx.pgs.tp)
@@ -84,7 +86,7 @@ def _load_full_state(engine, full: dict[str, torch.Tensor]) -> None:
             source = full[shift_layer_index(name, offset)]
             shard = tp_shard(
                 source,
-                partition_dim=partition_dim_of(param),
+                partition_dim=tp_partition_dim(name),
                 tp_rank=ctx.tp_rank,
                 tp_size=ctx.sizes.tp,
                 gated=is_gated_fc1(name),

@@ -59,8 +59,9 @@ def test_layer_names_and_offsets():
     assert not is_gated_fc1("decoder.layers.0.mlp.linear_fc2.weight")
 
 
-def test_padded_vocab_size_multiple_of_128_times_tp():
-    assert padded_vocab_size(151936, 1) == 151936
-    assert padded_vocab_size(300, 1) == 384
-    assert padded_vocab_size(300, 2) == 512
-    assert padded_vocab_size(512, 4) == 512
+def test_padded_vocab_size_is_tp_independent():
+    assert padded_vocab_size(151936, 1) == padded_vocab_size(151936, 2) == 151936
+    assert padded_vocab_size(300, 1) == padded_vocab_size(300, 4) == 384
+    assert padded_vocab_size(128256, 8) == 128256
+    with pytest.raises(ValueError, match=r"384.*TP=5"):
+        padded_vocab_size(300, 5)

@@ -1,0 +1,238 @@
+"""HF <-> Megatron conversion over the declarative map, one tensor at a time.
+
+Import: every rank of a TP x PP layout builds its own model stage (no random init), fills each of
+its parameters from the HF tensors the map names (reading only those, lazily), and Megatron's
+``dist_checkpointing`` writes a checkpoint that loads at any TP/PP. Export: one rank loads the
+checkpoint at TP=PP=1 and streams HF tensors into size-capped safetensors shards. Neither holds the
+model twice: peak memory is the model (or the rank's stage) plus one shard being written.
+
+Checkpoint directory layout::
+
+    <ckpt>/megatron/      Megatron distributed checkpoint (torch_dist)
+    <ckpt>/hf/            config.json, generation_config.json, tokenizer files of the source model
+    <ckpt>/megagrpo.json  architecture, dtype, padded vocabulary, the TP/PP it was written with
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megagrpo.models.builder import GPTShape, build_gpt_model, padded_vocab_size, transformer_config
+from megagrpo.models.hf_io import (
+    CheckpointError,
+    HFCheckpoint,
+    ShardedWriter,
+    atomic_output_dir,
+    copy_aux_files,
+)
+from megagrpo.models.layout import is_gated_fc1, layer_offset, shift_layer_index, tp_partition_dim, tp_shard
+from megagrpo.models.mapping import Rule, canonical_name, hf_tensor_shapes, to_hf, to_megatron
+from megagrpo.models.registry import Architecture, load_hf_config, shape_from_hf_config
+from megagrpo.parallel import ParallelContext, ParallelSizes, destroy_parallel, init_parallel
+from megagrpo.parallel.local import run_local_ranks
+
+META_NAME = "megagrpo.json"
+FORMAT_VERSION = 1
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a model is, independent of where its weights live."""
+
+    arch: Architecture
+    shape: GPTShape
+    dtype: torch.dtype
+    hf_config_dir: Path
+    """Directory holding config.json and the tokenizer files."""
+
+
+def stage_param_names(model: torch.nn.Module, ctx: ParallelContext, num_layers: int) -> dict[str, str]:
+    """This stage's parameter names -> canonical global names (layer index offset by the stage)."""
+    offset = layer_offset(num_layers, ctx.sizes.pp, ctx.pp_rank)
+    return {name: shift_layer_index(canonical_name(name), offset) for name, _ in model.named_parameters()}
+
+
+def load_hf_into_stage(
+    model: torch.nn.Module, ctx: ParallelContext, hf: HFCheckpoint, shape: GPTShape, rules: list[Rule]
+) -> None:
+    """Fill every parameter of this rank's model stage from the HF checkpoint (TP slice of each)."""
+    by_name = {rule.megatron: rule for rule in rules}
+    padded = padded_vocab_size(shape.vocab_size, ctx.sizes.tp)
+    params = dict(model.named_parameters())
+    for local, global_name in stage_param_names(model, ctx, shape.num_layers).items():
+        rule = by_name.get(global_name)
+        if rule is None:
+            raise CheckpointError(f"Megatron parameter {global_name} has no rule in the HF map")
+        full = to_megatron(rule, [hf.read(n) for n in rule.hf], shape, padded)
+        param = params[local]
+        shard = tp_shard(
+            full,
+            partition_dim=tp_partition_dim(global_name),
+            tp_rank=ctx.tp_rank,
+            tp_size=ctx.sizes.tp,
+            gated=is_gated_fc1(global_name),
+        )
+        if shard.shape != param.shape:
+            raise CheckpointError(
+                f"{global_name}: HF tensors {list(rule.hf)} give a shard of shape {list(shard.shape)}, "
+                f"the Megatron parameter has {list(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(shard)
+        del full, shard
+
+
+def hf_tensors_from_full(
+    full: dict[str, torch.Tensor], shape: GPTShape, rules: list[Rule]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs from full canonical Megatron tensors (TP-merged, global names).
+
+    A generator in rule order (embedding, layer 0, layer 1, ...): callers stream the result.
+    """
+    for rule in rules:
+        if rule.export and rule.megatron in full:
+            yield from zip(rule.hf, to_hf(rule, full[rule.megatron], shape), strict=True)
+
+
+def build_stage(ctx: ParallelContext, shape: GPTShape, dtype: torch.dtype, *, initialize: bool = False):
+    config = transformer_config(
+        shape,
+        tp=ctx.sizes.tp,
+        pp=ctx.sizes.pp,
+        dtype=dtype,
+        on_cpu=ctx.device.type == "cpu",
+        initialize=initialize,
+    )
+    return build_gpt_model(
+        shape,
+        config,
+        ctx.pgs,
+        transformer_impl="local" if ctx.device.type == "cpu" else "auto",
+        pre_process=ctx.is_first_stage,
+        post_process=ctx.is_last_stage,
+    )
+
+
+def save_megatron(model: torch.nn.Module, path: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    path.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), str(path))
+
+
+def load_megatron(model: torch.nn.Module, path: Path) -> None:
+    """Load a Megatron distributed checkpoint into ``model`` at whatever TP/PP it was built with."""
+    from megatron.core import dist_checkpointing
+
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"{path}: not a Megatron distributed checkpoint (no metadata.json)")
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(path))
+    # The loaded tensors are the model's own parameters, filled in place; this only checks names.
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def read_source(ckpt: Path) -> ModelSource:
+    meta_path = ckpt / META_NAME
+    if not meta_path.is_file():
+        raise CheckpointError(f"{ckpt}: no {META_NAME}; not a checkpoint written by megagrpo")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: format {meta.get('format')} is not {FORMAT_VERSION}")
+    hf_config_dir = ckpt / "hf"
+    arch, shape = shape_from_hf_config(load_hf_config(hf_config_dir), str(hf_config_dir / "config.json"))
+    dtype = {v: k for k, v in _DTYPE_NAMES.items()}[meta["dtype"]]
+    return ModelSource(arch=arch, shape=shape, dtype=dtype, hf_config_dir=hf_config_dir)
+
+
+# --- HF -> Megatron -------------------------------------------------------------------------------
+
+
+def _import_rank(rank: int, world_size: int, hf_dir: str, out: str, tp: int, pp: int) -> None:
+    arch, shape = shape_from_hf_config(load_hf_config(hf_dir), f"{hf_dir}/config.json")
+    hf = HFCheckpoint(hf_dir)
+    dtype = hf.validate(hf_tensor_shapes(shape))
+    ctx = init_parallel(ParallelSizes(tp=tp, pp=pp), backend="gloo")
+    try:
+        model = build_stage(ctx, shape, dtype)
+        load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape))
+        save_megatron(model, Path(out) / "megatron")
+    finally:
+        destroy_parallel()
+
+
+def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1) -> Path:
+    """Convert an HF directory into a megagrpo Megatron checkpoint at ``out`` (written atomically)."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    # Everything that can be wrong with the input is reported here, before any rank starts.
+    arch, shape = shape_from_hf_config(load_hf_config(hf_dir), str(hf_dir / "config.json"))
+    dtype = HFCheckpoint(hf_dir).validate(hf_tensor_shapes(shape))
+    if dtype not in _DTYPE_NAMES:
+        raise CheckpointError(f"{hf_dir}: weights are {dtype}; supported: float32, bfloat16, float16")
+    if shape.num_layers % pp:
+        raise ValueError(f"--pp {pp} does not divide the model's {shape.num_layers} layers")
+    if shape.num_attention_heads % tp or shape.num_query_groups % tp:
+        raise ValueError(
+            f"--tp {tp} must divide num_attention_heads {shape.num_attention_heads} "
+            f"and num_key_value_heads {shape.num_query_groups}"
+        )
+    padded = padded_vocab_size(shape.vocab_size, tp)
+    with atomic_output_dir(out) as tmp:
+        run_local_ranks(_import_rank, tp * pp, str(hf_dir), str(tmp), tp, pp, timeout_s=24 * 3600)
+        (tmp / "hf").mkdir()
+        copy_aux_files(hf_dir, tmp / "hf")
+        meta = {
+            "format": FORMAT_VERSION,
+            "arch": arch.name,
+            "dtype": _DTYPE_NAMES[dtype],
+            "vocab_size": shape.vocab_size,
+            "padded_vocab_size": padded,
+            "saved_tp": tp,
+            "saved_pp": pp,
+        }
+        (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+# --- Megatron -> HF -------------------------------------------------------------------------------
+
+
+def _export_rank(rank: int, world_size: int, ckpt: str, out: str, max_shard_bytes: int) -> int:
+    source = read_source(Path(ckpt))
+    ctx = init_parallel(ParallelSizes(), backend="gloo")
+    try:
+        model = build_stage(ctx, source.shape, source.dtype)
+        load_megatron(model, Path(ckpt) / "megatron")
+        names = stage_param_names(model, ctx, source.shape.num_layers)
+        writer = ShardedWriter(Path(out), max_shard_bytes)
+        full = {names[local]: param.detach() for local, param in model.named_parameters()}
+        for name, tensor in hf_tensors_from_full(full, source.shape, source.arch.rules(source.shape)):
+            writer.add(name, tensor)
+        writer.close()
+        return writer.total_bytes
+    finally:
+        destroy_parallel()
+
+
+def megatron_to_hf(
+    ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> Path:
+    """Write an HF directory (safetensors shards + index, config, tokenizer) from a megagrpo checkpoint."""
+    ckpt, out = Path(ckpt), Path(out)
+    source = read_source(ckpt)  # validates before any rank starts
+    if not (ckpt / "megatron" / "metadata.json").is_file():
+        raise CheckpointError(f"{ckpt / 'megatron'}: missing or incomplete Megatron checkpoint")
+    with atomic_output_dir(out) as tmp:
+        run_local_ranks(_export_rank, 1, str(ckpt), str(tmp), max_shard_bytes, timeout_s=24 * 3600)
+        copy_aux_files(source.hf_config_dir, tmp)
+    return out

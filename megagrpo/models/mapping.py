@@ -1,0 +1,201 @@
+"""The declarative HF <-> Megatron parameter map of a decoder-only model.
+
+One table of rules per model shape, used in both directions by the converters, by weight sync
+and by the tests. A rule names one Megatron parameter (canonical name: local layer spec, global
+layer index, full TP=1 tensor with padded vocabulary) and the HF tensors it is made of, plus the
+transform between them:
+
+- ``copy``:  one tensor, same layout;
+- ``qkv``:   HF q/k/v projections <-> Megatron's ``linear_qkv``, whose rows are interleaved per
+             query group: ``[q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...]``;
+- ``gated``: HF gate/up projections <-> Megatron's ``linear_fc1`` rows ``[gate; up]``;
+- ``vocab``: embedding/output rows, padded with zeros to Megatron's padded vocabulary on import
+             and trimmed on export.
+
+Wildcards: ``*`` in a name stands for the layer index on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from megagrpo.models.builder import GPTShape
+
+# Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer;
+# its parameter names map onto the local spec's canonical ones.
+_TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def canonical_name(name: str) -> str:
+    """A Megatron parameter name as the local layer spec spells it."""
+    for te_suffix, local_suffix in _TE_ALIASES.items():
+        if name.endswith(te_suffix):
+            return name[: -len(te_suffix)] + local_suffix
+    return name
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    """Canonical Megatron parameter name (may contain ``*`` for the layer index)."""
+    hf: tuple[str, ...]
+    """HF tensor names it is built from, in the order the transform expects."""
+    transform: str = "copy"
+    """One of copy, qkv, gated, vocab."""
+    export: bool = True
+    """False for a Megatron parameter that has no HF tensor of its own (a tied output layer)."""
+
+    def at_layer(self, layer: int) -> Rule:
+        return Rule(
+            megatron=self.megatron.replace("*", str(layer)),
+            hf=tuple(n.replace("*", str(layer)) for n in self.hf),
+            transform=self.transform,
+            export=self.export,
+        )
+
+
+def decoder_rules(shape: GPTShape) -> list[Rule]:
+    """Concrete (layer-expanded) rules for a Qwen2/Llama/Qwen3-style decoder of ``shape``."""
+    layer = [
+        Rule("decoder.layers.*.input_layernorm.weight", ("model.layers.*.input_layernorm.weight",)),
+        Rule(
+            "decoder.layers.*.self_attention.linear_qkv.weight",
+            tuple(f"model.layers.*.self_attn.{p}_proj.weight" for p in "qkv"),
+            "qkv",
+        ),
+        Rule(
+            "decoder.layers.*.self_attention.linear_proj.weight", ("model.layers.*.self_attn.o_proj.weight",)
+        ),
+        Rule(
+            "decoder.layers.*.pre_mlp_layernorm.weight", ("model.layers.*.post_attention_layernorm.weight",)
+        ),
+        Rule(
+            "decoder.layers.*.mlp.linear_fc1.weight",
+            ("model.layers.*.mlp.gate_proj.weight", "model.layers.*.mlp.up_proj.weight"),
+            "gated",
+        ),
+        Rule("decoder.layers.*.mlp.linear_fc2.weight", ("model.layers.*.mlp.down_proj.weight",)),
+    ]
+    if shape.qkv_bias:
+        layer.append(
+            Rule(
+                "decoder.layers.*.self_attention.linear_qkv.bias",
+                tuple(f"model.layers.*.self_attn.{p}_proj.bias" for p in "qkv"),
+                "qkv",
+            )
+        )
+    if shape.qk_layernorm:
+        layer += [
+            Rule(
+                "decoder.layers.*.self_attention.q_layernorm.weight",
+                ("model.layers.*.self_attn.q_norm.weight",),
+            ),
+            Rule(
+                "decoder.layers.*.self_attention.k_layernorm.weight",
+                ("model.layers.*.self_attn.k_norm.weight",),
+            ),
+        ]
+    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
+    rules += [rule.at_layer(i) for i in range(shape.num_layers) for rule in layer]
+    rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)))
+    if shape.tie_word_embeddings:
+        # Under PP the last stage keeps its own copy of the tied embedding as output_layer.
+        rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", export=False))
+    else:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab"))
+    return rules
+
+
+def hf_tensor_shapes(shape: GPTShape) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of ``shape`` holds, with its shape (for validating inputs)."""
+    h, hd, ffn = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    q_rows, kv_rows = shape.num_attention_heads * hd, shape.num_query_groups * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (shape.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not shape.tie_word_embeddings:
+        shapes["lm_head.weight"] = (shape.vocab_size, h)
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q_rows, h),
+                p + "self_attn.k_proj.weight": (kv_rows, h),
+                p + "self_attn.v_proj.weight": (kv_rows, h),
+                p + "self_attn.o_proj.weight": (h, q_rows),
+                p + "mlp.gate_proj.weight": (ffn, h),
+                p + "mlp.up_proj.weight": (ffn, h),
+                p + "mlp.down_proj.weight": (h, ffn),
+            }
+        )
+        if shape.qkv_bias:
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q_rows,),
+                    p + "self_attn.k_proj.bias": (kv_rows,),
+                    p + "self_attn.v_proj.bias": (kv_rows,),
+                }
+            )
+        if shape.qk_layernorm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def _qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: GPTShape) -> torch.Tensor:
+    groups, hd = shape.num_query_groups, shape.head_dim
+    rest = q.shape[1:]  # (hidden,) for weights, () for biases
+    per_group = [
+        q.reshape(groups, -1, *rest),  # [groups, q_heads_per_group * hd, ...]
+        k.reshape(groups, hd, *rest),
+        v.reshape(groups, hd, *rest),
+    ]
+    return torch.cat(per_group, dim=1).reshape(-1, *rest)
+
+
+def _qkv_to_hf(qkv: torch.Tensor, shape: GPTShape) -> list[torch.Tensor]:
+    groups, hd = shape.num_query_groups, shape.head_dim
+    q_rows = shape.num_attention_heads // groups * hd
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, q_rows + 2 * hd, *rest)
+    q, k, v = grouped.split([q_rows, hd, hd], dim=1)
+    return [t.reshape(-1, *rest) for t in (q, k, v)]
+
+
+def to_megatron(rule: Rule, hf: list[torch.Tensor], shape: GPTShape, padded_vocab: int) -> torch.Tensor:
+    """The full canonical Megatron tensor of ``rule`` from its HF tensors."""
+    if rule.transform == "copy":
+        return hf[0]
+    if rule.transform == "qkv":
+        return _qkv_to_megatron(*hf, shape)
+    if rule.transform == "gated":
+        return torch.cat(hf, dim=0)
+    if rule.transform == "vocab":
+        rows = hf[0]
+        if padded_vocab == rows.shape[0]:
+            return rows
+        pad = rows.new_zeros(padded_vocab - rows.shape[0], *rows.shape[1:])
+        return torch.cat([rows, pad], dim=0)
+    raise AssertionError(f"unknown transform {rule.transform}")
+
+
+def to_hf(rule: Rule, tensor: torch.Tensor, shape: GPTShape) -> list[torch.Tensor]:
+    """The HF tensors of ``rule`` (in ``rule.hf`` order) from the full canonical Megatron tensor."""
+    if rule.transform == "copy":
+        return [tensor]
+    if rule.transform == "qkv":
+        return _qkv_to_hf(tensor, shape)
+    if rule.transform == "gated":
+        return list(tensor.chunk(2, dim=0))
+    if rule.transform == "vocab":
+        return [tensor[: shape.vocab_size]]
+    raise AssertionError(f"unknown transform {rule.transform}")
