@@ -1,0 +1,119 @@
+"""HF -> Megatron -> HF is bit-identical at any TP/PP; Megatron logits match transformers at TP=1 and TP=2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hf_models import ARCHS, make_tiny_hf
+
+from megagrpo.models.convert import build_stage, hf_to_megatron, load_megatron, megatron_to_hf, read_source
+from megagrpo.models.hf_io import HFCheckpoint
+from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
+from megagrpo.parallel.local import run_local_ranks
+
+pytestmark = pytest.mark.dist
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: make_tiny_hf(arch, root / arch, seed=i) for i, arch in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="module")
+def converted(hf_dirs, tmp_path_factory):
+    """Megatron checkpoints by (arch, tp, pp), converted once per module."""
+    root, cache = tmp_path_factory.mktemp("megatron"), {}
+
+    def get(arch: str, tp: int, pp: int) -> Path:
+        key = (arch, tp, pp)
+        if key not in cache:
+            cache[key] = hf_to_megatron(hf_dirs[arch], root / f"{arch}-tp{tp}-pp{pp}", tp=tp, pp=pp)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_round_trip_is_bit_identical(arch, tp, pp, hf_dirs, converted, tmp_path):
+    ckpt = converted(arch, tp, pp)
+    out = megatron_to_hf(ckpt, tmp_path / "hf", max_shard_bytes=150_000)
+    src, back = HFCheckpoint(hf_dirs[arch]), HFCheckpoint(out)
+    assert set(back.tensors) == set(src.tensors)
+    for name in src.tensors:
+        a, b = src.read(name), back.read(name)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    # Several shards plus an index, and the config files travelled with the weights.
+    assert (out / "model.safetensors.index.json").is_file()
+    assert len(list(out.glob("model-*-of-*.safetensors"))) >= 2
+    assert (out / "config.json").read_text() == (hf_dirs[arch] / "config.json").read_text()
+    assert (out / "generation_config.json").is_file()
+
+
+def _megatron_logits(rank: int, world_size: int, ckpt: str, tokens: torch.Tensor) -> dict:
+    import torch.distributed as dist
+
+    source = read_source(Path(ckpt))
+    out = {}
+    for tp in (1, 2):
+        ctx = init_parallel(ParallelSizes(tp=tp), backend="gloo")
+        try:
+            model = build_stage(ctx, source.shape, source.dtype)
+            load_megatron(model, Path(ckpt) / "megatron")
+            model.eval()
+            seq = tokens.shape[1]
+            mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
+            with torch.no_grad():
+                logits = model(tokens, torch.arange(seq).expand_as(tokens), mask)  # [b, s, vocab / tp]
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits.contiguous(), group=ctx.pgs.tp)
+            out[tp] = torch.cat(parts, dim=-1)[..., : source.shape.vocab_size]
+        finally:
+            destroy_parallel(keep_world=True)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_megatron_logits_match_transformers(arch, hf_dirs, converted):
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref = AutoModelForCausalLM.from_pretrained(hf_dirs[arch], dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(tokens).logits
+    # Saved with TP=2 x PP=2 and loaded at TP=1 and TP=2: the checkpoint reshards on load.
+    ckpt = converted(arch, 2, 2)
+    results = run_local_ranks(_megatron_logits, 2, str(ckpt), tokens, timeout_s=300)
+    for res in results:
+        for tp in (1, 2):
+            diff = (res[tp] - want).abs().max().item()
+            assert diff <= 1e-4, f"{arch} TP={tp}: max |logits diff| {diff:.2e}"
+
+
+def test_killed_conversion_leaves_no_output_directory(hf_dirs, tmp_path):
+    out = tmp_path / "ckpt"
+    cmd = [sys.executable, str(REPO / "tools/convert_hf/hf_to_megatron.py"), "--hf-dir", str(hf_dirs["qwen2"])]
+    proc = subprocess.Popen([*cmd, "--out", str(out), "--tp", "2"], start_new_session=True)
+    deadline = time.monotonic() + 120
+    # Kill the whole process group as soon as the conversion has started writing.
+    while not list(tmp_path.glob(".ckpt.tmp-*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "conversion finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not out.exists()
+    # A later run is not blocked by the leftover temporary directory.
+    subprocess.run([*cmd, "--out", str(out)], check=True, timeout=300)
+    assert (out / "megagrpo.json").is_file()

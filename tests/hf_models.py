@@ -1,0 +1,63 @@
+"""Tiny random HF checkpoints built with transformers' own classes (never downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,  # not a multiple of 128: the Megatron side pads, export trims
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
+
+
+def _config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch == "qwen2":
+        return Qwen2Config(**TINY, rope_theta=1e6, tie_word_embeddings=False)
+    if arch == "llama":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        return LlamaConfig(
+            **{**TINY, "max_position_embeddings": 16384},
+            rope_theta=500000.0,
+            rope_scaling=scaling,
+            tie_word_embeddings=True,
+        )
+    if arch == "qwen3":
+        # head_dim * heads != hidden, as in the real Qwen3 models.
+        return Qwen3Config(**TINY, head_dim=32, rope_theta=1e6, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+ARCHS = ("qwen2", "llama", "qwen3")
+
+
+def make_tiny_hf(arch: str, out: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Save a random tiny model of ``arch`` to ``out`` with non-trivial norms and biases."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(arch), dtype=dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # Defaults are ones (norms) and zeros (biases): a swapped or dropped tensor would go unseen.
+            if "norm" in name:
+                param.normal_(1.0, 0.1)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(out)
+    return out
