@@ -20,7 +20,7 @@ import torch
 
 from megagrpo.config import Config
 from megagrpo.data.arithmetic import EOS_ID, PAD_ID, ArithmeticTask, CharTokenizer, Problem
-from megagrpo.models.builder import GPTShape
+from megagrpo.models.source import run_model
 from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
 from megagrpo.parallel.local import run_local_ranks
 from megagrpo.policy.engine import (
@@ -50,37 +50,6 @@ class WarmupResult:
     tokens_per_s: float
     """Training tokens (all positions of the padded batch) per second of step time."""
     metrics_path: str
-
-
-def shape_from_config(cfg: Config) -> GPTShape:
-    tiny = cfg.model.tiny
-    if tiny is None:
-        raise ValueError(
-            "warm-up runs on the tiny model only: set model.tiny (model.hf_dir is not supported here)"
-        )
-    return GPTShape(
-        num_layers=tiny.num_layers,
-        hidden_size=tiny.hidden_size,
-        ffn_hidden_size=tiny.ffn_hidden_size,
-        num_attention_heads=tiny.num_attention_heads,
-        num_query_groups=tiny.num_query_groups,
-        vocab_size=tiny.vocab_size,
-        max_position_embeddings=tiny.max_position_embeddings,
-        rope_theta=tiny.rope_theta,
-        norm_epsilon=tiny.norm_epsilon,
-        qkv_bias=tiny.qkv_bias,
-        tie_word_embeddings=tiny.tie_word_embeddings,
-    )
-
-
-def sizes_from_config(cfg: Config) -> ParallelSizes:
-    par = cfg.parallel
-    return ParallelSizes(
-        tp=par.tensor_model_parallel_size,
-        pp=par.pipeline_model_parallel_size,
-        cp=par.context_parallel_size,
-        ep=par.expert_model_parallel_size,
-    )
 
 
 def _sequence_batch(problems: list[Problem], tok: CharTokenizer, seq_len: int) -> dict:
@@ -169,7 +138,9 @@ def _accuracy(engine: TrainEngine, problems: list[Problem], tok: CharTokenizer) 
 
 
 def _warmup_rank(rank: int, world_size: int, cfg: Config, metrics_path: str) -> dict | None:
-    ctx = init_parallel(sizes_from_config(cfg), backend=cfg.parallel.backend, seed=cfg.warmup.seed + 1234)
+    ctx = init_parallel(
+        ParallelSizes.from_config(cfg.parallel), backend=cfg.parallel.backend, seed=cfg.warmup.seed + 1234
+    )
     try:
         return _train(ctx, cfg, metrics_path)
     finally:
@@ -179,7 +150,7 @@ def _warmup_rank(rank: int, world_size: int, cfg: Config, metrics_path: str) -> 
 def _train(ctx, cfg: Config, metrics_path: str) -> dict | None:
     wu, tok = cfg.warmup, CharTokenizer()
     task = ArithmeticTask(max_operand=cfg.data.arithmetic_max_operand, ops=cfg.data.arithmetic_ops)
-    shape = shape_from_config(cfg)
+    shape = run_model(cfg).shape
     if tok.vocab_size > shape.vocab_size:
         raise ValueError(
             f"model.tiny.vocab_size={shape.vocab_size} is smaller than the task's {tok.vocab_size}"
@@ -260,7 +231,10 @@ def run_warmup(cfg: Config) -> WarmupResult | None:
     """
     if cfg.warmup.steps <= 0:
         raise ValueError("warmup.steps is 0: nothing to run (set warmup.steps=N)")
-    shape_from_config(cfg)  # clear error before any rank starts
+    if cfg.model.tiny is None:
+        raise ValueError(
+            "warm-up runs on the tiny model only: set model.tiny (model.hf_dir is not supported here)"
+        )
     out_dir = Path(cfg.logging.dir) / cfg.run_name / "warmup"
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / "metrics.jsonl"

@@ -164,6 +164,27 @@ def build_gpt_model(
         rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         pg_collection=pgs,
     )
+    _mark_tensor_parallel(model)
     if not config.use_cpu_initialization:
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _mark_tensor_parallel(model: torch.nn.Module) -> None:
+    """Tag every parameter with Megatron's TP attributes, which Megatron itself only sets when it
+    initialises weights. Without them, a model built for loading (``perform_initialization=False``)
+    would have its TP-split weights treated as replicas: grad norms, clipping and the distributed
+    optimizer would count only TP rank 0's shards."""
+    from megatron.core.tensor_parallel.layers import (
+        set_defaults_if_not_set_tensor_model_parallel_attributes,
+        set_tensor_model_parallel_attributes,
+    )
+
+    from megagrpo.models.layout import tp_partition_dim
+    from megagrpo.models.mapping import canonical_name
+
+    for name, param in model.named_parameters():
+        dim = tp_partition_dim(canonical_name(name))
+        if dim >= 0 and not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
+        set_defaults_if_not_set_tensor_model_parallel_attributes(param)

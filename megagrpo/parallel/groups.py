@@ -31,6 +31,16 @@ class ParallelSizes:
     ep: int = 1
     """Expert-parallel size (MoE only)."""
 
+    @classmethod
+    def from_config(cls, parallel) -> ParallelSizes:
+        """From a ``megagrpo.config.ParallelConfig``."""
+        return cls(
+            tp=parallel.tensor_model_parallel_size,
+            pp=parallel.pipeline_model_parallel_size,
+            cp=parallel.context_parallel_size,
+            ep=parallel.expert_model_parallel_size,
+        )
+
     def data_parallel_size(self, world_size: int) -> int:
         model_parallel = self.tp * self.pp * self.cp
         if world_size % model_parallel:

@@ -58,7 +58,9 @@ def build_engine(
     dtype: torch.dtype = torch.float32,
     transformer_impl: str = "auto",
     sequence_parallel: bool = False,
+    initialize: bool = True,
 ) -> TrainEngine:
+    """``initialize=False`` skips random initialisation when weights are loaded right after."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -72,7 +74,11 @@ def build_engine(
         sequence_parallel=sequence_parallel,
         dtype=dtype,
         on_cpu=ctx.device.type == "cpu",
+        initialize=initialize,
     )
+    # Micro-batches are packed by a token budget, so their [batch, seq] shapes differ; pipeline
+    # stages then exchange shapes before activations.
+    config.variable_seq_lengths = True
     # Token-level losses: the loss function returns (sum, token count) and Megatron divides by
     # the global token count after the DP all-reduce, so micro-batching and DP never change it.
     config.calculate_per_token_loss = True
@@ -141,20 +147,17 @@ def forward_backward(
     batches = list(micro_batches)
     if not batches:
         raise ValueError("forward_backward needs at least one micro-batch")
-    seq_len = batches[0]["tokens"].shape[1]
-    micro_batch_size = batches[0]["tokens"].shape[0]
-    if any(b["tokens"].shape != (micro_batch_size, seq_len) for b in batches):
-        # Pipeline stages exchange activations of a fixed shape per schedule call.
-        raise ValueError("all micro-batches of one schedule call must share one [batch, seq] shape")
+    seq_len = max(b["tokens"].shape[1] for b in batches)
+    micro_batch_size = max(b["tokens"].shape[0] for b in batches)
     device = engine.ctx.device
-    mask = causal_mask(seq_len, device)
 
     def forward_step(data_iterator: Iterator[dict], model):
         batch = next(data_iterator)
+        tokens = batch["tokens"].to(device)
         output = model(
-            batch["tokens"].to(device),
+            tokens,
             batch["position_ids"].to(device),
-            mask,
+            causal_mask(tokens.shape[1], device),
         )
         return output, lambda out: loss_fn(out, batch)
 

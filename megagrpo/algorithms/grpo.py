@@ -1,0 +1,350 @@
+"""GRPO advantages, KL estimators and the clipped surrogate loss, as pure tensor functions.
+
+Shape letters: P prompts, G generations per prompt, B sequences of one micro-batch, T token positions.
+
+Normalization contract. :func:`grpo_loss` returns, for one micro-batch, a ``loss_sum`` and a ``count``; the
+loss of the step is (sum of ``loss_sum`` over all micro-batches and data-parallel ranks) / (sum of ``count``).
+This is Megatron-Core's ``calculate_per_token_loss=True`` protocol: a loss function that returns
+``(loss_sum, count, metrics)`` gets ``count`` accumulated over micro-batches, all-reduced over the DP x CP
+group in ``finalize_model_grads``, and the gradients scaled by its inverse. So the result does not depend
+on the micro-batch size, on gradient accumulation or on the DP size.
+
+Choices made here, and where they depart from the papers:
+
+- Advantages use a leave-one-out baseline (RLOO), A_i = r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean r),
+  rather than GRPO's plain group mean; with ``normalize_std`` they are divided by the group's *unbiased*
+  reward std (``torch.std``, as GRPO implementations do) + eps. Groups whose rewards are all equal get
+  exactly zero advantages.
+- ``tis_mode="mask"`` drops a token's policy-gradient term but keeps the token in ``count``: the normalizer
+  must not depend on data-dependent masking (it is also what Megatron already summed for other micro-batches).
+- The log-ratio policy/old is clamped to [-20, 20] before ``exp`` (as verl does): beyond that the step has
+  diverged anyway, and an inf ratio would turn gradients into NaN.
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "METRIC_REDUCTIONS",
+    "LossConfig",
+    "LossOutput",
+    "combine_metrics",
+    "group_advantages",
+    "grpo_loss",
+    "kl_estimate",
+    "reduce_metrics",
+    "zero_variance_groups",
+]
+
+# exp(20) ~ 4.9e8: far beyond any useful ratio or KL clamp, still finite in fp32 (an inf in a forward pass
+# makes the backward of a later clamp/where 0 * inf = NaN).
+_MAX_LOG_RATIO = 20.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Advantages
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _grouped(rewards: Tensor, num_generations: int) -> Tensor:
+    if num_generations < 2:
+        raise ValueError(f"num_generations must be >= 2 (a group needs a baseline), got {num_generations}")
+    if rewards.dim() != 1 or rewards.numel() % num_generations:
+        raise ValueError(
+            f"rewards must be a flat [num_prompts * num_generations] tensor, "
+            f"got shape {tuple(rewards.shape)} with num_generations={num_generations}"
+        )
+    return rewards.view(-1, num_generations)  # [P, G]
+
+
+def zero_variance_groups(rewards: Tensor, num_generations: int) -> Tensor:
+    """[P] bool: True for groups whose rewards are all equal (zero advantages, no learning signal)."""
+    rewards_PG = _grouped(rewards, num_generations).float()
+    return rewards_PG.amax(dim=1) == rewards_PG.amin(dim=1)
+
+
+def group_advantages(
+    rewards: Tensor, num_generations: int, *, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """Leave-one-out advantages [P * G] from rewards [P * G] laid out group after group.
+
+    A_i = r_i - mean_{j != i} r_j, divided by (unbiased std of the group's rewards + eps) when
+    ``normalize_std`` (GRPO); without it this is Dr. GRPO's unnormalized advantage. Zero-variance groups
+    give exactly 0.
+    """
+    G = num_generations
+    rewards_PG = _grouped(rewards, G).to(torch.promote_types(rewards.dtype, torch.float32))
+    # r_i - (S - r_i) / (G - 1) == (G r_i - S) / (G - 1)
+    adv_PG = (G * rewards_PG - rewards_PG.sum(dim=1, keepdim=True)) / (G - 1)
+    if normalize_std:
+        adv_PG = adv_PG / (rewards_PG.std(dim=1, keepdim=True) + eps)
+    # Equal rewards must give 0, not the rounding residue of G r - S amplified by 1 / eps.
+    flat_P1 = zero_variance_groups(rewards, G)[:, None]
+    return torch.where(flat_P1, torch.zeros_like(adv_PG), adv_PG).reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """Knobs of the clipped surrogate loss (the loss fields of ``megagrpo.config.GRPOConfig``)."""
+
+    clip_eps_low: float = 0.2
+    """Negative-advantage tokens with ratio < 1 - clip_eps_low are clipped (no gradient); in (0, 1)."""
+    clip_eps_high: float = 0.2
+    """Positive-advantage tokens with ratio > 1 + clip_eps_high are clipped; > clip_eps_low is clip-higher."""
+    dual_clip: float | None = None
+    """Dual-clip PPO bound c > 1: a negative-advantage token's loss is at most -c * A; None disables it."""
+    kl_coef: float = 0.0
+    """Weight of the per-token KL(policy || reference) penalty; > 0 requires ref_logprobs."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman), see :func:`kl_estimate`."""
+    kl_clamp: float = 10.0
+    """The per-token KL estimate is clamped to [-kl_clamp, kl_clamp] (k2/k3 are >= 0: [0, kl_clamp])."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap (>= 1) on exp(old - gen), the trainer/generator ratio; None: off."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """Tokens whose TIS weight exceeds tis_cap: weighted by the cap, or dropped from the loss (weight 0)."""
+    loss_agg: Literal["token", "sequence"] = "token"
+    """token: mean over all valid tokens of the batch; sequence: mean over sequences of their token means."""
+
+    def __post_init__(self) -> None:
+        rules = {
+            "clip_eps_low": (0 < self.clip_eps_low < 1, "in (0, 1)"),
+            "clip_eps_high": (0 < self.clip_eps_high < 1, "in (0, 1)"),
+            "dual_clip": (self.dual_clip is None or self.dual_clip > 1, "> 1 or None"),
+            "kl_coef": (math.isfinite(self.kl_coef) and self.kl_coef >= 0, "finite and >= 0"),
+            "kl_estimator": (self.kl_estimator in ("k1", "k2", "k3"), "one of 'k1', 'k2', 'k3'"),
+            "kl_clamp": (math.isfinite(self.kl_clamp) and self.kl_clamp > 0, "finite and > 0"),
+            "tis_cap": (self.tis_cap is None or self.tis_cap >= 1, ">= 1 or None"),
+            "tis_mode": (self.tis_mode in ("truncate", "mask"), "one of 'truncate', 'mask'"),
+            "loss_agg": (self.loss_agg in ("token", "sequence"), "one of 'token', 'sequence'"),
+        }
+        assert rules.keys() == {f.name for f in fields(self)}
+        for name, (ok, rule) in rules.items():
+            if not ok:
+                raise ValueError(f"LossConfig.{name} must be {rule}, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """One micro-batch's share of the loss: the step's loss is sum(loss_sum) / sum(count) over all of them."""
+
+    loss_sum: Tensor
+    """[] float, with grad: sum of per-token losses (token mode) or of per-sequence mean losses (sequence)."""
+    count: Tensor
+    """[] int64: valid tokens (token mode) or sequences with >= 1 valid token (sequence mode)."""
+    metrics: dict[str, Tensor]
+    """[] float64 detached sums and extremes, keys and cross-rank reductions in METRIC_REDUCTIONS."""
+
+
+def kl_estimate(
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: Literal["k1", "k2", "k3"], clamp: float
+) -> Tensor:
+    """Per-token estimate of KL(policy || ref) from tokens sampled from the policy, clamped to ±clamp.
+
+    With d = logprobs - ref_logprobs: k1 = d (unbiased, noisy, can be < 0); k2 = d^2 / 2 (biased, >= 0);
+    k3 = exp(-d) - 1 + d (unbiased, low variance, >= 0): E_pi[r - 1 - log r] with r = ref / pi.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        kl = log_ratio
+    elif estimator == "k2":
+        kl = 0.5 * log_ratio.square()
+    elif estimator == "k3":
+        kl = torch.exp(-log_ratio.clamp(min=-_MAX_LOG_RATIO)) - 1 + log_ratio
+    else:
+        raise ValueError(f"estimator must be one of 'k1', 'k2', 'k3', got {estimator!r}")
+    return kl.clamp(-clamp, clamp)
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    *,
+    ref_logprobs: Tensor | None = None,
+    gen_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> LossOutput:
+    """Clipped surrogate loss of one micro-batch (see the module docstring for the normalization contract).
+
+    logprobs [B, T] (with grad), old_logprobs / ref_logprobs / gen_logprobs [B, T] (trainer before the update,
+    reference model, generator), advantages [B], mask [B, T] (1: a response token that counts), entropy [B, T]
+    (metric only). Per token: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) with r = exp(logprobs - old),
+    capped at -c A for A < 0 by the dual clip, times the TIS weight, plus kl_coef * KL. Masked positions may
+    hold anything (-inf, NaN): they contribute exactly 0 to the loss and its gradient.
+    """
+    _check_inputs(logprobs, old_logprobs, advantages, mask, cfg, ref_logprobs, gen_logprobs, entropy)
+    valid_BT = mask.bool()
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    zero_BT = torch.zeros(valid_BT.shape, dtype=dtype, device=logprobs.device)
+
+    def clean(x_BT: Tensor) -> Tensor:
+        # where, not a multiply by mask: 0 * inf = NaN, in the forward and in the backward.
+        return torch.where(valid_BT, x_BT.to(dtype), zero_BT)
+
+    logprobs_BT, old_BT = clean(logprobs), clean(old_logprobs).detach()
+    adv_B1 = advantages.detach().to(dtype)[:, None]
+
+    ratio_BT = torch.exp((logprobs_BT - old_BT).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    clipped_BT = ratio_BT.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
+    pg_BT = torch.maximum(-adv_B1 * ratio_BT, -adv_B1 * clipped_BT)
+    dual_BT = torch.zeros_like(valid_BT)
+    if cfg.dual_clip is not None:
+        dual_BT = (adv_B1 < 0) & (pg_BT > -cfg.dual_clip * adv_B1)
+        pg_BT = torch.where(dual_BT, -cfg.dual_clip * adv_B1, pg_BT)
+
+    metrics: dict[str, Tensor] = {}
+    if gen_logprobs is not None:
+        log_w_BT = old_BT - clean(gen_logprobs).detach()  # log of trainer / generator probability
+        metrics["token_mult_prob_error_sum"] = _sum(torch.exp(log_w_BT.abs()), valid_BT)
+        if cfg.tis_cap is not None:
+            w_BT = torch.exp(log_w_BT)
+            capped_BT = valid_BT & (w_BT > cfg.tis_cap)
+            w_BT = w_BT.clamp(max=cfg.tis_cap) if cfg.tis_mode == "truncate" else (~capped_BT).to(dtype)
+            pg_BT = pg_BT * w_BT
+            metrics["tis_capped_count"] = _sum(capped_BT, valid_BT)
+            metrics["tis_weight_sum"] = _sum(w_BT, valid_BT)
+
+    loss_BT = pg_BT
+    if ref_logprobs is not None:
+        kl_BT = kl_estimate(logprobs_BT, clean(ref_logprobs).detach(), cfg.kl_estimator, cfg.kl_clamp)
+        metrics["kl_sum"] = _sum(kl_BT, valid_BT)
+        if cfg.kl_coef > 0:
+            loss_BT = loss_BT + cfg.kl_coef * kl_BT
+    loss_BT = torch.where(valid_BT, loss_BT, zero_BT)
+
+    tokens_B = valid_BT.sum(dim=1)
+    if cfg.loss_agg == "token":
+        loss_sum, count = loss_BT.sum(), tokens_B.sum()
+    else:
+        # A sequence without valid tokens has a zero sum; clamping its divisor keeps it at 0 and out of count.
+        loss_sum, count = (loss_BT.sum(dim=1) / tokens_B.clamp(min=1)).sum(), (tokens_B > 0).sum()
+
+    adv_BT = adv_B1.expand_as(ratio_BT)
+    metrics |= {
+        "tokens": _sum(valid_BT, valid_BT),
+        "sequences": (tokens_B > 0).sum().double(),
+        "pg_loss_sum": _sum(pg_BT, valid_BT),
+        "clip_low_count": _sum((adv_BT < 0) & (ratio_BT < 1 - cfg.clip_eps_low), valid_BT),
+        "clip_high_count": _sum((adv_BT > 0) & (ratio_BT > 1 + cfg.clip_eps_high), valid_BT),
+        "dual_clip_count": _sum(dual_BT, valid_BT),
+        "ratio_sum": _sum(ratio_BT, valid_BT),
+        "ratio_min": torch.where(valid_BT, ratio_BT.detach(), math.inf).amin().double(),
+        "ratio_max": torch.where(valid_BT, ratio_BT.detach(), -math.inf).amax().double(),
+    }
+    if entropy is not None:
+        metrics["entropy_sum"] = _sum(clean(entropy), valid_BT)
+    return LossOutput(loss_sum=loss_sum, count=count.to(torch.int64), metrics=metrics)
+
+
+def _sum(x_BT: Tensor, valid_BT: Tensor) -> Tensor:
+    return torch.where(valid_BT, x_BT.detach().double(), 0.0).sum()
+
+
+def _check_inputs(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    ref_logprobs: Tensor | None,
+    gen_logprobs: Tensor | None,
+    entropy: Tensor | None,
+) -> None:
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    same_shape = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs}
+    same_shape |= {"gen_logprobs": gen_logprobs, "entropy": entropy}
+    for name, x in same_shape.items():
+        if x is not None and x.shape != logprobs.shape:
+            raise ValueError(f"{name} must match logprobs {tuple(logprobs.shape)}, got {tuple(x.shape)}")
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"advantages must be [B] = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}"
+        )
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("LossConfig.kl_coef > 0 needs ref_logprobs")
+    if cfg.tis_cap is not None and gen_logprobs is None:
+        raise ValueError("LossConfig.tis_cap is set but gen_logprobs is missing")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------------------
+
+# Over valid tokens: tokens / sequences (with >= 1 valid token); pg_loss_sum (after dual clip and TIS, before
+# KL); kl_sum (clamped estimate, when ref_logprobs is given); clip_low_count (A < 0 and r < 1 - eps_low);
+# clip_high_count (A > 0 and r > 1 + eps_high); dual_clip_count (the -c A bound is active); ratio_*;
+# entropy_sum; tis_capped_count (w > tis_cap), tis_weight_sum (weights applied, with tis_cap);
+# token_mult_prob_error_sum (exp|gen - old|, its mean is 1 when generator and trainer agree).
+METRIC_REDUCTIONS: dict[str, Literal["sum", "min", "max"]] = {
+    "tokens": "sum",
+    "sequences": "sum",
+    "pg_loss_sum": "sum",
+    "kl_sum": "sum",
+    "clip_low_count": "sum",
+    "clip_high_count": "sum",
+    "dual_clip_count": "sum",
+    "ratio_sum": "sum",
+    "ratio_min": "min",
+    "ratio_max": "max",
+    "entropy_sum": "sum",
+    "tis_capped_count": "sum",
+    "tis_weight_sum": "sum",
+    "token_mult_prob_error_sum": "sum",
+}
+"""How each metric of :class:`LossOutput` combines across micro-batches and ranks (all-reduce SUM/MIN/MAX).
+
+The keys present depend only on which optional inputs were given, so they are the same on every rank.
+"""
+
+_COMBINE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
+
+
+def combine_metrics(metrics: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Combine per-micro-batch metric dicts into one, per METRIC_REDUCTIONS, without leaving the device.
+
+    Cross-rank: all-reduce each value of the result with the op METRIC_REDUCTIONS names, then
+    :func:`reduce_metrics` ``([result])``.
+    """
+    combined: dict[str, Tensor] = {}
+    for m in metrics:
+        for key, value in m.items():
+            if key not in METRIC_REDUCTIONS:
+                raise ValueError(f"unknown metric {key!r}; known: {sorted(METRIC_REDUCTIONS)}")
+            combined[key] = (
+                value if key not in combined else _COMBINE[METRIC_REDUCTIONS[key]](combined[key], value)
+            )
+    return combined
+
+
+def reduce_metrics(metrics: Sequence[Mapping[str, Tensor | float]]) -> dict[str, float]:
+    """Readable values from metric dicts: ``tokens``/``sequences`` as totals, ``X_sum`` -> ``X_mean`` and
+    ``X_count`` -> ``X_frac`` per valid token (NaN when there is none), ``ratio_min``/``ratio_max`` as is.
+    """
+    combined = combine_metrics(
+        [{k: torch.as_tensor(v, dtype=torch.float64) for k, v in m.items()} for m in metrics]
+    )
+    values = {key: float(v) for key, v in combined.items()}
+    tokens = values.get("tokens", 0.0)
+    out: dict[str, float] = {}
+    for key, value in values.items():
+        if key.endswith("_sum"):
+            out[key.removesuffix("_sum") + "_mean"] = value / tokens if tokens else math.nan
+        elif key.endswith("_count"):
+            out[key.removesuffix("_count") + "_frac"] = value / tokens if tokens else math.nan
+        else:
+            out[key] = value
+    return out

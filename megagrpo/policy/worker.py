@@ -1,0 +1,431 @@
+"""One Megatron rank of the policy: logprobs, reference logprobs, GRPO training steps, save/load.
+
+A plain class; ``megagrpo.cluster`` runs one per rank as a Ray actor, and the tests run it on
+local ranks. Every method is collective: all ranks of the trainer job call it with the same
+batch (the controller puts the batch in the object store once), and each rank selects its
+data-parallel shard itself. Results are returned identically on every rank, so the controller
+reads any one of them.
+
+Data flow of ``train``: the rollout batch is cut into mini-batches of ``policy.mini_batch_size``
+sequences (one optimizer step each); each mini-batch is split over DP ranks by token count and
+packed into micro-batches by ``policy.micro_batch_max_tokens``; Megatron's schedule runs them and
+divides gradients by the number of loss tokens of the whole mini-batch (all micro-batches, all DP
+ranks), so neither packing nor DP size changes the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.algorithms.grpo import METRIC_REDUCTIONS, LossConfig, combine_metrics, grpo_loss, reduce_metrics
+from megagrpo.config import Config
+from megagrpo.models.builder import padded_vocab_size
+from megagrpo.models.convert import META_NAME, load_hf_into_stage, load_megatron, save_megatron
+from megagrpo.models.hf_io import HFCheckpoint
+from megagrpo.models.source import run_model
+from megagrpo.parallel import ParallelSizes, init_parallel
+from megagrpo.policy.engine import (
+    OptimizerSettings,
+    build_engine,
+    build_lr_scheduler,
+    forward_backward,
+    optimizer_step,
+)
+from megagrpo.policy.logprobs import vocab_parallel_logprobs
+from megagrpo.policy.packing import pack_by_token_budget
+from megagrpo.types import TrainBatch, balanced_shards
+
+# Canonical per-parameter optimizer state: reloads at any TP/PP/DP (Megatron's default for the
+# distributed optimizer in 0.16, "fully_sharded_model_space", is deprecated and fails validation).
+_OPTIMIZER_CKPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+class HostWeights:
+    """A copy of a model stage's parameters in host memory (the frozen reference policy).
+
+    Swapping it in for a forward pass costs two host<->device copies of this rank's shard and no
+    second model on the accelerator.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        pin = torch.cuda.is_available()
+        self.tensors = {
+            name: p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone()
+            for name, p in module.named_parameters()
+        }
+
+    def swap(self, module: torch.nn.Module) -> None:
+        """Exchange the module's parameters with the held ones (calling twice restores both)."""
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                held = self.tensors[name]
+                current = p.detach().to("cpu", copy=True)
+                p.copy_(held, non_blocking=True)
+                self.tensors[name] = current
+
+
+class PolicyWorker:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.model_info = run_model(cfg)
+        self.ctx = init_parallel(
+            ParallelSizes.from_config(cfg.parallel), backend=cfg.parallel.backend, seed=cfg.grpo.seed + 1234
+        )
+        pol = cfg.policy
+        settings = OptimizerSettings(
+            lr=pol.lr,
+            min_lr=pol.min_lr,
+            weight_decay=pol.weight_decay,
+            adam_beta1=pol.adam_beta1,
+            adam_beta2=pol.adam_beta2,
+            adam_eps=pol.adam_eps,
+            clip_grad=pol.clip_grad,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        )
+        loads_weights = cfg.model.tiny is None
+        self.engine = build_engine(
+            self.ctx,
+            self.model_info.shape,
+            settings,
+            dtype=self.model_info.dtype,
+            transformer_impl=cfg.parallel.transformer_impl,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            initialize=not loads_weights,
+        )
+        total_steps = max(1, cfg.grpo.num_steps * cfg.mini_batches_per_step)
+        self.scheduler = build_lr_scheduler(
+            self.engine,
+            lr=pol.lr,
+            min_lr=pol.min_lr,
+            warmup_steps=pol.lr_warmup_steps,
+            total_steps=total_steps,
+            style=pol.lr_schedule,
+            weight_decay=pol.weight_decay,
+        )
+        if loads_weights:
+            self._load_initial_weights()
+        self.loss_cfg = LossConfig(
+            clip_eps_low=cfg.grpo.clip_eps_low,
+            clip_eps_high=cfg.grpo.clip_eps_high,
+            dual_clip=cfg.grpo.dual_clip,
+            kl_coef=cfg.grpo.kl_coef,
+            kl_estimator=cfg.grpo.kl_estimator,
+            tis_cap=cfg.grpo.tis_cap,
+            tis_mode=cfg.grpo.tis_mode,
+            loss_agg=cfg.grpo.loss_agg,
+        )
+        # The reference policy is the initial weights, parked in host memory; none without KL.
+        self.reference = HostWeights(self.engine.module) if cfg.grpo.kl_coef > 0 else None
+        self.steps_done = 0
+
+    # ----------------------------------------------------------------------------------- weights
+
+    def _load_initial_weights(self) -> None:
+        info = self.model_info
+        if info.megatron_ckpt is not None:
+            load_megatron(self.engine.module, info.megatron_ckpt / "megatron")
+        else:
+            hf = HFCheckpoint(info.hf_dir)
+            load_hf_into_stage(self.engine.module, self.ctx, hf, info.shape, info.arch.rules(info.shape))
+        self.engine.optimizer.reload_model_params()
+
+    # ------------------------------------------------------------------------------- micro-batches
+
+    def _my_shard(self, batch: TrainBatch) -> list[int]:
+        return balanced_shards(batch.lengths.tolist(), self.ctx.dp_size)[self.ctx.dp_rank]
+
+    def _micro_batches(self, batch: TrainBatch, indices: list[int]) -> list[tuple[list[int], dict]]:
+        lengths = [int(batch.lengths[i]) for i in indices]
+        groups = pack_by_token_budget(lengths, self.cfg.policy.micro_batch_max_tokens, padded=True)
+        out = []
+        for group in groups:
+            rows = [indices[g] for g in group]
+            sub = batch.select(rows)
+            seq = sub.input_ids.shape[1]
+            out.append(
+                (
+                    rows,
+                    {
+                        "tokens": sub.input_ids,
+                        "position_ids": torch.arange(seq).expand(sub.size, -1),
+                        "sub": sub,
+                    },
+                )
+            )
+        return out
+
+    def _token_logprobs(self, logits: torch.Tensor, sub: TrainBatch, *, with_entropy: bool):
+        """[b, s - 1] fp32 logprobs (and entropy) of each next token, from vocab-parallel logits."""
+        tp, tp_rank = self.ctx.sizes.tp, self.ctx.tp_rank
+        local_vocab = padded_vocab_size(self.model_info.shape.vocab_size, tp) // tp
+        return vocab_parallel_logprobs(
+            logits[:, :-1],
+            sub.input_ids[:, 1:].to(logits.device),
+            group=self.ctx.pgs.tp,
+            vocab_start=tp_rank * local_vocab,
+            vocab_size=self.model_info.shape.vocab_size,
+            temperature=self.cfg.generation.temperature,
+            chunk_size=self.cfg.policy.logprob_chunk_size,
+            with_entropy=with_entropy,
+        )
+
+    # ------------------------------------------------------------------------------------ logprobs
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, S - 1] fp32 logprobs of every next token under the current policy (all ranks)."""
+        mine = self._my_shard(batch)
+        result = torch.zeros(batch.size, batch.input_ids.shape[1] - 1)
+        collected: list[tuple[list[int], torch.Tensor]] = []
+
+        def record(logits, micro):
+            lp, _ = self._token_logprobs(logits, micro["sub"], with_entropy=False)
+            collected.append((micro["rows"], lp.detach().float().cpu()))
+            return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), {}
+
+        micro = [{**m, "rows": rows} for rows, m in self._micro_batches(batch, mine)]
+        self.engine.model[0].eval()
+        try:
+            with torch.no_grad():
+                forward_backward(self.engine, micro, record, forward_only=True)
+        finally:
+            self.engine.model[0].train()
+        for rows, lp in collected:
+            result[rows, : lp.shape[1]] = lp
+        return self._share_rows(result, mine)
+
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Logprobs under the frozen initial weights (swapped in from host memory)."""
+        if self.reference is None:
+            raise RuntimeError("reference logprobs need grpo.kl_coef > 0 (no reference policy is kept)")
+        self.reference.swap(self.engine.module)
+        try:
+            return self.logprobs(batch)
+        finally:
+            self.reference.swap(self.engine.module)
+
+    def _share_rows(self, result: torch.Tensor, mine: list[int]) -> torch.Tensor:
+        """Combine each DP rank's rows (computed on the last pipeline stage) onto every rank."""
+        if not self.ctx.is_last_stage:
+            result.zero_()
+        else:
+            keep = torch.zeros(result.shape[0], dtype=torch.bool)
+            keep[mine] = True
+            result[~keep] = 0
+            if self.ctx.tp_rank != 0:  # TP peers hold identical rows; count them once
+                result.zero_()
+        # One sum over all ranks: exactly one rank contributes each row.
+        dist.all_reduce(result)
+        return result
+
+    # --------------------------------------------------------------------------------------- train
+
+    def train(self, batch: TrainBatch) -> list[dict[str, float]]:
+        """One optimizer step per mini-batch of ``policy.mini_batch_size`` sequences; metrics per step."""
+        if batch.advantages is None:
+            raise ValueError("train() needs advantages")
+        size = self.cfg.policy.mini_batch_size
+        if batch.size % size:
+            raise ValueError(
+                f"batch of {batch.size} sequences is not a multiple of policy.mini_batch_size={size}"
+            )
+        if batch.size > size and batch.old_logprobs is None:
+            raise ValueError("several optimizer steps per batch need old_logprobs (call logprobs() first)")
+        if self.loss_cfg.kl_coef > 0 and batch.ref_logprobs is None:
+            raise ValueError("grpo.kl_coef > 0 needs ref_logprobs (call reference_logprobs() first)")
+        history = []
+        for start in range(0, batch.size, size):
+            mini = batch.select(range(start, start + size))
+            history.append(self._train_step(mini))
+        return history
+
+    def _train_step(self, mini: TrainBatch) -> dict[str, float]:
+        outputs: list[dict[str, torch.Tensor]] = []
+        loss_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def loss_fn(logits, micro):
+            sub: TrainBatch = micro["sub"]
+            lp, entropy = self._token_logprobs(logits, sub, with_entropy=True)
+            device = lp.device
+            out = grpo_loss(
+                lp,
+                (sub.old_logprobs if sub.old_logprobs is not None else lp.detach()).to(device),
+                sub.advantages.to(device),
+                sub.response_mask().to(device),
+                self.loss_cfg,
+                ref_logprobs=None if sub.ref_logprobs is None else sub.ref_logprobs.to(device),
+                gen_logprobs=None if sub.gen_logprobs is None else sub.gen_logprobs.to(device),
+                entropy=entropy,
+            )
+            outputs.append(out.metrics)
+            loss_parts.append((out.loss_sum.detach(), out.count))
+            return out.loss_sum, out.count.to(torch.int), {}
+
+        micro = [m for _, m in self._micro_batches(mini, self._my_shard(mini))]
+        forward_backward(self.engine, micro, loss_fn)
+        applied, grad_norm = optimizer_step(self.engine)
+        lr = self.engine.optimizer.param_groups[0]["lr"]
+        self.scheduler.step(1)
+        self.steps_done += 1
+        metrics = self._reduce(outputs, loss_parts)
+        metrics.update(grad_norm=grad_norm, lr=lr, update_applied=float(applied))
+        return metrics
+
+    def _reduce(self, outputs: list[dict[str, torch.Tensor]], loss_parts: list[tuple]) -> dict[str, float]:
+        """Reduce loss metrics over micro-batches and DP ranks; share from the last stage to all."""
+        payload = [None]
+        if self.ctx.is_last_stage:
+            merged = combine_metrics(outputs)
+            for key in sorted(merged):
+                value = merged[key].double().reshape(1)
+                dist.all_reduce(value, op=_REDUCE_OPS[METRIC_REDUCTIONS[key]], group=self.ctx.pgs.dp_cp)
+                merged[key] = value[0]
+            loss = torch.tensor([sum(float(s) for s, _ in loss_parts), sum(int(c) for _, c in loss_parts)])
+            loss = loss.double()
+            dist.all_reduce(loss, group=self.ctx.pgs.dp_cp)
+            payload = [
+                {"loss": float(loss[0] / loss[1]) if loss[1] else float("nan"), **reduce_metrics([merged])}
+            ]
+        if self.ctx.sizes.pp > 1:
+            src = dist.get_global_rank(self.ctx.pgs.pp, self.ctx.sizes.pp - 1)
+            dist.broadcast_object_list(payload, src=src, group=self.ctx.pgs.pp)
+        return payload[0]
+
+    # ---------------------------------------------------------------------------------- checkpoint
+
+    def save(self, path: str | Path) -> None:
+        """Model (a megagrpo checkpoint, exportable to HF) + optimizer + scheduler under ``path``.
+
+        Collective. Layout: ``megatron/`` model, ``optimizer/`` optimizer state (both Megatron
+        distributed checkpoints, loadable at another TP/PP), ``trainer_state.json``.
+        """
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        model_sd = self.engine.module.sharded_state_dict()
+        save_megatron(self.engine.module, path / "megatron")
+        (path / "optimizer").mkdir(parents=True, exist_ok=True)
+        opt_sd = self.engine.optimizer.sharded_state_dict(model_sd, metadata=_OPTIMIZER_CKPT_FORMAT)
+        dist_checkpointing.save(opt_sd, str(path / "optimizer"))
+        if self.ctx.rank == 0:
+            state = {"steps_done": self.steps_done, "scheduler": self.scheduler.state_dict()}
+            _write_json(path / "trainer_state.json", state)
+            self._write_model_meta(path)
+        dist.barrier()
+
+    def load(self, path: str | Path) -> None:
+        """Restore what ``save`` wrote (at this job's TP/PP/DP, whatever it was saved with)."""
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        load_megatron(self.engine.module, path / "megatron")
+        self._materialize_optimizer_state()
+        _keep_adam_step_on_reshardable_load()
+        model_sd = self.engine.module.sharded_state_dict()
+        opt_sd = self.engine.optimizer.sharded_state_dict(
+            model_sd, is_loading=True, metadata=_OPTIMIZER_CKPT_FORMAT
+        )
+        self.engine.optimizer.load_state_dict(dist_checkpointing.load(opt_sd, str(path / "optimizer")))
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps_done = state["steps_done"]
+
+    def _materialize_optimizer_state(self) -> None:
+        """Give a fresh optimizer the Adam state tensors a checkpoint is loaded into, in place.
+
+        Megatron's own initializer leaves out torch Adam's ``step``, which the distributed
+        optimizer's state_dict requires; a dummy optimizer step would move the weights instead.
+        """
+        chained = getattr(self.engine.optimizer, "chained_optimizers", [self.engine.optimizer])
+        for opt in chained:
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    state = inner.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = torch.zeros_like(p.data)
+                        state["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    def _write_model_meta(self, path: Path) -> None:
+        """megagrpo.json + hf/ so the model part exports with ``megagrpo export``."""
+        from megagrpo.models.convert import _DTYPE_NAMES, FORMAT_VERSION
+        from megagrpo.models.hf_io import copy_aux_files
+
+        info = self.model_info
+        (path / "hf").mkdir(exist_ok=True)
+        if info.hf_dir is not None:
+            copy_aux_files(info.hf_dir, path / "hf")
+        else:
+            _write_json(path / "hf" / "config.json", tiny_hf_config(info))
+        meta = {
+            "format": FORMAT_VERSION,
+            "arch": info.arch.name,
+            "dtype": _DTYPE_NAMES[info.dtype],
+            "vocab_size": info.shape.vocab_size,
+            "padded_vocab_size": padded_vocab_size(info.shape.vocab_size, self.ctx.sizes.tp),
+            "saved_tp": self.ctx.sizes.tp,
+            "saved_pp": self.ctx.sizes.pp,
+        }
+        _write_json(path / META_NAME, meta)
+
+
+def _keep_adam_step_on_reshardable_load() -> None:
+    """Work around Megatron-Core 0.16 loading "fully_reshardable" state into torch's Adam.
+
+    With torch Adam (no Apex/TE FusedAdam, e.g. on CPU), the distributed optimizer's loader copies
+    every state entry of a parameter from the checkpoint, including Adam's ``step``, which the
+    checkpoint does not carry per parameter (it restores it from the param groups just before):
+    a KeyError. Supplying the already-restored step makes that copy a no-op.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_keeps_adam_step", False):
+        return
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state.get(self.optimizer.param_groups[group]["params"][order], {})
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    set_states._keeps_adam_step = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def tiny_hf_config(info) -> dict:
+    """An HF config.json describing the tiny model (Qwen2 layout), so it exports like any other."""
+    s = info.shape
+    return {
+        "architectures": list(info.arch.hf_classes),
+        "model_type": info.arch.name,
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.ffn_hidden_size,
+        "num_hidden_layers": s.num_layers,
+        "num_attention_heads": s.num_attention_heads,
+        "num_key_value_heads": s.num_query_groups,
+        "vocab_size": s.vocab_size,
+        "max_position_embeddings": s.max_position_embeddings,
+        "rms_norm_eps": s.norm_epsilon,
+        "rope_theta": s.rope_theta,
+        "tie_word_embeddings": s.tie_word_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+            info.dtype
+        ],
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
