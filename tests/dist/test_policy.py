@@ -7,59 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import make_tiny_hf
+from policy_cases import LARGE_BUDGET, SMALL_BUDGET, policy_batch, policy_config
 
-from megagrpo.config import load_config
 from megagrpo.parallel import destroy_parallel
 from megagrpo.parallel.local import run_local_ranks
-from megagrpo.types import TrainBatch
 
 pytestmark = pytest.mark.dist
-
-SMALL_BUDGET, LARGE_BUDGET = 64, 4096
-
-
-def _batch(seed: int = 0, size: int = 8) -> TrainBatch:
-    gen = torch.Generator().manual_seed(seed)
-    seqs, prompts = [], []
-    for _ in range(size):
-        length = int(torch.randint(8, 21, (1,), generator=gen))
-        prompts.append(int(torch.randint(3, 6, (1,), generator=gen)))
-        seqs.append(torch.randint(1, 300, (length,), generator=gen).tolist())
-    batch = TrainBatch.from_sequences(seqs, prompts)
-    return batch.replace(advantages=torch.randn(size, generator=gen))
-
-
-def _config(hf_dir: str, *, tp=1, pp=1, dp=1, budget=LARGE_BUDGET, mini=8, kl=0.0, extra=()):
-    return load_config(
-        None,
-        [
-            "model.tiny=null",
-            f"model.hf_dir={hf_dir}",
-            "model.seq_length=64",
-            "generation.max_new_tokens=16",
-            f"parallel.tensor_model_parallel_size={tp}",
-            f"parallel.pipeline_model_parallel_size={pp}",
-            f"parallel.data_parallel_size={dp}",
-            "parallel.use_distributed_optimizer=true",
-            f"policy.micro_batch_max_tokens={budget}",
-            f"policy.mini_batch_size={mini}",
-            "policy.lr=1e-3",
-            "policy.logprob_chunk_size=7",
-            "grpo.num_prompts_per_step=2",
-            "grpo.num_generations=4",
-            f"grpo.kl_coef={kl}",
-            "grpo.tis_cap=null",
-            *extra,
-        ],
-    )
-
 
 def _one_step(rank: int, world_size: int, cfg) -> dict:
     from megagrpo.policy.worker import PolicyWorker
 
     worker = PolicyWorker(cfg)
     try:
-        batch = _batch()
+        batch = policy_batch()
         old = worker.logprobs(batch)
         metrics = worker.train(batch.replace(old_logprobs=old))
         return {"old": old, "metrics": metrics, "new": worker.logprobs(batch)}
@@ -74,7 +34,7 @@ def hf_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(hf_dir) -> dict:
-    (res,) = run_local_ranks(_one_step, 1, _config(hf_dir), timeout_s=300)
+    (res,) = run_local_ranks(_one_step, 1, policy_config(hf_dir), timeout_s=300)
     return res
 
 
@@ -93,14 +53,14 @@ def _rel(a: float, b: float) -> float:
     ids=["tp2-small", "tp2-large", "pp2-small", "dp2-small"],
 )
 def test_loss_and_grad_norm_do_not_depend_on_layout(layout, hf_dir, reference):
-    results = run_local_ranks(_one_step, 2, _config(hf_dir, **layout), timeout_s=300)
+    results = run_local_ranks(_one_step, 2, policy_config(hf_dir, **layout), timeout_s=300)
     (want,) = reference["metrics"]
     for res in results:
         (got,) = res["metrics"]
         assert _rel(got["loss"], want["loss"]) <= 1e-5, (got["loss"], want["loss"])
         assert _rel(got["grad_norm"], want["grad_norm"]) <= 1e-5, (got["grad_norm"], want["grad_norm"])
         assert got["tokens"] == want["tokens"]
-        mask = _batch().response_mask()
+        mask = policy_batch().response_mask()
         torch.testing.assert_close(res["old"][mask], reference["old"][mask], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(res["new"][mask], reference["new"][mask], atol=1e-4, rtol=1e-4)
 
@@ -110,7 +70,7 @@ def test_first_step_is_exactly_on_policy(reference):
     assert metrics["ratio_mean"] == 1.0 and metrics["ratio_min"] == 1.0 and metrics["ratio_max"] == 1.0
     assert metrics["clip_low_frac"] == 0.0 and metrics["clip_high_frac"] == 0.0
     # and the step changed the policy
-    mask = _batch().response_mask()
+    mask = policy_batch().response_mask()
     assert (reference["new"][mask] - reference["old"][mask]).abs().max() > 1e-3
 
 
@@ -119,11 +79,11 @@ def _save_then_continue(rank: int, world_size: int, cfg, path: str) -> dict:
 
     worker = PolicyWorker(cfg)
     try:
-        batch = _batch()
+        batch = policy_batch()
         worker.train(batch.replace(old_logprobs=worker.logprobs(batch)))
         worker.save(path)
         saved_logprobs = worker.logprobs(batch)
-        next_batch = _batch(seed=1)
+        next_batch = policy_batch(seed=1)
         next_metrics = worker.train(next_batch.replace(old_logprobs=worker.logprobs(next_batch)))
         return {"saved": saved_logprobs, "next": next_metrics}
     finally:
@@ -137,7 +97,7 @@ def _load_then_continue(rank: int, world_size: int, cfg, path: str) -> dict:
     try:
         worker.load(path)
         steps_after_load = worker.steps_done
-        batch, next_batch = _batch(), _batch(seed=1)
+        batch, next_batch = policy_batch(), policy_batch(seed=1)
         loaded_logprobs = worker.logprobs(batch)
         next_metrics = worker.train(next_batch.replace(old_logprobs=worker.logprobs(next_batch)))
         return {"loaded": loaded_logprobs, "next": next_metrics, "steps": steps_after_load}
@@ -147,11 +107,11 @@ def _load_then_continue(rank: int, world_size: int, cfg, path: str) -> dict:
 
 def test_save_load_restores_logprobs_and_optimizer_at_any_layout(hf_dir, tmp_path):
     ckpt = str(tmp_path / "step")
-    (saved,) = run_local_ranks(_save_then_continue, 1, _config(hf_dir), ckpt, timeout_s=300)
-    mask = _batch().response_mask()
+    (saved,) = run_local_ranks(_save_then_continue, 1, policy_config(hf_dir), ckpt, timeout_s=300)
+    mask = policy_batch().response_mask()
     for layout in (dict(), dict(tp=2), dict(pp=2)):
         world = 2 if layout else 1
-        results = run_local_ranks(_load_then_continue, world, _config(hf_dir, **layout), ckpt, timeout_s=300)
+        results = run_local_ranks(_load_then_continue, world, policy_config(hf_dir, **layout), ckpt, timeout_s=300)
         for res in results:
             assert res["steps"] == 1
             torch.testing.assert_close(res["loaded"][mask], saved["saved"][mask], atol=1e-5, rtol=1e-5)
@@ -171,7 +131,7 @@ def _reference_and_kl(rank: int, world_size: int, cfg) -> dict:
 
     worker = PolicyWorker(cfg)
     try:
-        batch = _batch()
+        batch = policy_batch()
         before = worker.logprobs(batch)
         ref = worker.reference_logprobs(batch)
         worker.train(batch.replace(old_logprobs=before, ref_logprobs=ref))
@@ -187,8 +147,8 @@ def _reference_and_kl(rank: int, world_size: int, cfg) -> dict:
 
 
 def test_reference_policy_stays_at_initial_weights(hf_dir):
-    (res,) = run_local_ranks(_reference_and_kl, 1, _config(hf_dir, kl=0.1), timeout_s=300)
-    mask = _batch().response_mask()
+    (res,) = run_local_ranks(_reference_and_kl, 1, policy_config(hf_dir, kl=0.1), timeout_s=300)
+    mask = policy_batch().response_mask()
     assert torch.equal(res["ref_before"], res["before"])
     assert torch.equal(res["ref_after"], res["before"])  # reference did not move with training
     assert not torch.equal(res["after"], res["before"])

@@ -1,0 +1,145 @@
+"""Ray: start or join a cluster, place the trainer's ranks, and drive them as one group.
+
+The policy is ``world_size`` Ray actors, one per Megatron rank, placed by a placement group
+(one bundle per rank: a GPU on GPU clusters, ``cluster.cpus_per_worker`` CPUs otherwise). The
+controller talks to the group, never to a single rank:
+
+- ``call_all(method, *args)``: every rank runs the method (Megatron methods are collective);
+- ``call_first(...)``: the same, returning rank 0's result (the policy returns identical results
+  on every rank, combining data-parallel shards itself);
+- large arguments (a rollout batch) are put in the object store once and every rank reads the
+  shared copy; each rank then selects its own data-parallel shard.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from megagrpo.config import ClusterConfig, Config
+
+
+def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None) -> None:
+    """Join ``cluster.ray_address`` or start a local Ray; idempotent."""
+    if ray.is_initialized():
+        return
+    env = {
+        # Our Megatron workers print their own progress; Ray's per-actor log prefixing is enough.
+        "RAY_DEDUP_LOGS": "0",
+    }
+    if cluster.ray_address:
+        ray.init(address=cluster.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
+    else:
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            num_gpus=cluster.gpus_per_node or None,
+            include_dashboard=False,
+            runtime_env={"env_vars": env},
+            log_to_driver=True,
+        )
+
+
+@ray.remote
+class RankActor:
+    """Hosts one rank of a distributed worker (e.g. a PolicyWorker) inside a Ray actor."""
+
+    def __init__(self) -> None:
+        self.worker = None
+
+    def address(self) -> tuple[str, int]:
+        from megagrpo.parallel.local import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, factory: str, cfg: Config, rank: int, world_size: int, master: tuple[str, int]) -> bool:
+        import importlib
+
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            # Ray gives each GPU actor exactly one visible device.
+            LOCAL_RANK="0",
+            MASTER_ADDR=master[0],
+            MASTER_PORT=str(master[1]),
+        )
+        module, _, name = factory.rpartition(".")
+        self.worker = getattr(importlib.import_module(module), name)(cfg)
+        return True
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+class RankGroup:
+    """``world_size`` actors forming one torch.distributed job, placed together."""
+
+    def __init__(self, cfg: Config, factory: str, *, name: str = "policy", timeout_s: float = 600.0):
+        self.world_size = cfg.parallel.world_size
+        self.timeout_s = timeout_s
+        gpus = cfg.cluster.gpus_per_node > 0
+        bundle = (
+            {"GPU": 1, "CPU": cfg.cluster.cpus_per_worker} if gpus else {"CPU": cfg.cluster.cpus_per_worker}
+        )
+        self.pg = placement_group([bundle] * self.world_size, strategy="PACK", name=f"megagrpo-{name}")
+        ray.get(self.pg.ready(), timeout=timeout_s)
+        self.actors = [
+            RankActor.options(
+                num_cpus=cfg.cluster.cpus_per_worker,
+                num_gpus=1 if gpus else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank
+                ),
+                name=f"megagrpo-{name}-{rank}-{int(time.time() * 1000)}",
+            ).remote()
+            for rank in range(self.world_size)
+        ]
+        master = ray.get(self.actors[0].address.remote(), timeout=timeout_s)
+        self._get(
+            [
+                a.setup.remote(factory, cfg, rank, self.world_size, master)
+                for rank, a in enumerate(self.actors)
+            ]
+        )
+
+    def _get(self, refs: list) -> list:
+        # One failed rank usually leaves the others waiting in a collective: report the first
+        # failure (with its traceback) instead of waiting for all of them.
+        pending, results = list(refs), {}
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise TimeoutError(
+                    f"{len(pending)} of {len(refs)} ranks did not answer within {self.timeout_s:.0f}s"
+                )
+            results[done[0]] = ray.get(done[0])
+        return [results[r] for r in refs]
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``method`` on every rank; large arguments go to the object store once."""
+        shared = [ray.put(a) if _is_large(a) else a for a in args]
+        return self._get([a.call.remote(method, *shared, **kwargs) for a in self.actors])
+
+    def call_first(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` on every rank and return rank 0's result."""
+        return self.call_all(method, *args, **kwargs)[0]
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.pg)
+
+
+def _is_large(value: Any) -> bool:
+    import dataclasses
+
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size() > 1 << 20
+    return dataclasses.is_dataclass(value)
