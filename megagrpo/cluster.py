@@ -120,10 +120,17 @@ class RankGroup:
             results[done[0]] = ray.get(done[0])
         return [results[r] for r in refs]
 
+    def submit_all(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """Start ``method`` on every rank; returns the pending results (see ``wait``)."""
+        shared = [ray.put(a) if _is_large(a) else a for a in args]
+        return [a.call.remote(method, *shared, **kwargs) for a in self.actors]
+
+    def wait(self, refs: list) -> list[Any]:
+        return self._get(refs)
+
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``method`` on every rank; large arguments go to the object store once."""
-        shared = [ray.put(a) if _is_large(a) else a for a in args]
-        return self._get([a.call.remote(method, *shared, **kwargs) for a in self.actors])
+        return self._get(self.submit_all(method, *args, **kwargs))
 
     def call_first(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on every rank and return rank 0's result."""
@@ -143,3 +150,23 @@ def _is_large(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size() > 1 << 20
     return dataclasses.is_dataclass(value)
+
+
+def start_engines(cfg: Config, model_dir: str, *, timeout_s: float = 600.0) -> list:
+    """``generation.num_engines`` vLLM engines as Ray actors (started in parallel, returned when ready)."""
+    from megagrpo.generation.worker import GenerationWorker
+
+    gpus = cfg.generation.engine_tensor_parallel_size if cfg.cluster.gpus_per_node > 0 else 0
+    actor_cls = ray.remote(GenerationWorker)
+    engines = [
+        actor_cls.options(num_cpus=cfg.cluster.cpus_per_worker, num_gpus=gpus).remote(cfg, model_dir, index)
+        for index in range(cfg.generation.num_engines)
+    ]
+    # Construction happens in the actor's __init__; any method call waits for it.
+    ready = [e.__ray_ready__.remote() for e in engines]
+    done, pending = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
+    for ref in done:
+        ray.get(ref)
+    if pending:
+        raise TimeoutError(f"{len(pending)} vLLM engine(s) did not start within {timeout_s:.0f}s")
+    return engines

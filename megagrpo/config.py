@@ -323,7 +323,7 @@ class GenerationConfig:
     """Disable CUDA graphs in vLLM (slower decode, faster start, less memory)."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """Engines share the trainer's devices (sleeping during training), or run on devices of their own."""
-    sync_bucket_mb: int = 512
+    sync_bucket_mb: float = 512.0
     """Size of the buckets weights are sent to the engines in, in MiB."""
     probe_max_error: float = 1.001
     """Largest trainer/engine probability ratio the post-sync probe tolerates (>= 1); catches broken syncs."""
@@ -331,7 +331,8 @@ class GenerationConfig:
     """Seconds to wait for a weight sync before failing the run."""
 
     def __post_init__(self) -> None:
-        _positive(self, "num_engines", "engine_tensor_parallel_size", "max_new_tokens", "sync_bucket_mb")
+        _positive(self, "num_engines", "engine_tensor_parallel_size", "max_new_tokens")
+        _check(self, "sync_bucket_mb", self.sync_bucket_mb > 0, "> 0")
         _check(self, "temperature", self.temperature > 0, "> 0")
         _check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
         _check(self, "top_k", self.top_k == -1 or self.top_k >= 1, "-1 (off) or >= 1")

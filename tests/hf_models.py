@@ -18,11 +18,13 @@ TINY = dict(
 )
 
 
-def _config(arch: str):
+def _config(arch: str, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
+    tiny = {**TINY, **overrides}
+
     if arch == "qwen2":
-        return Qwen2Config(**TINY, rope_theta=1e6, tie_word_embeddings=False)
+        return Qwen2Config(**tiny, rope_theta=1e6, tie_word_embeddings=False)
     if arch == "llama":
         scaling = {
             "rope_type": "llama3",
@@ -32,26 +34,32 @@ def _config(arch: str):
             "original_max_position_embeddings": 8192,
         }
         return LlamaConfig(
-            **{**TINY, "max_position_embeddings": 16384},
+            **{**tiny, "max_position_embeddings": 16384},
             rope_theta=500000.0,
             rope_scaling=scaling,
             tie_word_embeddings=True,
         )
     if arch == "qwen3":
         # head_dim * heads != hidden, as in the real Qwen3 models.
-        return Qwen3Config(**TINY, head_dim=32, rope_theta=1e6, tie_word_embeddings=False)
+        return Qwen3Config(**tiny, head_dim=32, rope_theta=1e6, tie_word_embeddings=False)
     raise ValueError(arch)
 
 
 ARCHS = ("qwen2", "llama", "qwen3")
 
 
-def make_tiny_hf(arch: str, out: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """Save a random tiny model of ``arch`` to ``out`` with non-trivial norms and biases."""
+def make_tiny_hf(
+    arch: str, out: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> Path:
+    """Save a random tiny model of ``arch`` to ``out`` with non-trivial norms and biases.
+
+    ``overrides`` change config fields, e.g. ``hidden_size=128`` for vLLM's CPU attention,
+    which needs a head size of at least 32.
+    """
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(_config(arch, **overrides), dtype=dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
             # Defaults are ones (norms) and zeros (biases): a swapped or dropped tensor would go unseen.

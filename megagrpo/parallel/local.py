@@ -20,6 +20,18 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
+def node_ip() -> str:
+    """This node's address as other nodes reach it (Ray's view inside a Ray cluster)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

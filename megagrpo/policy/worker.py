@@ -29,6 +29,7 @@ from megagrpo.models.convert import META_NAME, load_hf_into_stage, load_megatron
 from megagrpo.models.hf_io import HFCheckpoint
 from megagrpo.models.source import run_model
 from megagrpo.parallel import ParallelSizes, init_parallel
+from megagrpo.parallel.local import free_port, node_ip
 from megagrpo.policy.engine import (
     OptimizerSettings,
     build_engine,
@@ -39,6 +40,8 @@ from megagrpo.policy.engine import (
 from megagrpo.policy.logprobs import vocab_parallel_logprobs
 from megagrpo.policy.packing import pack_by_token_budget
 from megagrpo.types import TrainBatch, balanced_shards
+from megagrpo.weight_sync.buckets import plan_from_dict, plan_to_dict
+from megagrpo.weight_sync.trainer import WeightSender
 
 # Canonical per-parameter optimizer state: reloads at any TP/PP/DP (Megatron's default for the
 # distributed optimizer in 0.16, "fully_sharded_model_space", is deprecated and fails validation).
@@ -124,6 +127,7 @@ class PolicyWorker:
         # The reference policy is the initial weights, parked in host memory; none without KL.
         self.reference = HostWeights(self.engine.module) if cfg.grpo.kl_coef > 0 else None
         self.steps_done = 0
+        self.sender: WeightSender | None = None
 
     # ----------------------------------------------------------------------------------- weights
 
@@ -161,7 +165,9 @@ class PolicyWorker:
             )
         return out
 
-    def _token_logprobs(self, logits: torch.Tensor, sub: TrainBatch, *, with_entropy: bool):
+    def _token_logprobs(
+        self, logits: torch.Tensor, sub: TrainBatch, *, with_entropy: bool, temperature: float | None = None
+    ):
         """[b, s - 1] fp32 logprobs (and entropy) of each next token, from vocab-parallel logits."""
         tp, tp_rank = self.ctx.sizes.tp, self.ctx.tp_rank
         local_vocab = padded_vocab_size(self.model_info.shape.vocab_size, tp) // tp
@@ -171,21 +177,25 @@ class PolicyWorker:
             group=self.ctx.pgs.tp,
             vocab_start=tp_rank * local_vocab,
             vocab_size=self.model_info.shape.vocab_size,
-            temperature=self.cfg.generation.temperature,
+            temperature=self.cfg.generation.temperature if temperature is None else temperature,
             chunk_size=self.cfg.policy.logprob_chunk_size,
             with_entropy=with_entropy,
         )
 
     # ------------------------------------------------------------------------------------ logprobs
 
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, S - 1] fp32 logprobs of every next token under the current policy (all ranks)."""
+    def logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
+        """[B, S - 1] fp32 logprobs of every next token under the current policy (all ranks).
+
+        ``temperature`` defaults to ``generation.temperature`` (the distribution rollouts are
+        sampled from); the weight-sync probe uses 1.0.
+        """
         mine = self._my_shard(batch)
         result = torch.zeros(batch.size, batch.input_ids.shape[1] - 1)
         collected: list[tuple[list[int], torch.Tensor]] = []
 
         def record(logits, micro):
-            lp, _ = self._token_logprobs(logits, micro["sub"], with_entropy=False)
+            lp, _ = self._token_logprobs(logits, micro["sub"], with_entropy=False, temperature=temperature)
             collected.append((micro["rows"], lp.detach().float().cpu()))
             return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), {}
 
@@ -296,6 +306,32 @@ class PolicyWorker:
             src = dist.get_global_rank(self.ctx.pgs.pp, self.ctx.sizes.pp - 1)
             dist.broadcast_object_list(payload, src=src, group=self.ctx.pgs.pp)
         return payload[0]
+
+    # --------------------------------------------------------------------------------- weight sync
+
+    def _sender(self) -> WeightSender:
+        if self.sender is None:
+            self.sender = WeightSender(self.ctx, self.engine.module, self.model_info)
+        return self.sender
+
+    def weight_sync_address(self) -> tuple[str, int] | None:
+        """(host, free port) on this stage's sender rank, where its broadcast group will listen."""
+        return (node_ip(), free_port()) if self._sender().is_sender else None
+
+    def weight_sync_plan(self, bucket_bytes: int) -> list[dict] | None:
+        plan = self._sender().plan(bucket_bytes)
+        return None if plan is None else plan_to_dict(plan)
+
+    def open_weight_sync(self, groups: list[dict], backend: str, timeout_s: float) -> None:
+        self._sender().open(groups, backend=backend, timeout_s=timeout_s)
+
+    def send_weights(self, plan: list[dict], with_checksums: bool = False) -> dict | None:
+        """Collective: every rank calls it; stage senders broadcast, TP peers help gather."""
+        return self._sender().send(plan_from_dict(plan), with_checksums=with_checksums)
+
+    def close_weight_sync(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
 
     # ---------------------------------------------------------------------------------- checkpoint
 

@@ -1,0 +1,143 @@
+"""One vLLM engine: token ids in, token ids + sampling logprobs out; receives weights from the trainer.
+
+A plain class; ``megagrpo.cluster`` runs it as a Ray actor (``num_gpus`` = engine TP on GPU). The
+engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the actor owns it outright.
+Prompts and responses are token ids end to end: no detokenize/re-tokenize between generator and
+trainer, so the trainer scores exactly the tokens that were sampled.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from megagrpo.config import Config
+from megagrpo.weight_sync.plugin import BACKEND
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_index: int
+    """Index of the prompt in the request."""
+    token_ids: list[int]
+    """Sampled response tokens (stop tokens included when they ended the response)."""
+    logprobs: list[float]
+    """Sampling logprob of each response token, after temperature (vLLM "processed" logprobs)."""
+    finish_reason: str
+    """"stop" (a stop token) or "length" (max_tokens)."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    n: int = 1
+
+    @staticmethod
+    def from_config(cfg: Config, stop_token_ids: tuple[int, ...] = (), n: int = 1) -> SamplingSettings:
+        gen = cfg.generation
+        return SamplingSettings(
+            max_tokens=gen.max_new_tokens,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k,
+            stop_token_ids=stop_token_ids,
+            seed=gen.seed,
+            n=n,
+        )
+
+
+class GenerationWorker:
+    def __init__(self, cfg: Config, model_dir: str, engine_index: int = 0, *, dummy_weights: bool = True):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generation.cpu_kvcache_space_gib))
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        gen = cfg.generation
+        self.engine_index = engine_index
+        has_tokenizer = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+        self.llm = LLM(
+            model=model_dir,
+            dtype=cfg.model.dtype,
+            tensor_parallel_size=gen.engine_tensor_parallel_size,
+            max_model_len=cfg.model.seq_length,
+            enforce_eager=gen.enforce_eager,
+            gpu_memory_utilization=gen.gpu_memory_utilization,
+            seed=gen.seed + engine_index,
+            skip_tokenizer_init=not has_tokenizer,
+            # The trainer compares against the distribution that was sampled from (after temperature).
+            logprobs_mode="processed_logprobs",
+            # Weights arrive with the first sync; loading them from disk would be wasted work.
+            load_format="dummy" if dummy_weights else "auto",
+            weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+        )
+
+    # ---------------------------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]:
+        """``settings.n`` completions per prompt, in prompt order."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=settings.n,
+            max_tokens=settings.max_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            stop_token_ids=list(settings.stop_token_ids),
+            seed=settings.seed,
+            logprobs=0,
+            detokenize=False,
+        )
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        completions = []
+        for index, out in enumerate(outputs):
+            for comp in out.outputs:
+                ids = list(comp.token_ids)
+                lps = [step[tok].logprob for step, tok in zip(comp.logprobs, ids, strict=True)]
+                completions.append(Completion(index, ids, lps, comp.finish_reason or "length"))
+        return completions
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Logprob of every token after the first, given its prefix (the probe)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        result = []
+        for seq, out in zip(sequences, outputs, strict=True):
+            # Position 0 has no logprob (nothing precedes it).
+            result.append([out.prompt_logprobs[t][seq[t]].logprob for t in range(1, len(seq))])
+        return result
+
+    # --------------------------------------------------------------------------------- weight sync
+
+    def init_weight_sync(self, init_info: dict) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
+
+    def receive_weights(self, update_info: dict) -> list[str]:
+        """Receive one full sync (blocks until every bucket has arrived and loaded).
+
+        Returns the per-bucket digests of the first worker in checksum (debug) mode, else [].
+        """
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", args=(update_info,))
+        self.llm.collective_rpc("finish_weight_update")
+        # Cached KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+        if not update_info.get("checksums"):
+            return []
+        return self.llm.collective_rpc(_received_digests)[0]
+
+    def shutdown_weight_sync(self) -> None:
+        self.llm.collective_rpc("shutdown_weight_transfer_engine")
+
+
+def _received_digests(worker) -> list[str]:
+    return list(worker.weight_transfer_engine.last_digests)

@@ -1,0 +1,155 @@
+"""Controller side of weight sync: set up the broadcast groups, run a sync, and probe the result.
+
+After every sync a fixed probe (a few token sequences made from a fixed seed) is scored by every
+vLLM engine (prompt logprobs) and by the trainer; ``mean exp|logprob_vllm - logprob_trainer|``
+must stay under ``generation.probe_max_error`` or the run stops, naming the engine and position.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from megagrpo.cluster import RankGroup
+from megagrpo.config import Config
+from megagrpo.types import TrainBatch
+from megagrpo.weight_sync.transport import GroupAddress
+
+
+class WeightSyncError(RuntimeError):
+    """A sync did not complete in time, or the probe shows vLLM and the trainer disagree."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    error: float
+    """Mean exp|delta logprob| over every probe position of every engine (1.0 = identical)."""
+    max_abs_delta: float
+    worst: str
+    """Where the largest difference is (engine, sequence, position)."""
+
+
+def probe_sequences(
+    vocab_size: int, *, count: int = 4, length: int = 32, seed: int = 1234
+) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (count, length), generator=gen).tolist()
+
+
+class WeightSync:
+    def __init__(
+        self, cfg: Config, policy: RankGroup, engines: list, vocab_size: int, *, backend: str = "gloo"
+    ):
+        self.cfg, self.policy, self.engines = cfg, policy, engines
+        self.timeout_s = cfg.generation.sync_timeout_s
+        bucket_bytes = int(cfg.generation.sync_bucket_mb * 2**20)
+        stage_plans = [p for p in policy.call_all("weight_sync_plan", bucket_bytes) if p is not None]
+        self.plan = [
+            bucket for stage in sorted(stage_plans, key=lambda p: p[0]["source"]) for bucket in stage
+        ]
+        self.total_bytes = sum(b["nbytes"] for b in self.plan)
+        workers_per_engine = cfg.generation.engine_tensor_parallel_size
+        addresses = [a for a in policy.call_all("weight_sync_address") if a is not None]
+        world = 1 + len(engines) * workers_per_engine
+        groups = [GroupAddress(host, port, world).to_dict() for host, port in addresses]
+        # Both sides block in the rendezvous until everyone has joined: start them together.
+        engine_refs = [
+            e.init_weight_sync.remote(
+                {
+                    "groups": groups,
+                    "rank_offset": 1 + i * workers_per_engine,
+                    "backend": backend,
+                    "timeout_s": self.timeout_s,
+                }
+            )
+            for i, e in enumerate(engines)
+        ]
+        trainer_refs = policy.submit_all("open_weight_sync", groups, backend, self.timeout_s)
+        self._wait(engine_refs, trainer_refs, "opening the weight-sync groups")
+        self.probe_batch = TrainBatch.from_sequences(probe_sequences(vocab_size), [1] * 4)
+
+    def _wait(self, engine_refs: list, trainer_refs: list, what: str) -> list:
+        """Wait for both sides; a dead or stuck engine becomes an error within the timeout."""
+        refs = engine_refs + trainer_refs
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as err:
+                side = "vLLM engine" if ref in engine_refs else "trainer"
+                index = (engine_refs if ref in engine_refs else trainer_refs).index(ref)
+                raise WeightSyncError(f"{what} failed on {side} {index}: {err}") from err
+        if pending:
+            stuck = [f"engine {engine_refs.index(r)}" for r in pending if r in engine_refs]
+            stuck += [f"trainer rank {trainer_refs.index(r)}" for r in pending if r in trainer_refs]
+            raise WeightSyncError(
+                f"{what} did not finish within {self.timeout_s:.0f}s; waiting on {', '.join(stuck)}"
+            )
+        return ray.get(trainer_refs)
+
+    def sync(self, *, with_checksums: bool = False, corrupt_bucket: int | None = None) -> float:
+        """Push the trainer's current weights into every engine; returns seconds taken.
+
+        ``with_checksums`` (debug): senders and receivers digest every bucket and any mismatch
+        is an error naming the bucket. ``corrupt_bucket`` is a test hook that damages one
+        received bucket, to prove the probe notices.
+        """
+        start = time.perf_counter()
+        update = {"buckets": self.plan, "checksums": with_checksums, "corrupt_bucket": corrupt_bucket}
+        engine_refs = [e.receive_weights.remote(update) for e in self.engines]
+        trainer_refs = self.policy.submit_all("send_weights", self.plan, with_checksums)
+        sent = self._wait(engine_refs, trainer_refs, "weight sync")
+        if with_checksums:
+            want = _stage_ordered_digests(sent, self.plan)
+            for e, got in enumerate(ray.get(engine_refs)):
+                for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                    if a != b:
+                        names = [s[0] for s in self.plan[i]["slots"]]
+                        raise WeightSyncError(
+                            f"weight sync bucket {i} ({names[0]} .. {names[-1]}) differs on engine {e}: "
+                            f"checksum {a} != sent {b}"
+                        )
+        return time.perf_counter() - start
+
+    def probe(self) -> ProbeResult:
+        """Score the probe on every engine and on the trainer; raise if they disagree."""
+        trainer = self.policy.call_first("logprobs", self.probe_batch, 1.0)  # [B, S - 1]
+        engine_refs = [e.prompt_logprobs.remote(self.probe_batch.input_ids.tolist()) for e in self.engines]
+        per_engine = ray.get(engine_refs, timeout=self.timeout_s)
+        total, count, worst = 0.0, 0, (0.0, "")
+        for e, seqs in enumerate(per_engine):
+            got = torch.tensor(seqs, dtype=torch.float64)
+            delta = (got - trainer.double()).abs()
+            bad = int((~torch.isfinite(delta)).sum())
+            if bad:
+                worst = (math.inf, f"engine {e}: {bad} non-finite logprobs")
+                total, count = math.inf, 1
+                break
+            total += float(torch.exp(delta).sum())
+            count += delta.numel()
+            flat = int(delta.argmax())
+            value = float(delta.flatten()[flat])
+            if value > worst[0]:
+                row, col = divmod(flat, delta.shape[1])
+                worst = (value, f"engine {e}, probe sequence {row}, position {col + 1}")
+        error = total / count if math.isfinite(total) else math.inf
+        result = ProbeResult(error=error, max_abs_delta=worst[0], worst=worst[1])
+        bound = self.cfg.generation.probe_max_error
+        if not math.isfinite(error) or error > bound:
+            raise WeightSyncError(
+                "weight-sync probe failed: vLLM and trainer logprobs differ, "
+                f"mean exp|delta| = {error:.6f} > generation.probe_max_error = {bound} "
+                f"(largest |delta| {worst[0]:.4f} at {worst[1]}); "
+                "the engines are not running the trainer's weights"
+            )
+        return result
+
+
+def _stage_ordered_digests(sent: list, plan: list[dict]) -> list[str]:
+    """The senders' digests in plan order (stage by stage)."""
+    by_source = {r["source"]: r["digests"] for r in sent if r is not None}
+    return [d for source in sorted(by_source) for d in by_source[source]]

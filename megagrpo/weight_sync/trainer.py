@@ -1,0 +1,117 @@
+"""Trainer side of weight sync: each pipeline stage streams its own layers, in HF layout, to vLLM.
+
+Within a stage, the ranks of data-parallel replica 0 take part: each parameter is gathered over
+the TP group only when HF layout needs the whole tensor (TP-split weights), turned into HF tensors
+by the converter's map (QKV de-interleave, fc1 -> gate/up, vocabulary trimmed), and TP rank 0 of
+the stage packs them into fixed-size buckets and broadcasts them on its own group. Packing bucket
+k+1 overlaps the broadcast of bucket k (two buffers). No rank ever holds more than one parameter
+gathered plus two buckets; no rank funnels another stage's weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.models.convert import stage_param_names
+from megagrpo.models.layout import is_gated_fc1, tp_merge, tp_partition_dim
+from megagrpo.models.mapping import hf_tensor_shapes, to_hf
+from megagrpo.weight_sync.buckets import Bucket, checksum, pack, plan_buckets
+from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
+
+
+class WeightSender:
+    def __init__(self, ctx, module: torch.nn.Module, model_info):
+        self.ctx, self.module, self.info = ctx, module, model_info
+        self.group: BroadcastGroup | None = None
+        names = stage_param_names(module, ctx, model_info.shape.num_layers)
+        params = dict(module.named_parameters())
+        by_global = {g: params[local] for local, g in names.items()}
+        # Rule order: embedding, layers in order, final norm, output layer.
+        self.rules = [
+            r for r in model_info.arch.rules(model_info.shape) if r.export and r.megatron in by_global
+        ]
+        self.params = [by_global[r.megatron] for r in self.rules]
+
+    @property
+    def takes_part(self) -> bool:
+        """Ranks of DP replica 0 (and CP rank 0) gather; the others sit the sync out."""
+        return self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0
+
+    @property
+    def is_sender(self) -> bool:
+        return self.takes_part and self.ctx.tp_rank == 0
+
+    def plan(self, bucket_bytes: int) -> list[Bucket] | None:
+        """This stage's buckets (sender ranks only)."""
+        if not self.is_sender:
+            return None
+        shapes = hf_tensor_shapes(self.info.shape)
+        dtype = self.info.dtype
+        tensors = [(name, dtype, shapes[name]) for rule in self.rules for name in rule.hf]
+        return plan_buckets(tensors, bucket_bytes, source=self.ctx.pp_rank)
+
+    def open(self, groups: list[dict], *, backend: str, timeout_s: float) -> None:
+        """Senders become rank 0 of their stage's group (blocks until every vLLM worker joined)."""
+        if self.is_sender:
+            addr = GroupAddress(**groups[self.ctx.pp_rank])
+            self.group = BroadcastGroup(addr, 0, backend=backend, timeout_s=timeout_s, device=self.ctx.device)
+
+    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF (name, tensor) of this stage in plan order; a TP collective on every participating rank."""
+        tp = self.ctx.sizes.tp
+        for rule, param in zip(self.rules, self.params, strict=True):
+            full = param.detach()
+            dim = tp_partition_dim(rule.megatron)
+            if dim >= 0 and tp > 1:
+                shards = [torch.empty_like(full) for _ in range(tp)]
+                dist.all_gather(shards, full.contiguous(), group=self.ctx.pgs.tp)
+                full = tp_merge(shards, partition_dim=dim, gated=is_gated_fc1(rule.megatron))
+            if self.is_sender:
+                yield from zip(rule.hf, to_hf(rule, full, self.info.shape), strict=True)
+
+    def send(self, plan: list[Bucket], *, with_checksums: bool = False) -> dict | None:
+        """Broadcast this stage's buckets; senders return {"source": stage, "digests": [...] or None}."""
+        if not self.takes_part:
+            return None
+        mine = [b for b in plan if b.source == self.ctx.pp_rank]
+        stream = self._hf_tensors()
+        if not self.is_sender:
+            for _ in stream:  # TP peers: take part in the gathers only
+                pass
+            return None
+        if self.group is None:
+            raise RuntimeError("weight sync: send() before open()")
+        size = max((b.nbytes for b in mine), default=0)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=self.ctx.device) for _ in range(2)]
+        in_flight, digests = [None, None], []
+        for i, bucket in enumerate(mine):
+            slot = i % 2
+            if in_flight[slot] is not None:
+                in_flight[slot].wait()  # this buffer's previous broadcast must be done before reuse
+            tensors = []
+            for expected in bucket.slots:
+                name, tensor = next(stream)
+                if name != expected.name:
+                    raise RuntimeError(
+                        f"weight sync plan expected {expected.name}, the model produced {name}"
+                    )
+                tensors.append(tensor)
+            buf = pack(bucket, tensors, buffers[slot])
+            if with_checksums:
+                digests.append(checksum(buf))
+            in_flight[slot] = self.group.broadcast(buf, root=0)
+        for work in in_flight:
+            if work is not None:
+                work.wait()
+        leftover = next(stream, None)
+        if leftover is not None:
+            raise RuntimeError(f"weight sync plan is missing {leftover[0]}")
+        return {"source": self.ctx.pp_rank, "digests": digests if with_checksums else None}
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None

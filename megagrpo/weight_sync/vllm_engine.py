@@ -1,0 +1,113 @@
+"""vLLM-side weight transfer engine: receive megagrpo's bucketed broadcasts into the model.
+
+Registered with vLLM's ``WeightTransferEngineFactory`` as ``megagrpo`` by the plugin in
+``megagrpo.weight_sync.plugin`` (a ``vllm.general_plugins`` entry point, so it exists in every vLLM
+worker process). vLLM creates it at model load when the LLM is built with
+``weight_transfer_config=WeightTransferConfig(backend="megagrpo")`` and drives it through the
+worker methods ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` (``LLM.collective_rpc``).
+
+Receiving overlaps loading: the broadcast of bucket k+1 is posted before bucket k is handed to
+``model.load_weights``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from megagrpo.weight_sync.buckets import checksum, plan_from_dict, unpack
+from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
+
+
+@dataclass
+class MegagrpoInitInfo(WeightTransferInitInfo):
+    groups: list[dict]
+    """One GroupAddress dict per sender (pipeline stage)."""
+    rank_offset: int
+    """This engine's first rank in every group (1 + engine index x workers per engine)."""
+    backend: str = "gloo"
+    timeout_s: float = 120.0
+
+
+@dataclass
+class MegagrpoUpdateInfo(WeightTransferUpdateInfo):
+    buckets: list[dict]
+    """The bucket plan (``buckets.plan_to_dict``), in broadcast order."""
+    checksums: bool = False
+    """Debug mode: digest every received bucket (``last_digests``) for the controller to compare."""
+    corrupt_bucket: int | None = field(default=None)
+    """Test hook: flip bytes of this bucket after receiving it (proves the probe catches it)."""
+
+
+class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, MegagrpoUpdateInfo]):
+    init_info_cls = MegagrpoInitInfo
+    update_info_cls = MegagrpoUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.groups: list[BroadcastGroup] = []
+        self.last_digests: list[str] = []
+
+    def init_transfer_engine(self, init_info: MegagrpoInitInfo) -> None:
+        self.shutdown()
+        par = self.parallel_config
+        rank = init_info.rank_offset + par.data_parallel_index * par.world_size + par.rank
+        self.groups = [
+            BroadcastGroup(
+                GroupAddress(**g),
+                rank,
+                backend=init_info.backend,
+                timeout_s=init_info.timeout_s,
+                device=self.device,
+            )
+            for g in init_info.groups
+        ]
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def receive_weights(self, update_info: MegagrpoUpdateInfo) -> None:
+        if not self.groups:
+            raise RuntimeError("megagrpo weight transfer: init_weight_transfer_engine was not called")
+        buckets = plan_from_dict(update_info.buckets)
+        if not buckets:
+            return
+
+        def post(i: int):
+            # A fresh buffer per bucket: vLLM's layerwise reload keeps the tensors it is given
+            # (views into this buffer) until their layer is complete, so buffers are never reused.
+            buf = torch.empty(buckets[i].nbytes, dtype=torch.uint8, device=self.device)
+            return buf, self.groups[buckets[i].source].broadcast(buf, root=0)
+
+        self.last_digests = []
+        pending = post(0)
+        for i, bucket in enumerate(buckets):
+            buf, work = pending
+            work.wait()
+            if i + 1 < len(buckets):
+                pending = post(i + 1)
+            if update_info.corrupt_bucket == i:
+                # The top byte (sign and exponent) of one value in sixteen: every tensor is damaged.
+                buf[3::64] ^= 0x40
+            if update_info.checksums:
+                self.last_digests.append(checksum(buf))
+            self.model.load_weights(list(unpack(bucket, buf)))
+
+    def shutdown(self) -> None:
+        for group in self.groups:
+            group.close()
+        self.groups = []
