@@ -10,7 +10,6 @@ import sys
 from collections.abc import Sequence
 
 _NOT_YET = {
-    "train": "the GRPO driver (megagrpo/driver.py) is not implemented yet",
     "eval": "evaluation of a checkpoint is not implemented yet",
 }
 
@@ -47,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("train", help="run GRPO (not implemented yet)")
+    p = sub.add_parser("train", help="run GRPO: vLLM rollouts, rewards, Megatron updates, weight sync")
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
 
@@ -132,6 +131,17 @@ def _warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from megagrpo.driver import train
+
+    cfg = _load(args)
+    try:
+        train(cfg, resume=args.resume)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from megagrpo.models.convert import megatron_to_hf
 
@@ -152,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megagrpo.config import ConfigError
 
     try:
-        return {"plan": _plan, "warmup": _warmup, "export": _export}[args.command](args)
+        return {"plan": _plan, "warmup": _warmup, "export": _export, "train": _train}[args.command](args)
     except ConfigError as err:
         print(f"megagrpo {args.command}: config error: {err}", file=sys.stderr)
         return 1

@@ -24,10 +24,18 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from megagrpo.config import ClusterConfig, Config
 
 
-def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None) -> None:
-    """Join ``cluster.ray_address`` or start a local Ray; idempotent."""
+def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Config | None = None) -> None:
+    """Join ``cluster.ray_address`` or start a local Ray; idempotent.
+
+    A local Ray gets at least as many logical CPUs as the job's actors reserve (trainer ranks and
+    engines, ``cpus_per_worker`` each): on a small machine they share the cores, and a placement
+    group that cannot be satisfied would otherwise wait forever.
+    """
     if ray.is_initialized():
         return
+    if num_cpus is None and cfg is not None:
+        actors = cfg.parallel.world_size + cfg.generation.num_engines
+        num_cpus = max(os.cpu_count() or 1, int(actors * cluster.cpus_per_worker + 0.999))
     env = {
         # Our Megatron workers print their own progress; Ray's per-actor log prefixing is enough.
         "RAY_DEDUP_LOGS": "0",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 from megagrpo.config import Config
 from megagrpo.data.arithmetic import EOS_ID, PAD_ID, ArithmeticTask, CharTokenizer, Problem
+from megagrpo.models.convert import save_megatron, write_checkpoint_meta
 from megagrpo.models.source import run_model
 from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
 from megagrpo.parallel.local import run_local_ranks
@@ -137,17 +139,17 @@ def _accuracy(engine: TrainEngine, problems: list[Problem], tok: CharTokenizer) 
     return sum(scores) / len(scores)
 
 
-def _warmup_rank(rank: int, world_size: int, cfg: Config, metrics_path: str) -> dict | None:
+def _warmup_rank(rank: int, world_size: int, cfg: Config, metrics_path: str, ckpt: str | None) -> dict | None:
     ctx = init_parallel(
         ParallelSizes.from_config(cfg.parallel), backend=cfg.parallel.backend, seed=cfg.warmup.seed + 1234
     )
     try:
-        return _train(ctx, cfg, metrics_path)
+        return _train(ctx, cfg, metrics_path, Path(ckpt) if ckpt else None)
     finally:
         destroy_parallel()
 
 
-def _train(ctx, cfg: Config, metrics_path: str) -> dict | None:
+def _train(ctx, cfg: Config, metrics_path: str, ckpt: Path | None) -> dict | None:
     wu, tok = cfg.warmup, CharTokenizer()
     task = ArithmeticTask(max_operand=cfg.data.arithmetic_max_operand, ops=cfg.data.arithmetic_ops)
     shape = run_model(cfg).shape
@@ -211,6 +213,8 @@ def _train(ctx, cfg: Config, metrics_path: str) -> dict | None:
         if log is not None:
             log.close()
     acc_after = _accuracy(engine, eval_problems, tok)
+    if ckpt is not None:
+        _save(ctx, engine, cfg, ckpt)
     if not reporter:
         return None
     return {
@@ -223,8 +227,27 @@ def _train(ctx, cfg: Config, metrics_path: str) -> dict | None:
     }
 
 
-def run_warmup(cfg: Config) -> WarmupResult | None:
-    """Run the warm-up and return the reporting rank's result.
+def _save(ctx, engine, cfg: Config, ckpt: Path) -> None:
+    """The warmed-up weights as a megagrpo checkpoint (loadable by the policy, exportable to HF),
+    written under a temporary name and renamed by rank 0 once every rank has written its part."""
+    import torch.distributed as dist
+
+    info = run_model(cfg)
+    tmp = ckpt.parent / f".{ckpt.name}.tmp"
+    if ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    save_megatron(engine.module, tmp / "megatron")
+    if ctx.rank == 0:
+        sizes = ctx.sizes
+        write_checkpoint_meta(tmp, info.arch, info.shape, info.dtype, tp=sizes.tp, pp=sizes.pp, hf_files=None)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        os.replace(tmp, ckpt)
+    dist.barrier()
+
+
+def run_warmup(cfg: Config, *, ckpt: Path | None = None) -> WarmupResult | None:
+    """Run the warm-up and return the reporting rank's result; with ``ckpt``, save the weights there.
 
     Spawns ``parallel.world_size`` local ranks, or, under torchrun, runs as this process's rank
     (then only the reporting rank gets a result; the others get None).
@@ -247,11 +270,11 @@ def run_warmup(cfg: Config) -> WarmupResult | None:
                 f"torchrun started {os.environ['WORLD_SIZE']} ranks but the config's parallel layout "
                 f"needs DP x TP x PP x CP = {world}"
             )
-        result = _warmup_rank(int(os.environ["RANK"]), world, cfg, str(tmp_path))
+        result = _warmup_rank(int(os.environ["RANK"]), world, cfg, str(tmp_path), ckpt and str(ckpt))
         if result is None:
             return None
     else:
-        results = run_local_ranks(_warmup_rank, world, cfg, str(tmp_path), timeout_s=3600)
+        results = run_local_ranks(_warmup_rank, world, cfg, str(tmp_path), ckpt and str(ckpt), timeout_s=3600)
         (result,) = [r for r in results if r is not None]
     os.replace(tmp_path, metrics_path)
     return WarmupResult(**result, metrics_path=str(metrics_path))

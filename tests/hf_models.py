@@ -21,10 +21,11 @@ TINY = dict(
 def _config(arch: str, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
+    tie = overrides.pop("tie_word_embeddings", None)
     tiny = {**TINY, **overrides}
 
     if arch == "qwen2":
-        return Qwen2Config(**tiny, rope_theta=1e6, tie_word_embeddings=False)
+        return Qwen2Config(**tiny, rope_theta=1e6, tie_word_embeddings=bool(tie))
     if arch == "llama":
         scaling = {
             "rope_type": "llama3",

@@ -88,6 +88,15 @@ def group_advantages(
     return torch.where(flat_P1, torch.zeros_like(adv_PG), adv_PG).reshape(-1)
 
 
+def overlong_penalty(response_lengths: Tensor, max_tokens: int, buffer_tokens: int, penalty: float) -> Tensor:
+    """Soft length penalty (DAPO): 0 up to ``max_tokens - buffer_tokens`` response tokens, then a
+    linear ramp reaching ``-penalty`` at ``max_tokens``. [N] lengths -> [N] reward adjustments."""
+    if buffer_tokens <= 0:
+        return torch.where(response_lengths >= max_tokens, -penalty, 0.0).to(torch.float32)
+    over = (response_lengths - (max_tokens - buffer_tokens)).clamp(min=0, max=buffer_tokens)
+    return -penalty * over.to(torch.float32) / buffer_tokens
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Loss
 # ----------------------------------------------------------------------------------------------------------

@@ -76,31 +76,47 @@ class GenerationWorker:
             # Weights arrive with the first sync; loading them from disk would be wasted work.
             load_format="dummy" if dummy_weights else "auto",
             weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+            # Colocated engines give their memory back while the trainer runs (CUDA only).
+            enable_sleep_mode=gen.placement == "colocated",
         )
 
     # ---------------------------------------------------------------------------------- generation
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]:
-        """``settings.n`` completions per prompt, in prompt order."""
+    def generate(
+        self, prompts: list[list[int]], settings: SamplingSettings, seeds: list[int] | None = None
+    ) -> list[Completion]:
+        """``settings.n`` completions per prompt, in prompt order.
+
+        ``seeds`` (one per prompt) make each prompt's samples independent of how prompts are
+        split across engines and batched, which keeps resumed runs on the same trajectory.
+        """
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=settings.n,
-            max_tokens=settings.max_tokens,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            top_k=settings.top_k,
-            stop_token_ids=list(settings.stop_token_ids),
-            seed=settings.seed,
-            logprobs=0,
-            detokenize=False,
-        )
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        def params(seed: int | None) -> SamplingParams:
+            return SamplingParams(
+                n=settings.n,
+                max_tokens=settings.max_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=settings.top_k,
+                stop_token_ids=list(settings.stop_token_ids),
+                seed=seed,
+                logprobs=0,
+                detokenize=False,
+            )
+
+        per_prompt = [params(s) for s in seeds] if seeds is not None else params(settings.seed)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False)
         completions = []
         for index, out in enumerate(outputs):
             for comp in out.outputs:
                 ids = list(comp.token_ids)
-                lps = [step[tok].logprob for step, tok in zip(comp.logprobs, ids, strict=True)]
+                # Greedy requests (temperature 0) report no sampling distribution.
+                lps = (
+                    [step[tok].logprob for step, tok in zip(comp.logprobs, ids, strict=True)]
+                    if comp.logprobs
+                    else []
+                )
                 completions.append(Completion(index, ids, lps, comp.finish_reason or "length"))
         return completions
 
@@ -115,6 +131,13 @@ class GenerationWorker:
             # Position 0 has no logprob (nothing precedes it).
             result.append([out.prompt_logprobs[t][seq[t]].logprob for t in range(1, len(seq))])
         return result
+
+    def sleep(self) -> None:
+        """Colocated placement: free weights and KV cache for the trainer's turn (CUDA only)."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
 
     # --------------------------------------------------------------------------------- weight sync
 

@@ -32,7 +32,7 @@ from megagrpo.models.hf_io import (
 )
 from megagrpo.models.layout import is_gated_fc1, layer_offset, shift_layer_index, tp_partition_dim, tp_shard
 from megagrpo.models.mapping import Rule, canonical_name, hf_tensor_shapes, to_hf, to_megatron
-from megagrpo.models.registry import Architecture, load_hf_config, shape_from_hf_config
+from megagrpo.models.registry import _LLAMA3_FIXED, Architecture, load_hf_config, shape_from_hf_config
 from megagrpo.parallel import ParallelContext, ParallelSizes, destroy_parallel, init_parallel
 from megagrpo.parallel.local import run_local_ranks
 
@@ -155,6 +155,65 @@ def read_source(ckpt: Path) -> ModelSource:
     return ModelSource(arch=arch, shape=shape, dtype=dtype, hf_config_dir=hf_config_dir)
 
 
+def write_checkpoint_meta(
+    path: Path,
+    arch: Architecture,
+    shape: GPTShape,
+    dtype: torch.dtype,
+    *,
+    tp: int,
+    pp: int,
+    hf_files: Path | None,
+) -> None:
+    """``megagrpo.json`` and ``hf/`` (config + tokenizer) beside a Megatron checkpoint, so that it
+    can be loaded by a policy at any layout and exported with ``megagrpo export``.
+
+    ``hf_files`` is the source HF directory; without one (a tiny model built in-process) an HF
+    config describing the model is written instead.
+    """
+    (path / "hf").mkdir(parents=True, exist_ok=True)
+    if hf_files is not None:
+        copy_aux_files(hf_files, path / "hf")
+    else:
+        (path / "hf" / "config.json").write_text(
+            json.dumps(hf_config_for(arch, shape, dtype), indent=2) + "\n"
+        )
+    meta = {
+        "format": FORMAT_VERSION,
+        "arch": arch.name,
+        "dtype": _DTYPE_NAMES[dtype],
+        "vocab_size": shape.vocab_size,
+        "padded_vocab_size": padded_vocab_size(shape.vocab_size),
+        "saved_tp": tp,
+        "saved_pp": pp,
+    }
+    (path / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def hf_config_for(arch: Architecture, shape: GPTShape, dtype: torch.dtype) -> dict:
+    """An HF config.json for a model built from ``shape`` (so vLLM and transformers can load it)."""
+    config = {
+        "architectures": list(arch.hf_classes),
+        "model_type": arch.name,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_query_groups,
+        "head_dim": shape.head_dim,
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.norm_epsilon,
+        "rope_theta": shape.rope_theta,
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": _DTYPE_NAMES[dtype],
+    }
+    if shape.rope_scaling_factor is not None:
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": shape.rope_scaling_factor, **_LLAMA3_FIXED}
+    return config
+
+
 # --- HF -> Megatron -------------------------------------------------------------------------------
 
 
@@ -186,21 +245,10 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
             f"--tp {tp} must divide num_attention_heads {shape.num_attention_heads} "
             f"and num_key_value_heads {shape.num_query_groups}"
         )
-    padded = padded_vocab_size(shape.vocab_size, tp)
+    padded_vocab_size(shape.vocab_size, tp)  # raises if this TP cannot split the padded vocabulary
     with atomic_output_dir(out) as tmp:
         run_local_ranks(_import_rank, tp * pp, str(hf_dir), str(tmp), tp, pp, timeout_s=24 * 3600)
-        (tmp / "hf").mkdir()
-        copy_aux_files(hf_dir, tmp / "hf")
-        meta = {
-            "format": FORMAT_VERSION,
-            "arch": arch.name,
-            "dtype": _DTYPE_NAMES[dtype],
-            "vocab_size": shape.vocab_size,
-            "padded_vocab_size": padded,
-            "saved_tp": tp,
-            "saved_pp": pp,
-        }
-        (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+        write_checkpoint_meta(tmp, arch, shape, dtype, tp=tp, pp=pp, hf_files=hf_dir)
     return out
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megagrpo.algorithms.grpo import METRIC_REDUCTIONS, LossConfig, combine_metrics, grpo_loss, reduce_metrics
 from megagrpo.config import Config
 from megagrpo.models.builder import padded_vocab_size
-from megagrpo.models.convert import META_NAME, load_hf_into_stage, load_megatron, save_megatron
+from megagrpo.models.convert import load_hf_into_stage, load_megatron, save_megatron, write_checkpoint_meta
 from megagrpo.models.hf_io import HFCheckpoint
 from megagrpo.models.source import run_model
 from megagrpo.parallel import ParallelSizes, init_parallel
@@ -352,7 +352,16 @@ class PolicyWorker:
         if self.ctx.rank == 0:
             state = {"steps_done": self.steps_done, "scheduler": self.scheduler.state_dict()}
             _write_json(path / "trainer_state.json", state)
-            self._write_model_meta(path)
+            info = self.model_info
+            write_checkpoint_meta(
+                path,
+                info.arch,
+                info.shape,
+                info.dtype,
+                tp=self.ctx.sizes.tp,
+                pp=self.ctx.sizes.pp,
+                hf_files=info.hf_dir,
+            )
         dist.barrier()
 
     def load(self, path: str | Path) -> None:
@@ -389,28 +398,6 @@ class PolicyWorker:
                         state["exp_avg"] = torch.zeros_like(p.data)
                         state["exp_avg_sq"] = torch.zeros_like(p.data)
 
-    def _write_model_meta(self, path: Path) -> None:
-        """megagrpo.json + hf/ so the model part exports with ``megagrpo export``."""
-        from megagrpo.models.convert import _DTYPE_NAMES, FORMAT_VERSION
-        from megagrpo.models.hf_io import copy_aux_files
-
-        info = self.model_info
-        (path / "hf").mkdir(exist_ok=True)
-        if info.hf_dir is not None:
-            copy_aux_files(info.hf_dir, path / "hf")
-        else:
-            _write_json(path / "hf" / "config.json", tiny_hf_config(info))
-        meta = {
-            "format": FORMAT_VERSION,
-            "arch": info.arch.name,
-            "dtype": _DTYPE_NAMES[info.dtype],
-            "vocab_size": info.shape.vocab_size,
-            "padded_vocab_size": padded_vocab_size(info.shape.vocab_size, self.ctx.sizes.tp),
-            "saved_tp": self.ctx.sizes.tp,
-            "saved_pp": self.ctx.sizes.pp,
-        }
-        _write_json(path / META_NAME, meta)
-
 
 def _keep_adam_step_on_reshardable_load() -> None:
     """Work around Megatron-Core 0.16 loading "fully_reshardable" state into torch's Adam.
@@ -436,29 +423,6 @@ def _keep_adam_step_on_reshardable_load() -> None:
 
     set_states._keeps_adam_step = True
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-
-
-def tiny_hf_config(info) -> dict:
-    """An HF config.json describing the tiny model (Qwen2 layout), so it exports like any other."""
-    s = info.shape
-    return {
-        "architectures": list(info.arch.hf_classes),
-        "model_type": info.arch.name,
-        "hidden_size": s.hidden_size,
-        "intermediate_size": s.ffn_hidden_size,
-        "num_hidden_layers": s.num_layers,
-        "num_attention_heads": s.num_attention_heads,
-        "num_key_value_heads": s.num_query_groups,
-        "vocab_size": s.vocab_size,
-        "max_position_embeddings": s.max_position_embeddings,
-        "rms_norm_eps": s.norm_epsilon,
-        "rope_theta": s.rope_theta,
-        "tie_word_embeddings": s.tie_word_embeddings,
-        "hidden_act": "silu",
-        "torch_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
-            info.dtype
-        ],
-    }
 
 
 def _write_json(path: Path, data: dict) -> None:

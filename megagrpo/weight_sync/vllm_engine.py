@@ -79,6 +79,25 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        self._retie_embeddings()
+
+    def _retie_embeddings(self) -> None:
+        """Tied input/output embeddings: the output layer receives no weights of its own (HF
+        checkpoints of tied models carry only the input embedding), so vLLM's layerwise reload
+        puts back its old tensors, including what its post-load processing derived from them
+        (on CPU, the prepacked GEMM weight of the logits matmul). Re-tie and re-process it."""
+        if not getattr(self.model_config.hf_config, "tie_word_embeddings", False):
+            return
+        lm_head = getattr(self.model, "lm_head", None)
+        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
+        if lm_head is None or embed is None:
+            return
+        if lm_head.weight.data_ptr() != embed.weight.data_ptr():
+            with torch.no_grad():
+                lm_head.weight.copy_(embed.weight)
+        method = getattr(lm_head, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(lm_head)
 
     def receive_weights(self, update_info: MegagrpoUpdateInfo) -> None:
         if not self.groups:

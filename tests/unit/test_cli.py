@@ -14,7 +14,7 @@ def test_help_lists_every_subcommand(capsys):
         assert sub in out
 
 
-@pytest.mark.parametrize("argv", [["train"], ["eval"]])
+@pytest.mark.parametrize("argv", [["eval"]])
 def test_unlanded_subcommands_say_so_and_fail(argv, capsys):
     assert main(argv) == 2
     captured = capsys.readouterr()
@@ -33,3 +33,9 @@ def test_plan_reports_bad_override_by_key(capsys):
     assert main(["plan", "grpo.num_generationz=8"]) == 1
     err = capsys.readouterr().err
     assert "grpo.num_generationz" in err and "num_generations" in err
+
+
+def test_train_reports_impossible_layout_before_starting(capsys):
+    assert main(["train", "parallel.pipeline_model_parallel_size=3"]) == 1
+    err = capsys.readouterr().err
+    assert "parallel.pipeline_model_parallel_size" in err and "num_layers" in err

@@ -1,0 +1,337 @@
+"""The GRPO loop: one controller process driving Megatron policy ranks and vLLM engines through Ray.
+
+    prompts -> G generations each -> rewards -> advantages -> old/reference logprobs
+            -> mini-batch optimizer steps -> weight sync + probe -> validation -> checkpoint
+
+``train`` reads top to bottom as that loop; the helpers below it do one thing each. Where it
+departs from the GRPO paper: leave-one-out baselines (optionally without std normalization, as in
+Dr. GRPO), clip-higher (DAPO), optional dynamic sampling and overlong shaping (DAPO), truncated
+importance correction against the generator's logprobs, and a probe after every weight sync.
+Launch: ``megagrpo train --config FILE`` (local Ray), or on a cluster see ``launch/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import torch
+import yaml
+
+from megagrpo import checkpoint as ckpt_io
+from megagrpo.algorithms.grpo import group_advantages, overlong_penalty, zero_variance_groups
+from megagrpo.cluster import RankGroup, start_engines, start_ray
+from megagrpo.config import Config, config_to_dict, save_config
+from megagrpo.data.prompts import Prompt, PromptSource, build_source
+from megagrpo.generation.worker import Completion, SamplingSettings
+from megagrpo.metrics import MetricsLogger
+from megagrpo.models.convert import megatron_to_hf
+from megagrpo.models.source import run_model
+from megagrpo.rewards import RewardScorer
+from megagrpo.types import TrainBatch
+from megagrpo.weight_sync.sync import WeightSync
+
+POLICY = "megagrpo.policy.worker.PolicyWorker"
+
+
+@dataclass
+class Rollouts:
+    prompts: list[Prompt]
+    """One entry per group (prompt), G completions each."""
+    completions: list[Completion]
+    """[P * G], group after group."""
+    rewards: torch.Tensor
+    """[P * G] float32."""
+
+
+def train(cfg: Config, *, resume: bool = False) -> Path:
+    """Run GRPO as configured; returns the run directory."""
+    run_dir = Path(cfg.logging.dir) / cfg.run_name
+    source, scorer = build_source(cfg), RewardScorer(cfg.reward)  # validates data before any actor starts
+    cfg, model_dir = prepare_initial_model(cfg, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    start_ray(cfg.cluster, cfg=cfg)
+    policy = RankGroup(cfg, POLICY)
+    engines = start_engines(cfg, model_dir)
+    sync = WeightSync(cfg, policy, engines, vocab_size=run_model(cfg).shape.vocab_size)
+    step, position = restore(cfg, policy, resume)
+    timings = {"sync_s": sync.sync()}
+    sync.probe()
+    with MetricsLogger(
+        run_dir,
+        tensorboard=cfg.logging.tensorboard,
+        progress=cfg.logging.progress_bar,
+        total_steps=cfg.grpo.num_steps,
+        start_step=step,
+        resume=step > 0,
+    ) as log:
+        if step == 0 and cfg.logging.val_every:
+            log.log(
+                0, {"val/accuracy": validate(cfg, engines, source, scorer), **prefixed("timing", timings)}
+            )
+        with graceful_interrupt() as stop:
+            while step < cfg.grpo.num_steps and not stop.requested:
+                step += 1
+                t0 = time.perf_counter()
+                with timed(timings, "generation_s"):
+                    rollouts, position, filtered = generate_groups(
+                        cfg, engines, source, scorer, position, step
+                    )
+                batch = to_train_batch(cfg, rollouts)
+                with timed(timings, "logprobs_s"):
+                    batch = batch.replace(old_logprobs=policy.call_first("logprobs", batch))
+                    if cfg.grpo.kl_coef > 0:
+                        batch = batch.replace(ref_logprobs=policy.call_first("reference_logprobs", batch))
+                with timed(timings, "train_s"):
+                    train_metrics = mean_metrics(policy.call_first("train", batch))
+                with timed(timings, "sync_s"):
+                    sync.sync()
+                    probe = sync.probe()
+                metrics = step_metrics(cfg, rollouts, batch, train_metrics, probe.error, filtered)
+                if cfg.logging.val_every and step % cfg.logging.val_every == 0:
+                    metrics["val/accuracy"] = validate(cfg, engines, source, scorer)
+                timings["step_s"] = time.perf_counter() - t0
+                metrics |= prefixed("timing", timings)
+                metrics["throughput/tokens_per_s"] = batch.num_tokens / timings["step_s"]
+                log.log(step, metrics)
+                if cfg.checkpoint.dir and cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+                    save_checkpoint(cfg, policy, step, position)
+        scorer.close()
+        curves = log.write_curves()
+    final = save_checkpoint(cfg, policy, step, position) if cfg.checkpoint.dir else None
+    ray.shutdown()
+    if stop.requested:
+        print(
+            f"\ninterrupted after step {step}" + (f": saved {final}; continue with --resume" if final else "")
+        )
+        raise KeyboardInterrupt
+    export = (
+        megatron_to_hf(final, run_dir / "hf_export") if final and cfg.checkpoint.export_hf_at_end else None
+    )
+    print(f"\nrun directory: {run_dir}\n  metrics: {run_dir / 'metrics.jsonl'}\n  curves:  {curves}")
+    if export:
+        print(f"  HF export: {export}")
+    return run_dir
+
+
+# --------------------------------------------------------------------------------------- set-up
+
+
+def prepare_initial_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
+    """(config whose model is loadable by policy and vLLM, the HF directory vLLM reads).
+
+    A tiny in-process model is first warmed up (or reused from an earlier warm-up of the same
+    config) and saved as a megagrpo checkpoint; both sides then load that.
+    """
+    if cfg.model.tiny is None:
+        return cfg, str(cfg.model.hf_dir)
+    from megagrpo.warmup import run_warmup
+
+    ckpt = run_dir / "warmup" / "ckpt"
+    stamp = ckpt / "warmup_config.yaml"
+    wanted = yaml.safe_dump({k: config_to_dict(cfg)[k] for k in ("model", "warmup", "data")}, sort_keys=True)
+    if not (stamp.is_file() and stamp.read_text() == wanted):
+        if cfg.warmup.steps > 0:
+            res = run_warmup(cfg, ckpt=ckpt)
+            print(f"warm-up: greedy accuracy {res.accuracy_before:.1%} -> {res.accuracy_after:.1%}")
+        else:
+            run_warmup(dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, steps=1)), ckpt=ckpt)
+        stamp.write_text(wanted)
+    else:
+        print(f"warm-up: reusing {ckpt}")
+    model = dataclasses.replace(cfg.model, tiny=None, hf_dir=str(ckpt / "hf"), megatron_ckpt=str(ckpt))
+    return dataclasses.replace(cfg, model=model), str(ckpt / "hf")
+
+
+def restore(cfg: Config, policy: RankGroup, resume: bool) -> tuple[int, int]:
+    """(last completed step, data position): from the latest complete checkpoint when resuming."""
+    if not (resume or cfg.checkpoint.resume):
+        return 0, 0
+    latest = ckpt_io.latest(Path(cfg.checkpoint.dir)) if cfg.checkpoint.dir else None
+    if latest is None:
+        print("resume: no complete checkpoint found; starting from step 0")
+        return 0, 0
+    policy.call_all("load", str(latest))
+    state = ckpt_io.load_driver_state(latest)
+    state.restore_rng()
+    print(f"resume: continuing after step {state.step} from {latest}")
+    return state.step, state.data_position
+
+
+def save_checkpoint(cfg: Config, policy: RankGroup, step: int, position: int) -> Path:
+    root = Path(cfg.checkpoint.dir)
+    tmp = ckpt_io.begin(root, step)
+    policy.call_all("save", str(tmp))
+    config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    return ckpt_io.commit(
+        tmp, ckpt_io.DriverState.capture(step, position), config_yaml, cfg.checkpoint.keep_last
+    )
+
+
+# ----------------------------------------------------------------------------------- the step parts
+
+
+def generate(cfg: Config, engines: list, prompts: list[Prompt], settings: SamplingSettings, seeds) -> list:
+    """Completions for ``prompts`` (``settings.n`` each, in prompt order), split across engines."""
+    per = math.ceil(len(prompts) / len(engines))
+    refs = []
+    for i, engine in enumerate(engines):
+        chunk = slice(i * per, (i + 1) * per)
+        if prompts[chunk]:
+            refs.append(
+                (
+                    i * per,
+                    engine.generate.remote([p.token_ids for p in prompts[chunk]], settings, seeds[chunk]),
+                )
+            )
+    out = []
+    for offset, ref in refs:
+        for comp in ray.get(ref, timeout=cfg.generation.sync_timeout_s * 10):
+            out.append(dataclasses.replace(comp, prompt_index=comp.prompt_index + offset))
+    return out
+
+
+def generate_groups(cfg: Config, engines, source: PromptSource, scorer, position: int, step: int):
+    """``num_prompts_per_step`` groups of G scored completions; with dynamic sampling, groups whose
+    rewards are all equal are replaced by fresh prompts (up to 3 extra rounds)."""
+    g, want = cfg.grpo.num_generations, cfg.grpo.num_prompts_per_step
+    settings = SamplingSettings.from_config(cfg, stop_token_ids=source.stop_token_ids, n=g)
+    kept_prompts, kept_comps, kept_rewards, filtered = [], [], [], 0
+    for _ in range(4 if cfg.grpo.filter_zero_variance_groups else 1):
+        need = want - len(kept_prompts)
+        prompts = source.batch(position, need)
+        seeds = [cfg.generation.seed * 1_000_003 + position + i for i in range(need)]
+        position += need
+        comps = generate(cfg, engines, prompts, settings, seeds)
+        texts = [source.decode(c.token_ids) for c in comps]
+        rewards = torch.tensor(
+            scorer(texts, [prompts[c.prompt_index].answer for c in comps]), dtype=torch.float32
+        )
+        flat = (
+            zero_variance_groups(rewards, g)
+            if cfg.grpo.filter_zero_variance_groups
+            else torch.zeros(need, dtype=torch.bool)
+        )
+        for p in range(need):
+            if not flat[p]:
+                kept_prompts.append(prompts[p])
+                kept_comps += comps[p * g : (p + 1) * g]
+                kept_rewards.append(rewards[p * g : (p + 1) * g])
+        filtered += int(flat.sum())
+        if len(kept_prompts) == want:
+            break
+        last = (prompts, comps, rewards, flat)
+    else:
+        # Not enough groups with signal: fill up with flat ones (zero advantage, still valid data).
+        prompts, comps, rewards, flat = last
+        for p in torch.nonzero(flat).flatten().tolist()[: want - len(kept_prompts)]:
+            kept_prompts.append(prompts[p])
+            kept_comps += comps[p * g : (p + 1) * g]
+            kept_rewards.append(rewards[p * g : (p + 1) * g])
+    return Rollouts(kept_prompts, kept_comps, torch.cat(kept_rewards)), position, filtered
+
+
+def to_train_batch(cfg: Config, rollouts: Rollouts) -> TrainBatch:
+    """Prompt + response sequences with advantages and the generator's logprobs aligned to positions."""
+    grpo, g = cfg.grpo, cfg.grpo.num_generations
+    rewards = rollouts.rewards.clone()
+    lengths = torch.tensor([len(c.token_ids) for c in rollouts.completions])
+    truncated = torch.tensor([c.finish_reason == "length" for c in rollouts.completions])
+    if grpo.overlong_policy == "soft_penalty":
+        rewards += overlong_penalty(
+            lengths, cfg.generation.max_new_tokens, grpo.overlong_buffer_tokens, grpo.overlong_penalty
+        )
+    advantages = group_advantages(rewards, g, normalize_std=grpo.normalize_adv_std)
+    if grpo.overlong_policy == "mask":
+        advantages = torch.where(truncated, torch.zeros_like(advantages), advantages)
+    seqs, prompt_lens = [], []
+    for i, comp in enumerate(rollouts.completions):
+        prompt = rollouts.prompts[i // g].token_ids
+        seqs.append(prompt + comp.token_ids)
+        prompt_lens.append(len(prompt))
+    batch = TrainBatch.from_sequences(seqs, prompt_lens)
+    gen = torch.zeros(batch.size, batch.input_ids.shape[1] - 1)
+    for row, comp in enumerate(rollouts.completions):
+        start = prompt_lens[row] - 1
+        gen[row, start : start + len(comp.logprobs)] = torch.tensor(comp.logprobs)
+    return batch.replace(advantages=advantages, gen_logprobs=gen)
+
+
+def validate(cfg: Config, engines, source: PromptSource, scorer) -> float:
+    """Greedy accuracy on the validation prompts."""
+    if not source.val:
+        return float("nan")
+    settings = dataclasses.replace(
+        SamplingSettings.from_config(cfg, stop_token_ids=source.stop_token_ids), temperature=0.0, n=1
+    )
+    comps = generate(cfg, engines, source.val, settings, [0] * len(source.val))
+    texts = [source.decode(c.token_ids) for c in comps]
+    return sum(scorer(texts, [source.val[c.prompt_index].answer for c in comps])) / len(comps)
+
+
+# -------------------------------------------------------------------------------------- bookkeeping
+
+
+def step_metrics(cfg, rollouts: Rollouts, batch: TrainBatch, train: dict, probe_error: float, filtered: int):
+    lengths = torch.tensor([len(c.token_ids) for c in rollouts.completions], dtype=torch.float32)
+    rewards = rollouts.rewards
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "reward/accuracy": float((rewards >= 1.0).float().mean()),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": sum(c.finish_reason == "length" for c in rollouts.completions)
+        / len(lengths),
+        "data/filtered_groups": filtered,
+        "sync/probe_error": probe_error,
+        **prefixed("train", train),
+    }
+
+
+def mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:
+    """Average per-optimizer-step metrics over the step's mini-batches."""
+    return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+
+
+def prefixed(prefix: str, metrics: dict) -> dict:
+    return {f"{prefix}/{k}": v for k, v in metrics.items()}
+
+
+class _StopRequest:
+    requested = False
+
+
+@contextmanager
+def graceful_interrupt():
+    """First Ctrl-C: finish the current step, checkpoint, shut down. Second Ctrl-C: stop at once."""
+    import signal
+
+    stop = _StopRequest()
+
+    def on_sigint(signum, frame):
+        if stop.requested:
+            raise KeyboardInterrupt
+        stop.requested = True
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def timed(timings: dict, key: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = time.perf_counter() - start
