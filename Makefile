@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/megagrpo warmup
+	@# A fresh demo run each time (the warm-up checkpoint under runs/tiny-cpu/warmup is reused).
+	rm -rf runs/tiny-cpu/checkpoints
+	$(VENV)/bin/megagrpo train
 
 test: setup
 	$(PY) -m pytest -m "unit or dist or e2e" $(PYTEST_ARGS)

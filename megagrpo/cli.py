@@ -154,6 +154,14 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _input_errors() -> tuple[type[Exception], ...]:
+    from megagrpo.data.prompts import DataError
+    from megagrpo.models.hf_io import CheckpointError
+    from megagrpo.models.registry import UnsupportedModelError
+
+    return (DataError, CheckpointError, UnsupportedModelError, FileExistsError, FileNotFoundError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in _NOT_YET:
@@ -165,6 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return {"plan": _plan, "warmup": _warmup, "export": _export, "train": _train}[args.command](args)
     except ConfigError as err:
         print(f"megagrpo {args.command}: config error: {err}", file=sys.stderr)
+        return 1
+    except _input_errors() as err:
+        # Bad input found before any worker started (datasets, checkpoints, model files).
+        print(f"megagrpo {args.command}: error: {err}", file=sys.stderr)
         return 1
 
 

@@ -52,6 +52,7 @@ class Rollouts:
 def train(cfg: Config, *, resume: bool = False) -> Path:
     """Run GRPO as configured; returns the run directory."""
     run_dir = Path(cfg.logging.dir) / cfg.run_name
+    check_checkpoint_dir(cfg, resume)
     source, scorer = build_source(cfg), RewardScorer(cfg.reward)  # validates data before any actor starts
     cfg, model_dir = prepare_initial_model(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,9 +112,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
             f"\ninterrupted after step {step}" + (f": saved {final}; continue with --resume" if final else "")
         )
         raise KeyboardInterrupt
-    export = (
-        megatron_to_hf(final, run_dir / "hf_export") if final and cfg.checkpoint.export_hf_at_end else None
-    )
+    export = export_final(final, run_dir / "hf_export") if final and cfg.checkpoint.export_hf_at_end else None
     print(f"\nrun directory: {run_dir}\n  metrics: {run_dir / 'metrics.jsonl'}\n  curves:  {curves}")
     if export:
         print(f"  HF export: {export}")
@@ -147,6 +146,31 @@ def prepare_initial_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
         print(f"warm-up: reusing {ckpt}")
     model = dataclasses.replace(cfg.model, tiny=None, hf_dir=str(ckpt / "hf"), megatron_ckpt=str(ckpt))
     return dataclasses.replace(cfg, model=model), str(ckpt / "hf")
+
+
+def check_checkpoint_dir(cfg: Config, resume: bool) -> None:
+    """A fresh run must not mix its checkpoints with an earlier run's (--resume would pick the
+    wrong one): refuse before anything starts."""
+    if cfg.checkpoint.dir is None or resume or cfg.checkpoint.resume:
+        return
+    existing = ckpt_io.step_dirs(Path(cfg.checkpoint.dir))
+    if existing:
+        raise FileExistsError(
+            f"checkpoint.dir {cfg.checkpoint.dir} already holds checkpoints (latest: {existing[-1][1].name}) "
+            "from an earlier run: continue it with --resume, choose another checkpoint.dir, or remove them"
+        )
+
+
+def export_final(ckpt: Path, out: Path) -> Path:
+    """HF export of the final policy, replacing this run's previous export (written aside, then swapped)."""
+    import shutil
+
+    staging = out.with_name(out.name + ".new")
+    shutil.rmtree(staging, ignore_errors=True)
+    megatron_to_hf(ckpt, staging)
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return out
 
 
 def restore(cfg: Config, policy: RankGroup, resume: bool) -> tuple[int, int]:
