@@ -85,3 +85,48 @@ def test_config_errors_stop_before_any_actor(tmp_path):
     with pytest.raises(DataError, match=r"missing\.jsonl: dataset file not found"):
         train(cfg)
     assert not ray.is_initialized()
+
+
+def test_ctrl_c_finishes_the_step_saves_and_shuts_down(tmp_path):
+    """Ctrl-C in a terminal reaches the whole foreground process group (driver, Ray, actors)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ckpt_dir = tmp_path / "ckpt"
+    overrides = [
+        f"logging.dir={tmp_path / 'runs'}",
+        "logging.tensorboard=false",
+        "logging.progress_bar=false",
+        "logging.val_every=0",
+        "warmup.steps=20",
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_steps=500",
+        "policy.mini_batch_size=16",
+        f"checkpoint.dir={ckpt_dir}",
+        "checkpoint.save_every=0",
+        "checkpoint.export_hf_at_end=false",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megagrpo.cli", "train", *overrides],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = tmp_path / "runs" / "tiny-cpu" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.stdout.read()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    saved = sorted(p.name for p in ckpt_dir.iterdir())
+    assert saved == [f"step_{logged[-1]}"], (saved, logged, out)
+    assert "continue with --resume" in out

@@ -246,7 +246,7 @@ def test_yaml_syntax_error_and_non_mapping_top_level(tmp_path):
         (["grpo.dual_clip=1.0"], ["grpo.dual_clip"], "> 1"),
         (["grpo.num_generations=1"], ["grpo.num_generations"], ">= 2"),
         (
-            ["policy.mini_batch_size=5"],
+            ["policy.mini_batch_size=5", "grpo.num_prompts_per_step=4", "grpo.num_generations=4"],
             ["policy.mini_batch_size", "grpo.num_prompts_per_step", "grpo.num_generations"],
             "must divide num_prompts_per_step * num_generations = 16",
         ),
@@ -300,13 +300,30 @@ def test_yaml_syntax_error_and_non_mapping_top_level(tmp_path):
             "needs overlong_buffer_tokens >= 1",
         ),
         (
-            ["grpo.overlong_policy=soft_penalty", "grpo.overlong_buffer_tokens=16"],
+            [
+                "grpo.overlong_policy=soft_penalty",
+                "grpo.overlong_buffer_tokens=16",
+                "generation.max_new_tokens=16",
+            ],
             ["grpo.overlong_buffer_tokens", "generation.max_new_tokens"],
             "must be < max_new_tokens 16",
         ),
         (["grpo.tis_cap=0.5"], ["grpo.tis_cap"], ">= 1 or null"),
-        (["checkpoint.resume=true"], ["checkpoint.resume", "checkpoint.dir"], "needs dir"),
-        (["checkpoint.save_every=5"], ["checkpoint.save_every", "checkpoint.dir"], "needs dir"),
+        (
+            [
+                "checkpoint.dir=null",
+                "checkpoint.export_hf_at_end=false",
+                "checkpoint.save_every=0",
+                "checkpoint.resume=true",
+            ],
+            ["checkpoint.resume", "checkpoint.dir"],
+            "needs dir",
+        ),
+        (
+            ["checkpoint.dir=null", "checkpoint.export_hf_at_end=false", "checkpoint.save_every=5"],
+            ["checkpoint.save_every", "checkpoint.dir"],
+            "needs dir",
+        ),
         (
             ["logging.val_every=2", "data.num_val_prompts=0"],
             ["logging.val_every", "data.num_val_prompts"],
