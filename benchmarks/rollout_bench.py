@@ -1,0 +1,470 @@
+#!/usr/bin/env python3
+"""Rollout throughput: ``GenerationWorker.generate`` through its Ray actor against raw ``vllm.LLM``.
+
+    .venv/bin/python benchmarks/rollout_bench.py [--prompts 64] [--n 8] [--new-tokens 64] [--repeat 5]
+                                                 [--layers 4] [--hidden 256] [--vocab 8192] [--output rollout]
+
+One random Qwen2-shaped fp32 model (made by transformers, cached under ``benchmarks/results/tmp/``;
+no ``generation_config.json`` and no EOS token, so every sample runs to ``--new-tokens``), two
+engines started once each, as Ray actors with the same CPU reservation:
+
+- ``ours``: ``megagrpo.cluster.start_engines`` (the production ``GenerationWorker`` actor), called
+  as the GRPO driver calls it: ``generate(prompts, SamplingSettings(n, max_tokens, temperature 1),
+  seeds)`` with one seed per prompt; timed at the controller around the Ray call, so the actor
+  round trip and the conversion to ``Completion`` records are included.
+- ``raw``: a bare actor holding ``vllm.LLM`` built with the same engine options (dtype,
+  max_model_len, eager, seed, no tokenizer, 1 GiB KV cache, in-process engine core) and vLLM's
+  defaults otherwise; ``llm.generate`` of the same token-id prompts with equivalent
+  ``SamplingParams`` (n, max_tokens, temperature 1, the same per-prompt seeds, logprobs=0,
+  detokenize=False), timed inside the actor (pure vLLM) and at the controller (with a Ray return of
+  the token ids and logprobs). It uses ``load_format="dummy"`` like our engine (whose weights
+  arrive by weight sync), so both hold identical weights and must sample identical tokens: the
+  benchmark checks that, which proves the two requests are equivalent.
+- ``raw_unseeded``: the raw engine without per-request seeds (vLLM then samples the whole batch
+  with one generator instead of one ``exponential_`` call per request per step): what the
+  per-prompt seeds of the driver cost.
+
+Runs alternate (ABC, then CBA) so drift on the shared machine hits all alike; medians are reported;
+tokens/s counts the generated tokens actually returned. Target of the issue: ours / raw >= 0.95.
+Every run records the CPUs other processes kept busy meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # runnable from a checkout without installing megagrpo
+
+RESULTS = REPO / "benchmarks" / "results"
+TMP = RESULTS / "tmp"
+
+
+# ------------------------------------------------------------------------------------ the model
+
+
+def source_model(args) -> Path:
+    """A random fp32 Qwen2 checkpoint without EOS (transformers writes it; reused while unchanged)."""
+    shape = {
+        "hidden_size": args.hidden,
+        "intermediate_size": 3 * args.hidden,
+        "num_attention_heads": args.hidden // 64,  # head size 64: vLLM's CPU attention needs >= 32
+        "num_key_value_heads": max(1, args.hidden // 128),
+        "num_hidden_layers": args.layers,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": args.seq_length,
+    }
+    out = TMP / f"rollout-qwen2-L{args.layers}-h{args.hidden}-v{args.vocab}"
+    marker = out / "bench-source.json"
+    if marker.is_file() and json.loads(marker.read_text()) == shape:
+        return out
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        **shape, rope_theta=1e6, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tmp = out.parent / f".{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    # vLLM would add a generation config's EOS to every request's stop tokens.
+    (tmp / "generation_config.json").unlink(missing_ok=True)
+    (tmp / "bench-source.json").write_text(json.dumps(shape) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def bench_config(model_dir: Path, args):
+    from megagrpo.config import load_config
+
+    return load_config(
+        None,
+        [
+            "model.tiny=null",
+            f"model.hf_dir={model_dir}",
+            "model.dtype=float32",
+            f"model.seq_length={args.seq_length}",
+            f"generation.max_new_tokens={args.new_tokens}",
+            "generation.num_engines=1",
+            "generation.cpu_kvcache_space_gib=1",
+            "generation.enforce_eager=true",
+            "generation.placement=disaggregated",
+            "generation.temperature=1.0",
+            "parallel.tensor_model_parallel_size=1",
+            "cluster.cpus_per_worker=1",
+        ],
+    )
+
+
+def make_prompts(args) -> tuple[list[list[int]], list[int]]:
+    """Token-id prompts of random lengths in [prompt_len / 2, prompt_len], and one seed per prompt."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = []
+    for _ in range(args.prompts):
+        length = int(torch.randint(args.prompt_len // 2, args.prompt_len + 1, (1,), generator=gen))
+        prompts.append(torch.randint(0, args.vocab, (length,), generator=gen).tolist())
+    # As the GRPO driver derives them: a base plus the prompt's position.
+    seeds = [1_000_003 + i for i in range(args.prompts)]
+    return prompts, seeds
+
+
+# ------------------------------------------------------------------------------------ raw vLLM
+
+
+class RawEngine:
+    """``vllm.LLM`` and nothing else, in a Ray actor (no megagrpo code on the timed path)."""
+
+    def __init__(self, model_dir: str, seq_length: int, seed: int):
+        # As in GenerationWorker: the engine core in this process (an actor owns its engine).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_dir,
+            dtype="float32",
+            max_model_len=seq_length,
+            enforce_eager=True,
+            seed=seed,
+            skip_tokenizer_init=True,
+            load_format="dummy",
+        )
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seeds: list[int] | None):
+        """(seconds inside llm.generate, token ids and logprobs per sample, in prompt order)."""
+        from vllm import SamplingParams
+
+        def params(seed):
+            return SamplingParams(
+                n=n,
+                max_tokens=max_tokens,
+                temperature=1.0,
+                seed=seed,
+                logprobs=0,
+                detokenize=False,
+            )
+
+        per_prompt = [params(s) for s in seeds] if seeds is not None else params(None)
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        samples = [
+            (list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)])
+            for out in outputs
+            for c in out.outputs
+        ]
+        return seconds, samples
+
+
+# ------------------------------------------------------------------------------------ measuring
+
+
+def machine_busy_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (all CPUs), from /proc/stat."""
+    with open("/proc/stat") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return total
+
+
+def timed(fn, pids: list[int]) -> dict:
+    """Wall seconds of ``fn()`` and the CPUs used by ``pids`` and by everything else meanwhile."""
+    m0, o0 = machine_busy_s(), process_cpu_s(pids)
+    start = time.perf_counter()
+    value = fn()
+    wall = time.perf_counter() - start
+    ours = process_cpu_s(pids) - o0
+    return {
+        "seconds": wall,
+        "value": value,
+        "ours_cpus": ours / wall,
+        "other_cpus": max(0.0, (machine_busy_s() - m0 - ours) / wall),
+    }
+
+
+def measure(args, report: dict) -> None:
+    import ray
+
+    from megagrpo.cluster import start_engines, start_ray
+    from megagrpo.generation.worker import SamplingSettings
+
+    model_dir = source_model(args)
+    cfg = bench_config(model_dir, args)
+    prompts, seeds = make_prompts(args)
+    report["workload"] = {
+        "model_dir": str(model_dir),
+        "prompts": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "n": args.n,
+        "max_tokens": args.new_tokens,
+        "requested_tokens": len(prompts) * args.n * args.new_tokens,
+    }
+    start_ray(cfg.cluster, num_cpus=2)
+    t0 = time.perf_counter()
+    ours = start_engines(cfg, str(model_dir))[0]
+    report["startup_s"] = {"ours": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    raw_cls = ray.remote(num_cpus=cfg.cluster.cpus_per_worker)(RawEngine)
+    raw = raw_cls.remote(str(model_dir), args.seq_length, cfg.generation.seed)
+    pids = [ray.get(raw.pid.remote())]
+    report["startup_s"]["raw"] = time.perf_counter() - t0
+    pids.append(ray.get(ours.__ray_call__.remote(lambda self: os.getpid())))
+    settings = SamplingSettings(max_tokens=args.new_tokens, temperature=1.0, n=args.n)
+
+    def run_ours():
+        comps = ray.get(ours.generate.remote(prompts, settings, seeds))
+        return {"samples": [(c.token_ids, c.logprobs) for c in comps], "inside_s": None}
+
+    def run_raw(seeded: bool):
+        inside, samples = ray.get(
+            raw.generate.remote(prompts, args.n, args.new_tokens, seeds if seeded else None)
+        )
+        return {"samples": samples, "inside_s": inside}
+
+    kinds = {"ours": run_ours, "raw": lambda: run_raw(True), "raw_unseeded": lambda: run_raw(False)}
+    if not args.unseeded:
+        del kinds["raw_unseeded"]
+    # Warm-up: one small request on each engine (first-call allocations, lazy imports).
+    warm_prompts, warm_settings = prompts[:4], SamplingSettings(max_tokens=8, temperature=1.0, n=2)
+    ray.get(ours.generate.remote(warm_prompts, warm_settings, seeds[:4]))
+    ray.get(raw.generate.remote(warm_prompts, 2, 8, seeds[:4]))
+    order = list(kinds)
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    first_samples = {}
+    for r in range(args.repeat):
+        for kind in order if r % 2 == 0 else order[::-1]:
+            res = timed(kinds[kind], pids)
+            samples = res["value"]["samples"]
+            first_samples.setdefault(kind, samples)
+            tokens = sum(len(ids) for ids, _ in samples)
+            run = {
+                "seconds": res["seconds"],
+                "inside_s": res["value"]["inside_s"],
+                "tokens": tokens,
+                "tokens_per_s": tokens / res["seconds"],
+                "ours_cpus": res["ours_cpus"],
+                "other_cpus": res["other_cpus"],
+            }
+            if run["inside_s"] is not None:
+                run["tokens_per_s_inside"] = tokens / run["inside_s"]
+            runs[kind].append(run)
+            print(
+                f"repeat {r} {kind}: {tokens} tokens in {res['seconds']:.2f}s "
+                f"= {run['tokens_per_s']:.0f} tok/s"
+                + (f" (inside {run['inside_s']:.2f}s)" if run["inside_s"] is not None else "")
+                + f", other CPUs busy {res['other_cpus']:.2f}",
+                flush=True,
+            )
+    report["runs"] = runs
+    report["same_tokens"] = _compare(first_samples["ours"], first_samples["raw"])
+    report["summary"] = summarize(runs)
+    ray.kill(raw)
+    ray.shutdown()
+
+
+def _compare(a: list, b: list) -> dict:
+    """How far two runs' samples agree: token ids exactly, logprobs by their largest difference."""
+    ids_equal = [x[0] == y[0] for x, y in zip(a, b, strict=True)]
+    lp_max = max(
+        (abs(p - q) for x, y in zip(a, b, strict=True) for p, q in zip(x[1], y[1], strict=False)), default=0.0
+    )
+    return {
+        "samples": len(ids_equal),
+        "ids_equal_fraction": sum(ids_equal) / len(ids_equal),
+        "max_abs_logprob_diff": lp_max,
+    }
+
+
+def summarize(runs: dict) -> dict:
+    out = {}
+    for kind, rs in runs.items():
+        out[kind] = {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+            "seconds": statistics.median(r["seconds"] for r in rs),
+            "tokens": statistics.median(r["tokens"] for r in rs),
+            "other_cpus_median": statistics.median(r["other_cpus"] for r in rs),
+            "other_cpus_max": max(r["other_cpus"] for r in rs),
+        }
+        if rs[0].get("inside_s") is not None:
+            out[kind]["tokens_per_s_inside"] = statistics.median(r["tokens_per_s_inside"] for r in rs)
+    ours, raw = out["ours"]["tokens_per_s"], out["raw"]
+    out["ratio_vs_raw_inside"] = ours / raw["tokens_per_s_inside"]
+    out["ratio_vs_raw_through_ray"] = ours / raw["tokens_per_s"]
+    out["meets_target"] = out["ratio_vs_raw_inside"] >= 0.95
+    if "raw_unseeded" in out:
+        out["seeded_over_unseeded_raw_inside"] = (
+            raw["tokens_per_s_inside"] / out["raw_unseeded"]["tokens_per_s_inside"]
+        )
+    # Paired ratios (same round of the ABC/CBA cycle), a check on drift between kinds.
+    pairs = [
+        o["tokens_per_s"] / r["tokens_per_s_inside"] for o, r in zip(runs["ours"], runs["raw"], strict=True)
+    ]
+    out["paired_ratio_median"] = statistics.median(pairs)
+    out["paired_ratios"] = pairs
+    return out
+
+
+# ------------------------------------------------------------------------------------- reporting
+
+
+def machine_info() -> dict:
+    import torch
+    import vllm
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu": next(
+            (ln.split(":", 1)[1].strip() for ln in cpuinfo if "model name" in ln), platform.processor()
+        ),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "loadavg_at_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "git_commit": commit,
+    }
+
+
+def write_markdown(path: Path, report: dict) -> None:
+    m, w, s, a = report["machine"], report["workload"], report["summary"], report["args"]
+    ok = "ok" if s["meets_target"] else "MISS"
+    same = report["same_tokens"]
+    same_text = (
+        f"{100 * same['ids_equal_fraction']:.1f}% of {same['samples']} samples have identical token ids; "
+        f"largest logprob difference {same['max_abs_logprob_diff']:.2e}"
+    )
+    lines = [
+        "# Rollout: `GenerationWorker.generate` (Ray actor) vs raw `vllm.LLM.generate`",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Model: random Qwen2-shaped fp32, {a['layers']} layers, hidden {a['hidden']}, "
+        f"vocabulary {a['vocab']}. Workload: {w['prompts']} token-id prompts "
+        f"({w['prompt_tokens']} prompt tokens) x {w['n']} samples x "
+        f"{w['max_tokens']} new tokens, temperature 1, one seed per prompt. Machine: {m['cpu']}, "
+        f"{m['cpus_usable']} CPUs, load average at start {m['loadavg_at_start'][0]:.1f}; vLLM {m['vllm']}, "
+        f"torch {m['torch']}; {m['date']}. Medians of {a['repeat']} runs per kind, alternating.",
+        "",
+        "| engine | timed | tokens | seconds | tokens/s | other CPUs busy (median, max) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    labels = {
+        "ours": "ours: GenerationWorker actor",
+        "raw": "raw vllm.LLM, same seeds",
+        "raw_unseeded": "raw vllm.LLM, no seeds",
+    }
+    for kind, label in labels.items():
+        if kind not in s:
+            continue
+        k = s[kind]
+        lines.append(
+            f"| {label} | controller (Ray call) | {k['tokens']:.0f} | {k['seconds']:.2f} "
+            f"| {k['tokens_per_s']:.0f} "
+            f"| {k['other_cpus_median']:.2f}, {k['other_cpus_max']:.2f} |"
+        )
+        if "tokens_per_s_inside" in k:
+            lines.append(
+                f"| {label} | inside the actor (llm.generate) | {k['tokens']:.0f} | "
+                f"{k['tokens'] / k['tokens_per_s_inside']:.2f} | {k['tokens_per_s_inside']:.0f} | |"
+            )
+    lines += [
+        "",
+        f"ours / raw (raw timed inside its actor): **{s['ratio_vs_raw_inside']:.3f}** {ok} (target >= 0.95); "
+        f"ours / raw (both through Ray): {s['ratio_vs_raw_through_ray']:.3f}; median of per-round ratios: "
+        f"{s['paired_ratio_median']:.3f}.",
+    ]
+    if "seeded_over_unseeded_raw_inside" in s:
+        lines.append(
+            f"Per-request seeds, raw engine: {s['seeded_over_unseeded_raw_inside']:.3f} x the unseeded "
+            "throughput."
+        )
+    lines += [
+        f"Equivalence (first run of ours vs raw, same seeds and dummy weights): {same_text}.",
+        "",
+        "'other CPUs busy': CPUs used by processes other than the two engines during the run (the",
+        "machine is shared). Both engines: CPU backend, eager, 1 GiB KV cache, engine core in-process.",
+    ]
+    if report.get("findings"):
+        lines += ["", "## Findings", "", *report["findings"]]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32, help="longest prompt (shortest is half)")
+    parser.add_argument("--seq-length", type=int, default=256, help="max_model_len of both engines")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256, help="multiple of 64 (head size 64)")
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--no-unseeded", dest="unseeded", action="store_false", help="skip the unseeded raw runs"
+    )
+    parser.add_argument("--output", default="rollout", help="results/<output>.json and .md")
+    args = parser.parse_args(argv)
+    if args.hidden % 64 or args.prompt_len + args.new_tokens > args.seq_length:
+        parser.error("--hidden must be a multiple of 64 and prompt-len + new-tokens <= seq-length")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    report = {
+        "command": " ".join([".venv/bin/python", "benchmarks/rollout_bench.py", *(argv or sys.argv[1:])]),
+        "args": vars(args),
+        "machine": machine_info(),
+    }
+    measure(args, report)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.output}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_markdown(RESULTS / f"{args.output}.md", report)
+    print(f"wrote {RESULTS / args.output}.json and .md", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

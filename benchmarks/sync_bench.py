@@ -1,0 +1,937 @@
+#!/usr/bin/env python3
+"""Weight sync Megatron -> vLLM: ``WeightSync.sync()`` against one flat broadcast of the same bytes.
+
+    .venv/bin/python benchmarks/sync_bench.py [--size-mb 256] [--engines 1 2 4] [--bucket-mb 512 32]
+                                              [--variants default glibc_heap] [--repeat 5] [--output sync]
+
+Builds a random Qwen2-shaped fp32 checkpoint of at least ``--size-mb`` MB (hidden 1024, FFN 2816,
+16 heads, 4 KV heads, vocabulary 32000, tied embeddings; layers added until the size is reached;
+cached under ``benchmarks/results/tmp/``), starts a local Ray with one policy ``RankGroup`` (TP=1,
+one rank, loading that checkpoint) and ``max(--engines)`` vLLM engines (CPU backend, eager, 1 GiB
+KV cache, dummy weights: the first sync delivers the real ones), and for every bucket size and
+every engine count N:
+
+- ``sync``: ``WeightSync(cfg, policy, engines[:N]).sync()`` as the driver calls it, timed by the
+  controller (it returns its own seconds); GB/s = ``sync.total_bytes`` / seconds. One untimed
+  sync first, then ``WeightSync.probe()`` once (its error is reported: 1.0 = identical logprobs).
+- ``flat``: the transport bound. 1 + N light Ray actors (same CPU reservation as the policy rank
+  and the engines) join a ``megagrpo.weight_sync.transport.BroadcastGroup`` on the same backend;
+  the sender broadcasts one preallocated tensor of ``total_bytes`` to the N receivers, timed by
+  the controller around the same kind of Ray round trip.
+- ``bucketed``: the same actors replay the sync's bucket sizes with its protocol (sender: two
+  buffers, at most two broadcasts in flight; receivers: a fresh buffer per bucket, the next one
+  posted when the previous arrived, as ``vllm_engine.receive_weights`` does), without any
+  conversion or loading: the bound for this bucket plan.
+
+The three alternate in every repeat (ABC, then CBA) so drift on a shared machine hits them alike;
+medians are reported. Targets of the weight-sync issue: sync / flat >= 0.8 (as GB/s), and sync time
+growing <= 1.2x from 1 to the most engines.
+
+Where the time goes: the engines are ``GenerationWorker`` subclasses whose only addition is timers
+around the pieces of ``receive_weights`` (the vLLM collective RPCs, the waits on each bucket's
+broadcast, ``model.load_weights``), and the policy rank is a ``PolicyWorker`` subclass with timers
+around ``send_weights`` and its broadcast waits; their medians are in the JSON and the table.
+
+Variants (each its own Ray session, all processes started with the variant's environment):
+``default``, and ``glibc_heap``, where glibc keeps freed memory for reuse instead of returning
+it (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``). Every sync allocates fresh multi-MB
+buffers (the sender's two bucket buffers, a receive buffer per bucket, vLLM's per-layer reload
+tensors and CPU weight repacking); by default glibc maps each from the kernel and unmaps it when
+freed, so every sync pays page faults on all of them. The single-thread copy of the model's bytes
+into a touched and into a fresh buffer, reported per variant, is the yardstick for that cost.
+
+CPU contention: every timed run records the CPUs that processes other than this benchmark's kept
+busy meanwhile (machine busy time from /proc/stat minus the benchmark's processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # runnable from a checkout without installing megagrpo
+
+from megagrpo.generation.worker import GenerationWorker  # noqa: E402
+from megagrpo.policy.worker import PolicyWorker  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+TMP = RESULTS / "tmp"
+MB = 1_000_000
+GB = 1_000_000_000
+
+SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=32000,
+)
+SEQ_LENGTH = 256
+"""vLLM's max_model_len (and the trainer's): only the probe runs, so keep the KV cache small."""
+
+
+# ------------------------------------------------------------------------------------ the model
+
+
+def model_bytes(num_layers: int) -> int:
+    """fp32 bytes of the tied Qwen2 checkpoint (biases on q/k/v, two norms per layer, final norm)."""
+    h, ffn, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+    kv = SHAPE["num_key_value_heads"] * h // SHAPE["num_attention_heads"]
+    layer = 2 * h + (h * h + h) + 2 * (kv * h + kv) + h * h + 3 * ffn * h
+    return 4 * (v * h + num_layers * layer + h)
+
+
+def layers_for(size_mb: float) -> int:
+    """Fewest layers whose checkpoint is at least ``size_mb`` MB."""
+    layers = 1
+    while model_bytes(layers) < size_mb * MB:
+        layers += 1
+    return layers
+
+
+def source_model(num_layers: int) -> Path:
+    """A random fp32 Qwen2 checkpoint, written once by transformers and reused while its shape holds."""
+    out = TMP / f"sync-qwen2-L{num_layers}-fp32"
+    marker = out / "bench-source.json"
+    want = {"shape": SHAPE, "num_layers": num_layers}
+    if marker.is_file() and json.loads(marker.read_text()) == want:
+        print(f"reusing model {out}", flush=True)
+        return out
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    print(f"writing model {out} ({model_bytes(num_layers) / MB:.0f} MB)", flush=True)
+    config = Qwen2Config(
+        **SHAPE,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=SEQ_LENGTH,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # Non-trivial norms and biases (defaults are ones and zeros).
+            if "norm" in name:
+                param.normal_(1.0, 0.1)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    tmp = out.parent / f".{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    marker_tmp = tmp / "bench-source.json"
+    marker_tmp.write_text(json.dumps(want) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def bench_config(hf_dir: Path, *, num_engines: int, bucket_mb: float, timeout_s: float):
+    from megagrpo.config import load_config
+
+    return load_config(
+        None,
+        [
+            "model.tiny=null",
+            f"model.hf_dir={hf_dir}",
+            "model.dtype=float32",
+            f"model.seq_length={SEQ_LENGTH}",
+            "generation.max_new_tokens=16",
+            f"generation.num_engines={num_engines}",
+            "generation.cpu_kvcache_space_gib=1",
+            "generation.enforce_eager=true",
+            "generation.placement=disaggregated",
+            f"generation.sync_bucket_mb={bucket_mb}",
+            f"generation.sync_timeout_s={timeout_s}",
+            "parallel.tensor_model_parallel_size=1",
+            "parallel.pipeline_model_parallel_size=1",
+            "parallel.data_parallel_size=1",
+            "parallel.backend=gloo",
+            "parallel.transformer_impl=local",
+            f"policy.micro_batch_max_tokens={SEQ_LENGTH}",
+            "policy.mini_batch_size=8",
+            "grpo.num_prompts_per_step=2",
+            "grpo.num_generations=4",
+            "grpo.kl_coef=0.0",
+            "cluster.cpus_per_worker=1",
+        ],
+    )
+
+
+# -------------------------------------------------------------- instrumented workers (timers only)
+
+
+class _TimedWork:
+    """A broadcast's work handle whose wait() adds its blocked seconds to ``timings[key]``."""
+
+    def __init__(self, work, timings: dict, key: str):
+        self.work, self.timings, self.key = work, timings, key
+
+    def wait(self):
+        start = time.perf_counter()
+        try:
+            return self.work.wait()
+        finally:
+            self.timings[self.key] += time.perf_counter() - start
+
+
+def _time_broadcasts(group, timings: dict, key: str) -> None:
+    plain = group.broadcast
+
+    def broadcast(tensor, root: int = 0):
+        return _TimedWork(plain(tensor, root), timings, key)
+
+    group.broadcast = broadcast
+
+
+class TimedPolicyWorker(PolicyWorker):
+    """PolicyWorker with timers around ``send_weights`` (the RankGroup factory of this benchmark)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def open_weight_sync(self, groups: list[dict], backend: str, timeout_s: float) -> None:
+        super().open_weight_sync(groups, backend, timeout_s)
+        self.sync_timings = defaultdict(float)
+        if self.sender.group is not None:
+            _time_broadcasts(self.sender.group, self.sync_timings, "send_wait_s")
+
+    def send_weights(self, plan: list[dict], with_checksums: bool = False) -> dict | None:
+        self.sync_timings.clear()
+        start = time.perf_counter()
+        out = super().send_weights(plan, with_checksums)
+        self.sync_timings["send_total_s"] = time.perf_counter() - start
+        return out
+
+    def take_sync_timings(self) -> dict:
+        return dict(self.sync_timings)
+
+
+def _instrument_receiver(worker) -> None:
+    """Inside the vLLM worker: time the waits on each broadcast and ``model.load_weights``."""
+    engine = worker.weight_transfer_engine
+    timings = engine.__dict__.setdefault("bench_timings", defaultdict(float))
+    for group in engine.groups:
+        _time_broadcasts(group, timings, "recv_wait_s")
+    model = engine.model
+    if "load_weights" not in model.__dict__:
+        plain = model.load_weights
+
+        def load_weights(weights):
+            start = time.perf_counter()
+            try:
+                return plain(weights)
+            finally:
+                timings["load_weights_s"] += time.perf_counter() - start
+
+        model.__dict__["load_weights"] = load_weights
+
+
+def _take_receiver_timings(worker) -> dict:
+    timings = worker.weight_transfer_engine.__dict__.get("bench_timings", {})
+    out = dict(timings)
+    timings.clear()
+    return out
+
+
+class TimedEngine(GenerationWorker):
+    """GenerationWorker with timers around the vLLM calls of ``receive_weights`` (no other change)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sync_timings: dict = defaultdict(float)
+        llm = self.llm
+        plain_rpc, plain_reset = llm.collective_rpc, llm.reset_prefix_cache
+
+        def collective_rpc(method, *a, **kw):
+            start = time.perf_counter()
+            try:
+                return plain_rpc(method, *a, **kw)
+            finally:
+                name = method if isinstance(method, str) else method.__name__
+                self.sync_timings[f"rpc_{name}_s"] += time.perf_counter() - start
+
+        def reset_prefix_cache(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return plain_reset(*a, **kw)
+            finally:
+                self.sync_timings["reset_prefix_cache_s"] += time.perf_counter() - start
+
+        llm.collective_rpc, llm.reset_prefix_cache = collective_rpc, reset_prefix_cache
+        self._plain_rpc = plain_rpc
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def init_weight_sync(self, init_info: dict) -> None:
+        super().init_weight_sync(init_info)
+        self._plain_rpc(_instrument_receiver)
+
+    def receive_weights(self, update_info: dict) -> list[str]:
+        self.sync_timings.clear()
+        start = time.perf_counter()
+        out = super().receive_weights(update_info)
+        self.sync_timings["receive_total_s"] = time.perf_counter() - start
+        return out
+
+    def take_sync_timings(self) -> dict:
+        out = dict(self.sync_timings)
+        out.update(self._plain_rpc(_take_receiver_timings)[0])
+        return out
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def start_timed_engines(cfg, model_dir: Path, count: int, args) -> tuple[list, str | None]:
+    """Up to ``count`` engines (``start_engines``' options and placement, the timed subclass).
+
+    They start one after the other: before each, the machine must keep ``--min-free-gib`` free
+    after another engine of the size the first one turned out to be (the machine is shared; an
+    out-of-memory kill would hit other jobs too). Returns the engines and why fewer started.
+    """
+    import ray
+
+    actor_cls = ray.remote(TimedEngine)
+    engines, per_engine, reason = [], 0, None
+    for index in range(count):
+        need = per_engine + args.min_free_gib * 2**30
+        if engines and mem_available() < need:
+            reason = (
+                f"engine {index + 1} not started: {mem_available() / 2**30:.1f} GiB available, an engine "
+                f"takes {per_engine / 2**30:.1f} GiB and --min-free-gib is {args.min_free_gib}"
+            )
+            print(reason, flush=True)
+            break
+        engine = actor_cls.options(num_cpus=cfg.cluster.cpus_per_worker, num_gpus=0).remote(
+            cfg, str(model_dir), index
+        )
+        ray.get(engine.__ray_ready__.remote(), timeout=args.timeout)
+        engines.append(engine)
+        if not per_engine:
+            per_engine = memory_snapshot([ray.get(engine.pid.remote())])["rss_total"]
+    return engines, reason
+
+
+# ------------------------------------------------------------------------------- transport bound
+
+
+class BoundPeer:
+    """One end of the transport bound: a process that only broadcasts (a Ray actor)."""
+
+    def __init__(self):
+        self.group = None
+        self.flat = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def address(self) -> tuple[str, int]:
+        from megagrpo.parallel.local import free_port, node_ip
+
+        return node_ip(), free_port()
+
+    def open(self, addr: dict, rank: int, backend: str, timeout_s: float, total_bytes: int) -> None:
+        import torch
+
+        from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
+
+        self.group = BroadcastGroup(
+            GroupAddress(**addr), rank, backend=backend, timeout_s=timeout_s, device=torch.device("cpu")
+        )
+        self.rank = rank
+        if self.flat is None or self.flat.numel() != total_bytes:
+            self.flat = None
+            self.flat = torch.empty(total_bytes, dtype=torch.uint8)
+            self.flat.fill_(rank + 1)  # touch every page once, outside the timing
+
+    def broadcast_flat(self) -> float:
+        start = time.perf_counter()
+        self.group.broadcast(self.flat, root=0).wait()
+        return time.perf_counter() - start
+
+    def broadcast_buckets(self, sizes: list[int]) -> float:
+        """The bucket plan's broadcasts, with the sender's and the receivers' buffer discipline."""
+        import torch
+
+        start = time.perf_counter()
+        if self.rank == 0:
+            buffers = [self.flat[: max(sizes)], self.flat[max(sizes) : 2 * max(sizes)]]
+            if buffers[1].numel() < max(sizes):  # a single bucket: one buffer is all it needs
+                buffers[1] = buffers[0]
+            in_flight = [None, None]
+            for i, size in enumerate(sizes):
+                if in_flight[i % 2] is not None:
+                    in_flight[i % 2].wait()
+                in_flight[i % 2] = self.group.broadcast(buffers[i % 2][:size], root=0)
+            for work in in_flight:
+                if work is not None:
+                    work.wait()
+        else:
+
+            def post(i: int):
+                buf = torch.empty(sizes[i], dtype=torch.uint8)
+                return buf, self.group.broadcast(buf, root=0)
+
+            pending = post(0)
+            # vLLM's reload holds views into a received buffer until their layer is complete:
+            # with plans in layer order, about the last two buckets' buffers are alive at once.
+            kept = []
+            for i in range(len(sizes)):
+                buf, work = pending
+                work.wait()
+                if i + 1 < len(sizes):
+                    pending = post(i + 1)
+                kept = [*kept[-1:], buf]
+            del kept
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+# ------------------------------------------------------------------------------------ measuring
+
+
+def machine_busy_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (all CPUs), from /proc/stat."""
+    with open("/proc/stat") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _ray_pids() -> list[int]:
+    """Ray's own daemons (raylet, GCS, ...) started by this benchmark: children of this process."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == os.getpid():
+                out.append(int(entry.name))
+    return out
+
+
+class Contention:
+    """CPUs kept busy by processes other than ``pids`` (and this one) over a timed region."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = sorted(set(pids) | set(_ray_pids()) | {os.getpid()})
+
+    def __enter__(self):
+        self.t0, self.m0 = time.perf_counter(), machine_busy_s()
+        self.o0 = sum(_process_cpu_s(p) for p in self.pids)
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self.t0
+        ours = sum(_process_cpu_s(p) for p in self.pids) - self.o0
+        self.ours_cpu_s = ours
+        self.ours_cpus = ours / wall
+        self.other_cpus = max(0.0, (machine_busy_s() - self.m0 - ours) / wall)
+        return False
+
+
+def run_timed(what: str, fn, pids: list[int]) -> dict:
+    with Contention(pids) as c:
+        start = time.perf_counter()
+        inner = fn()
+        seconds = time.perf_counter() - start
+    return {
+        "what": what,
+        "seconds": seconds,
+        "inner": inner,
+        "ours_cpu_s": c.ours_cpu_s,
+        "ours_cpus": c.ours_cpus,
+        "other_cpus": c.other_cpus,
+    }
+
+
+def median_of(runs: list[dict], key: str = "seconds") -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def median_timings(dicts: list[dict]) -> dict:
+    keys = sorted({k for d in dicts for k in d})
+    return {k: statistics.median(d.get(k, 0.0) for d in dicts) for k in keys}
+
+
+VARIANTS = {
+    "default": {},
+    # glibc serves allocations up to 1 GiB from its heap and never trims it, so a freed bucket
+    # buffer's pages are reused by the next allocation instead of being unmapped and faulted in
+    # again (the process keeps its peak RSS).
+    "glibc_heap": {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**34)},
+}
+
+
+def measure(args: argparse.Namespace, hf_dir: Path, env: dict[str, str]) -> dict:
+    """One Ray session (``env`` added to every process's environment): every configuration."""
+    import ray
+
+    from megagrpo.cluster import RankGroup, start_ray
+    from megagrpo.weight_sync.sync import WeightSync
+
+    report: dict = {"env": env}
+    engine_counts, max_n = list(args.engines), max(args.engines)
+    cfg = bench_config(hf_dir, num_engines=max_n, bucket_mb=args.bucket_mb[0], timeout_s=args.timeout)
+    saved = dict(os.environ)
+    # Ray's local workers inherit the driver's environment: the policy factory below is imported
+    # from this directory by name, and the variant's allocator settings reach every process.
+    paths = [str(REPO / "benchmarks"), os.environ.get("PYTHONPATH")]
+    os.environ.update(env, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    try:
+        # One logical CPU each: policy rank, engines, bound sender and receivers.
+        start_ray(cfg.cluster, num_cpus=2 + 2 * max_n)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    t0 = time.perf_counter()
+    policy = RankGroup(cfg, "sync_bench.TimedPolicyWorker", name="sync-bench", timeout_s=args.timeout)
+    report["startup_s"] = {"policy": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    engines, report["engine_limit"] = start_timed_engines(cfg, hf_dir, max_n, args)
+    report["startup_s"]["engines"] = time.perf_counter() - t0
+    if len(engines) < max_n:
+        # Measure what fits instead: 1, 2, ... up to the engines that started.
+        max_n = len(engines)
+        engine_counts = sorted({min(n, max_n) for n in engine_counts} | {max_n})
+    report["engine_counts"] = engine_counts
+    print(f"policy and {max_n} engines up: {report['startup_s']}", flush=True)
+    pids = policy.call_all("pid") + ray.get([e.pid.remote() for e in engines])
+    report["memory_after_start"] = memory_snapshot(pids)
+    peer_cls = ray.remote(num_cpus=cfg.cluster.cpus_per_worker)(BoundPeer)
+    results = report["results"] = []
+    try:
+        for bucket_mb in args.bucket_mb:
+            cfg_b = bench_config(hf_dir, num_engines=max_n, bucket_mb=bucket_mb, timeout_s=args.timeout)
+            for n in engine_counts:
+                sync = WeightSync(cfg_b, policy, engines[:n], vocab_size=SHAPE["vocab_size"])
+                # Fresh bound actors per configuration: their memory goes when it is done.
+                peers = [peer_cls.remote() for _ in range(1 + n)]
+                peer_pids = ray.get([p.pid.remote() for p in peers])
+                try:
+                    row = measure_config(args, sync, policy, engines[:n], peers, pids + peer_pids)
+                    row["memory"] = memory_snapshot(pids + peer_pids)
+                finally:
+                    for p in peers:
+                        ray.kill(p)
+                results.append({"bucket_mb": bucket_mb, **row})
+        report["memory_end"] = memory_snapshot(pids)
+    except Exception as err:  # e.g. Ray's out-of-memory killer: keep the configurations measured
+        import traceback
+
+        traceback.print_exc()
+        report["error"] = f"{type(err).__name__}: {str(err)[:2000]}"
+        report["memory_at_error"] = memory_snapshot(pids)
+    finally:
+        try:
+            policy.shutdown()
+        finally:
+            ray.shutdown()
+    report["growth"] = growth(results, args.bucket_mb, engine_counts)
+    return report
+
+
+def measure_config(args, sync, policy, targets: list, peers: list, pids: list[int]) -> dict:
+    """Warm-up, probe, then ``args.repeat`` rounds of sync / flat / bucketed for one configuration."""
+    import ray
+
+    from megagrpo.parallel.local import node_ip
+
+    n, total = len(targets), sync.total_bytes
+    sizes = [b["nbytes"] for b in sync.plan]
+    host, port = ray.get(peers[0].address.remote())
+    addr = {"address": host or node_ip(), "port": port, "world_size": 1 + n}
+    ray.get([p.open.remote(addr, rank, "gloo", args.timeout, total) for rank, p in enumerate(peers)])
+
+    def do_sync():
+        sync.sync()
+        return {
+            "trainer": policy.call_first("take_sync_timings"),
+            "engines": ray.get([e.take_sync_timings.remote() for e in targets]),
+        }
+
+    def do_flat():
+        return ray.get([p.broadcast_flat.remote() for p in peers])
+
+    def do_buckets():
+        return ray.get([p.broadcast_buckets.remote(sizes) for p in peers])
+
+    # Warm-up: the first sync replaces the dummy weights and allocates; then the probe.
+    warm = run_timed("sync", do_sync, pids)
+    do_flat()
+    do_buckets()
+    probe = sync.probe()
+    print(
+        f"bucket {sync.cfg.generation.sync_bucket_mb:g} MB, {n} engine(s): {len(sizes)} buckets, "
+        f"{total / MB:.0f} MB, warm-up sync {warm['seconds']:.2f}s, probe error {probe.error:.6f} "
+        f"(max |delta| {probe.max_abs_delta:.2e})",
+        flush=True,
+    )
+    runs = {"sync": [], "flat": [], "bucketed": []}
+    steps = [("sync", do_sync), ("flat", do_flat), ("bucketed", do_buckets)]
+    for r in range(args.repeat):
+        for what, fn in steps if r % 2 == 0 else steps[::-1]:
+            runs[what].append(run_timed(what, fn, pids))
+    ray.get([p.close.remote() for p in peers])
+    row = summarize_row(n, total, sizes, runs, probe, warm)
+    print(
+        f"  sync {row['sync_s']:.3f}s ({row['sync_gb_per_s']:.2f} GB/s), flat {row['flat_s']:.3f}s, "
+        f"bucketed {row['bucketed_s']:.3f}s, sync/flat {row['fraction_of_flat']:.2f}, "
+        f"other CPUs busy {row['other_cpus_median']:.2f}",
+        flush=True,
+    )
+    return row
+
+
+def copy_costs_with(env: dict[str, str], total: int, repeat: int) -> dict:
+    """``copy_costs`` in a fresh interpreter with ``env`` (glibc reads its tunables at start-up)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--copy-costs", str(total), "--repeat", str(repeat)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def copy_costs(total: int, repeat: int) -> dict:
+    """Single-thread memcpy of ``total`` bytes into a touched buffer and into a fresh one (page faults).
+
+    The machine's yardstick for the passes a sync makes over the weights: a receiver's fresh bucket
+    buffer costs the second figure per engine; vLLM's layerwise reload makes several warm copies.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the Ray actors (OMP_NUM_THREADS=1)
+    try:
+        src = torch.ones(total, dtype=torch.uint8)
+        warm_dst = torch.zeros(total, dtype=torch.uint8)
+        warm, fresh = [], []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            warm_dst.copy_(src)
+            warm.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            dst = torch.empty(total, dtype=torch.uint8)
+            dst.copy_(src)
+            fresh.append(time.perf_counter() - start)
+            del dst
+    finally:
+        torch.set_num_threads(threads)
+    return {"bytes": total, "copy_warm_s": statistics.median(warm), "copy_fresh_s": statistics.median(fresh)}
+
+
+def memory_snapshot(pids: list[int]) -> dict:
+    """RSS (bytes) of each benchmark process and the machine's available memory."""
+    rss = {}
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss[str(pid)] = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return {"rss_by_pid": rss, "rss_total": sum(rss.values()), "mem_available": mem_available()}
+
+
+def summarize_row(n: int, total: int, sizes: list[int], runs: dict, probe, warm: dict) -> dict:
+    sync_s, flat_s, bucketed_s = (median_of(runs[k]) for k in ("sync", "flat", "bucketed"))
+    trainer = median_timings([r["inner"]["trainer"] for r in runs["sync"]])
+    engine = median_timings([t for r in runs["sync"] for t in r["inner"]["engines"]])
+    return {
+        "engines": n,
+        "total_bytes": total,
+        "buckets": len(sizes),
+        "largest_bucket_bytes": max(sizes),
+        "sync_s": sync_s,
+        "flat_s": flat_s,
+        "bucketed_s": bucketed_s,
+        "sync_gb_per_s": total / GB / sync_s,
+        "flat_gb_per_s": total / GB / flat_s,
+        "bucketed_gb_per_s": total / GB / bucketed_s,
+        "fraction_of_flat": flat_s / sync_s,
+        "sync_cpu_s": median_of(runs["sync"], "ours_cpu_s"),
+        "flat_cpu_s": median_of(runs["flat"], "ours_cpu_s"),
+        "bucketed_cpu_s": median_of(runs["bucketed"], "ours_cpu_s"),
+        "fraction_of_bucketed": bucketed_s / sync_s,
+        "meets_bound_target": flat_s / sync_s >= 0.8,
+        "flat_in_actor_s": statistics.median(max(r["inner"]) for r in runs["flat"]),
+        "trainer_timings": trainer,
+        "engine_timings": engine,
+        "probe_error": probe.error,
+        "probe_max_abs_delta": probe.max_abs_delta,
+        "warmup_sync_s": warm["seconds"],
+        "other_cpus_median": statistics.median(r["other_cpus"] for v in runs.values() for r in v),
+        "other_cpus_max": max(r["other_cpus"] for v in runs.values() for r in v),
+        "runs": {k: [{kk: vv for kk, vv in r.items() if kk != "inner"} for r in v] for k, v in runs.items()},
+    }
+
+
+def growth(results: list[dict], bucket_mbs: list[float], engine_counts: list[int]) -> dict:
+    """Sync (and bound) time at the most engines over time at the fewest, per bucket size."""
+    lo, hi = min(engine_counts), max(engine_counts)
+    out = {}
+    for bucket_mb in bucket_mbs:
+        rows = {r["engines"]: r for r in results if r["bucket_mb"] == bucket_mb}
+        if lo in rows and hi in rows:
+            g = rows[hi]["sync_s"] / rows[lo]["sync_s"]
+            out[str(bucket_mb)] = {
+                "from_engines": lo,
+                "to_engines": hi,
+                "sync": g,
+                "flat": rows[hi]["flat_s"] / rows[lo]["flat_s"],
+                "bucketed": rows[hi]["bucketed_s"] / rows[lo]["bucketed_s"],
+                "meets_target": g <= 1.2,
+            }
+    return out
+
+
+# ------------------------------------------------------------------------------------- reporting
+
+
+def machine_info() -> dict:
+    import megatron.core
+    import torch
+    import vllm
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in ln
+        ),
+        platform.processor(),
+    )
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_bytes": mem,
+        "loadavg_at_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "megatron_core": getattr(megatron.core, "__version__", None),
+        "git_commit": commit,
+    }
+
+
+def variant_tables(v: dict) -> list[str]:
+    if v.get("error"):
+        first_line = v["error"].splitlines()[0][:300]
+        stopped = f"Stopped after {len(v.get('results', []))} configuration(s): {first_line}"
+        if not v.get("results"):
+            return [stopped]
+    lines = [
+        *([stopped, ""] if v.get("error") else []),
+        *([f"Fewer engines than asked: {v['engine_limit']}.", ""] if v.get("engine_limit") else []),
+        "| bucket MB | engines | buckets | sync s | sync GB/s | flat s | flat GB/s | sync/flat "
+        "| bucketed s | sync/bucketed | CPU-s sync, flat, bucketed | probe error "
+        "| other CPUs busy (median, max) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in v["results"]:
+        ok = "ok" if r["meets_bound_target"] else "MISS"
+        lines.append(
+            f"| {r['bucket_mb']:g} | {r['engines']} | {r['buckets']} | {r['sync_s']:.3f} "
+            f"| {r['sync_gb_per_s']:.3f} "
+            f"| {r['flat_s']:.3f} | {r['flat_gb_per_s']:.3f} | {r['fraction_of_flat']:.2f} {ok} "
+            f"| {r['bucketed_s']:.3f} | {r['fraction_of_bucketed']:.2f} "
+            f"| {r['sync_cpu_s']:.2f}, {r['flat_cpu_s']:.2f}, {r['bucketed_cpu_s']:.2f} "
+            f"| {r['probe_error']:.6f} "
+            f"| {r['other_cpus_median']:.2f}, {r['other_cpus_max']:.2f} |"
+        )
+    lines += ["", "Time growth from the fewest to the most engines (target: sync <= 1.2x):", ""]
+    lines += ["| bucket MB | engines | sync | flat bound | bucketed bound |", "|---:|---|---:|---:|---:|"]
+    for b, g in v["growth"].items():
+        ok = "ok" if g["meets_target"] else "MISS"
+        lines.append(
+            f"| {float(b):g} | {g['from_engines']} -> {g['to_engines']} | {g['sync']:.2f}x {ok} "
+            f"| {g['flat']:.2f}x | {g['bucketed']:.2f}x |"
+        )
+    lines += [
+        "",
+        "Where a sync's time goes (medians, seconds; engine figures are the median over the engines):",
+        "",
+        "| bucket MB | engines | trainer send | trainer blocked on broadcast | engine receive "
+        "| engine blocked on broadcast | load_weights | start_weight_update | finish_weight_update "
+        "| reset_prefix_cache |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in v["results"]:
+        t, e = r["trainer_timings"], r["engine_timings"]
+        lines.append(
+            f"| {r['bucket_mb']:g} | {r['engines']} | {t.get('send_total_s', 0):.3f} "
+            f"| {t.get('send_wait_s', 0):.3f} | {e.get('receive_total_s', 0):.3f} "
+            f"| {e.get('recv_wait_s', 0):.3f} | {e.get('load_weights_s', 0):.3f} "
+            f"| {e.get('rpc_start_weight_update_s', 0):.3f} | {e.get('rpc_finish_weight_update_s', 0):.3f} "
+            f"| {e.get('reset_prefix_cache_s', 0):.3f} |"
+        )
+    cc = v["copy_costs"]
+    lines += [
+        "",
+        f"Yardstick (this allocator setting): one single-thread copy of {cc['bytes'] / MB:.0f} MB takes "
+        f"{cc['copy_warm_s']:.3f} s into a touched buffer and {cc['copy_fresh_s']:.3f} s into a freshly "
+        "allocated one.",
+    ]
+    return lines
+
+
+def write_markdown(path: Path, report: dict) -> None:
+    m, model = report["machine"], report["model"]
+    lines = [
+        "# Weight sync: `WeightSync.sync()` vs one flat gloo broadcast",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Model: Qwen2-shaped fp32, {model['num_layers']} layers, hidden {SHAPE['hidden_size']}, vocabulary "
+        f"{SHAPE['vocab_size']} (tied), {model['bytes'] / MB:.0f} MB. Machine: {m['cpu']}, "
+        f"{m['cpus_usable']} CPUs, {m['memory_bytes'] / 2**30:.0f} GiB, load average at start "
+        f"{m['loadavg_at_start'][0]:.1f}; torch {m['torch']}, vLLM {m['vllm']}; {m['date']}. "
+        f"Medians of {report['args']['repeat']} runs (each kind alternating with the others).",
+    ]
+    for name, v in report["variants"].items():
+        env = " ".join(f"{k}={val}" for k, val in v["env"].items()) or "none"
+        lines += ["", f"## Variant `{name}` (extra environment of every process: {env})", ""]
+        lines += variant_tables(v)
+    lines += [
+        "",
+        "sync: `WeightSync.sync()` (Megatron params -> HF tensors -> buckets -> gloo broadcast -> vLLM",
+        "`load_weights` + layerwise reload), timed by the controller. flat: one `BroadcastGroup.broadcast`",
+        "of one preallocated tensor of the same bytes from 1 sender actor to N receiver actors. bucketed:",
+        "the same actors replaying the sync's bucket sizes and buffer discipline, no conversion or loading.",
+        "GB/s = model bytes / seconds (each receiver gets them all). CPU-s: CPU seconds the benchmark's",
+        "processes (policy rank, engines, bound actors, Ray daemons, controller) used during the run: the",
+        "work done, which contention does not change much. 'other CPUs busy': CPUs used by processes",
+        "other than this benchmark's during the timed runs (the machine is shared).",
+    ]
+    if report.get("findings"):
+        lines += ["", "## Findings", "", *report["findings"]]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=float, default=256, help="model size in MB (>= 200 for the issue)")
+    parser.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4], help="receiving engine counts")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        nargs="+",
+        default=[512, 32],
+        help="generation.sync_bucket_mb values (512 is the config default)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=sorted(VARIANTS),
+        default=list(VARIANTS),
+        help="allocator settings to run (each is its own Ray session)",
+    )
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs of each kind per configuration")
+    parser.add_argument("--timeout", type=float, default=600, help="start-up and sync timeout, seconds")
+    parser.add_argument(
+        "--min-free-gib",
+        type=float,
+        default=3.0,
+        help="start another engine only if this much memory stays available after it",
+    )
+    parser.add_argument("--output", default="sync", help="results/<output>.json and .md")
+    parser.add_argument("--copy-costs", type=int, metavar="BYTES", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.copy_costs:  # the yardstick, in a child interpreter with a variant's environment
+        print(json.dumps(copy_costs(args.copy_costs, args.repeat)))
+        return None
+    if args.size_mb < 200:
+        print(f"note: --size-mb {args.size_mb} is below the issue's 200 MB", flush=True)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    report = {
+        "command": " ".join([".venv/bin/python", "benchmarks/sync_bench.py", *(argv or sys.argv[1:])]),
+        "args": vars(args),
+        "machine": machine_info(),
+    }
+    layers = layers_for(args.size_mb)
+    hf_dir = source_model(layers)
+    report["model"] = {
+        "dir": str(hf_dir),
+        "shape": SHAPE,
+        "num_layers": layers,
+        "dtype": "float32",
+        "tie_word_embeddings": True,
+        "bytes": model_bytes(layers),
+    }
+    report["variants"] = {}
+    for name in args.variants:
+        print(f"--- variant {name}: {VARIANTS[name] or 'no extra environment'}", flush=True)
+        try:
+            variant = measure(args, hf_dir, VARIANTS[name])
+        except Exception as err:  # keep what the other variants measured; say why this one stopped
+            import traceback
+
+            traceback.print_exc()
+            variant = {"env": VARIANTS[name], "error": f"{type(err).__name__}: {str(err)[:2000]}"}
+        variant["copy_costs"] = copy_costs_with(VARIANTS[name], model_bytes(layers), args.repeat)
+        report["variants"][name] = variant
+        write_report(report, args.output)
+    return report
+
+
+def write_report(report: dict, output: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{output}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_markdown(RESULTS / f"{output}.md", report)
+    print(f"wrote {RESULTS / output}.json and .md", flush=True)
+
+
+if __name__ == "__main__":
+    main()

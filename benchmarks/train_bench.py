@@ -1,0 +1,467 @@
+#!/usr/bin/env python3
+"""Policy training throughput: ``PolicyWorker.train()`` against a bare Megatron step on the same tokens.
+
+    python benchmarks/train_bench.py                      # CPU: TP=1 and TP=2, writes results/train.*
+    python benchmarks/train_bench.py --profile            # + cProfile / torch.profiler of both steps
+    python benchmarks/train_bench.py --preset qwen2-1.5b --tp 1 --seq 4096 ... (GPU, see gpu_h200.sh)
+
+Both steps run in the same rank processes, on the same model (the worker's own engine, built by
+``megagrpo.policy.engine.build_engine``: same weights, DDP buffers and optimizer) and on the same
+micro-batches (``pack_by_token_budget`` over the same DP shard, padded layout):
+
+- ``train``: ``worker.train(batch)`` with ``policy.mini_batch_size`` = the whole batch, so one
+  optimizer step per call. ``old_logprobs`` (and ``gen_logprobs`` for the TIS weight of the
+  default config) are computed once before timing, as the GRPO driver does before its updates.
+- ``bare``: ``forward_backward`` with Megatron's own ``vocab_parallel_cross_entropy`` summed over
+  the same response tokens, then ``optimizer_step``: what a plain Megatron SFT step costs.
+
+Timed iterations alternate the two (ABBA order, so drift on a shared machine hits both alike);
+medians are reported. tokens/s counts the real (unpadded) tokens of the batch; the target of the
+policy issue is train/bare >= 0.85. With ``--profile`` rank 0 also records one step of each under
+cProfile (Python time by function) and torch.profiler (op time), summarized into the JSON.
+
+On CUDA the JSON also has peak memory and MFU: model FLOPs per token ``6 N`` (N = all parameters,
+the tied embedding counted once: that is the output projection's matmul) and, separately,
+``6 N + 12 L h s`` (attention score and context matmuls, forward + backward, full s x s as in PaLM's
+formula; the causal half is not subtracted), over ``--peak-tflops`` (H200 dense bf16: 989).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # runnable from a checkout without installing megagrpo
+
+from megagrpo.types import TrainBatch  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+
+# Model shapes: the CPU default is small enough for a 2-core machine; qwen2-1.5b is the real shape.
+PRESETS = {
+    "cpu": dict(
+        num_layers=4,
+        hidden_size=512,
+        ffn_hidden_size=1408,
+        num_attention_heads=8,
+        num_query_groups=2,
+        vocab_size=32000,
+    ),
+    "qwen2-1.5b": dict(
+        num_layers=28,
+        hidden_size=1536,
+        ffn_hidden_size=8960,
+        num_attention_heads=12,
+        num_query_groups=2,
+        vocab_size=151936,
+    ),
+    # Same code path as qwen2-1.5b at toy size, for checking the GPU script on a CPU.
+    "smoke": dict(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=1000,
+    ),
+}
+
+
+# ------------------------------------------------------------------------------------ the workload
+
+
+def bench_config(args, tp: int):
+    """The run config: the tiny-model defaults with the benchmark's shape, batch and parallelism."""
+    from megagrpo.config import load_config
+
+    shape = PRESETS[args.preset]
+    overrides = [f"model.tiny.{k}={v}" for k, v in shape.items()]
+    overrides += [
+        "model.tiny.tie_word_embeddings=true",
+        f"model.tiny.max_position_embeddings={args.seq}",
+        f"model.seq_length={args.seq}",
+        f"model.dtype={args.dtype}",
+        f"generation.max_new_tokens={args.seq - args.seq // 4}",
+        f"parallel.tensor_model_parallel_size={tp}",
+        "parallel.transformer_impl=local",
+        f"parallel.backend={args.backend}",
+        f"policy.micro_batch_max_tokens={args.budget}",
+        f"policy.mini_batch_size={args.batch}",
+        f"policy.logprob_chunk_size={args.chunk}",
+        # The loss as the tiny default runs it, pinned: no reference model (its logprobs would be one
+        # more forward outside the step), TIS on the generator's logprobs.
+        "grpo.kl_coef=0.0",
+        "grpo.tis_cap=2.0",
+        # one prompt x batch samples, so that mini_batch_size = batch divides the rollouts
+        "grpo.num_prompts_per_step=1",
+        f"grpo.num_generations={args.batch}",
+    ]
+    return load_config(None, overrides)
+
+
+def make_batch(args, vocab_size: int) -> TrainBatch:
+    """Fixed random sequences: lengths in [seq * min_frac, seq], prompts a quarter of each."""
+    gen = torch.Generator().manual_seed(0)
+    low = max(2, int(args.seq * args.min_len_frac))
+    seqs, prompts = [], []
+    for _ in range(args.batch):
+        length = int(torch.randint(low, args.seq + 1, (1,), generator=gen))
+        seqs.append(torch.randint(1, vocab_size, (length,), generator=gen).tolist())
+        prompts.append(max(1, length // 4))
+    batch = TrainBatch.from_sequences(seqs, prompts)
+    return batch.replace(advantages=torch.randn(args.batch, generator=gen))
+
+
+def packed_micro_batches(batch: TrainBatch, shard: list[int], budget: int) -> list[dict]:
+    """The micro-batches PolicyWorker packs for ``shard`` (same grouping, same padded tensors)."""
+    from megagrpo.policy.packing import pack_by_token_budget
+
+    lengths = [int(batch.lengths[i]) for i in shard]
+    out = []
+    for group in pack_by_token_budget(lengths, budget, padded=True):
+        sub = batch.select([shard[g] for g in group])
+        seq = sub.input_ids.shape[1]
+        out.append(
+            {"tokens": sub.input_ids, "position_ids": torch.arange(seq).expand(sub.size, -1), "sub": sub}
+        )
+    return out
+
+
+def cross_entropy_loss(logits: torch.Tensor, micro: dict):
+    """Megatron's vocab-parallel cross-entropy, summed over the response tokens (per-token protocol)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    sub: TrainBatch = micro["sub"]
+    # Position t predicts token t + 1; the last position's label is a dummy, masked out below.
+    labels_BS = torch.roll(sub.input_ids, -1, dims=1).to(logits.device)  # [b, s]
+    loss_BS = vocab_parallel_cross_entropy(logits, labels_BS)  # [b, s] fp32, logits [b, s, v / tp]
+    mask_BT = sub.response_mask().to(logits.device)  # [b, s - 1]
+    loss = torch.where(mask_BT, loss_BS[:, :-1], torch.zeros_like(loss_BS[:, :-1])).sum()
+    return loss, mask_BT.sum().to(torch.int), {}
+
+
+# --------------------------------------------------------------------------------------- the rank
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _recompute_core_attention(module: torch.nn.Module) -> int:
+    """Megatron's selective recompute of core attention, switched on after the model is built.
+
+    The local spec's attention is unfused: it keeps fp32 and bf16 [b, heads, s, s] probabilities for
+    the backward pass, ~34 GB per 4K-token sequence at the 1.5B shape; recomputing it keeps only
+    q/k/v. megagrpo's config has no recompute knob yet, so the benchmark sets Megatron's flag.
+    """
+    layers = module.decoder.layers
+    for layer in layers:
+        layer.self_attention.checkpoint_core_attention = True
+    return len(layers)
+
+
+def _profile_steps(steps: dict, device: torch.device, top: int = 25) -> dict:
+    """cProfile and torch.profiler summaries of one call of each step."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, fn in steps.items():
+        prof = cProfile.Profile()
+        _sync(device)
+        prof.enable()
+        fn()
+        _sync(device)
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as tprof:
+            fn()
+            _sync(device)
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        out[name] = {
+            "cprofile_cumulative": text.getvalue(),
+            "torch_ops": tprof.key_averages().table(sort_by=sort, row_limit=top),
+        }
+    return out
+
+
+def rank_main(rank: int, world_size: int, args) -> dict:
+    from megagrpo.parallel import destroy_parallel
+    from megagrpo.policy.engine import forward_backward, optimizer_step
+    from megagrpo.policy.worker import PolicyWorker
+    from megagrpo.types import balanced_shards
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = bench_config(args, world_size)
+    worker = PolicyWorker(cfg)
+    try:
+        engine, device = worker.engine, worker.ctx.device
+        recomputed = _recompute_core_attention(engine.module) if args.recompute_core_attn else 0
+        batch = make_batch(args, cfg.model.tiny.vocab_size)
+        # Outside the timing, as the driver does before its updates: the PPO denominator, and the
+        # generator's logprobs that the default config's TIS weight (grpo.tis_cap) needs.
+        old = worker.logprobs(batch)
+        gen = old + 0.01 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
+        batch = batch.replace(old_logprobs=old, gen_logprobs=gen)
+        shard = balanced_shards(batch.lengths.tolist(), worker.ctx.dp_size)[worker.ctx.dp_rank]
+        micro = packed_micro_batches(batch, shard, cfg.policy.micro_batch_max_tokens)
+        # The baseline must see exactly the worker's micro-batches (checked against its own packing).
+        theirs = [m["tokens"] for _, m in worker._micro_batches(batch, shard)]
+        if len(theirs) != len(micro) or not all(map(torch.equal, theirs, (m["tokens"] for m in micro))):
+            raise RuntimeError("the baseline's micro-batches differ from PolicyWorker's packing")
+
+        def train_step():
+            (metrics,) = worker.train(batch)
+            return metrics
+
+        def bare_step():
+            forward_backward(engine, micro, cross_entropy_loss)
+            return optimizer_step(engine)
+
+        steps = {"train": train_step, "bare": bare_step}
+        times: dict[str, list[float]] = {"train": [], "bare": []}
+        cpu_times: dict[str, list[float]] = {"train": [], "bare": []}
+        peak: dict[str, int] = {}
+        for i in range(args.warmup + args.iters):
+            # ABBA: each pair runs in the opposite order of the previous one.
+            for name in ("train", "bare") if i % 2 == 0 else ("bare", "train"):
+                _sync(device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                start, cpu_start = time.perf_counter(), time.process_time()
+                steps[name]()
+                _sync(device)
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+                    cpu_times[name].append(time.process_time() - cpu_start)
+            if rank == 0:
+                done = {k: f"{v[-1]:.2f}s" for k, v in times.items() if v and i >= args.warmup}
+                print(f"[train_bench] rank 0 iteration {i}: {done or 'warm-up'}", flush=True)
+                if device.type == "cuda":
+                    peak[name] = max(peak.get(name, 0), torch.cuda.max_memory_allocated(device))
+        result = {
+            "rank": rank,
+            "times_s": times,
+            "cpu_times_s": cpu_times,
+            "peak_mem_bytes": peak,
+            "threads": torch.get_num_threads(),
+            "micro_batches": [list(m["tokens"].shape) for m in micro],
+            "shard_tokens": int(sum(int(batch.lengths[i]) for i in shard)),
+            "params_local": sum(p.numel() for p in engine.module.parameters()),
+            "recomputed_attention_layers": recomputed,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        }
+        if args.profile:
+            # Every rank runs the profiled steps (they are collective); rank 0's summary is kept.
+            profile = _profile_steps(steps, device)
+            if rank == 0:
+                result["profile"] = profile
+        return result
+    finally:
+        destroy_parallel()
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def model_params(shape: dict, tied: bool = True) -> int:
+    """Parameters of the Qwen2-shaped model (Megatron pads the vocabulary to a multiple of 128)."""
+    from megagrpo.models.builder import padded_vocab_size
+
+    h, f, layers = shape["hidden_size"], shape["ffn_hidden_size"], shape["num_layers"]
+    head = h // shape["num_attention_heads"]
+    qkv = h + 2 * shape["num_query_groups"] * head
+    per_layer = h * qkv + qkv + h * h + 3 * h * f + 2 * h  # qkv (+bias), proj, gated MLP, 2 norms
+    vocab = padded_vocab_size(shape["vocab_size"])
+    return layers * per_layer + h + vocab * h * (1 if tied else 2)
+
+
+def summarize(args, tp: int, ranks: list[dict]) -> dict:
+    tokens = sum(r["shard_tokens"] for r in ranks) // tp  # each TP group of ranks shares one shard
+    out = {"tp": tp, "ranks": tp, "tokens_per_step": tokens}
+    # A step ends when its slowest rank does.
+    per_iter = {
+        k: [max(v) for v in zip(*(r["times_s"][k] for r in ranks), strict=True)] for k in ("train", "bare")
+    }
+    for name, times in per_iter.items():
+        med = statistics.median(times)
+        out[name] = {
+            "step_s_median": med,
+            "step_s_all": times,
+            "tokens_per_s_median": tokens / med,
+        }
+    out["ratio_train_over_bare"] = out["train"]["tokens_per_s_median"] / out["bare"]["tokens_per_s_median"]
+    pairs = [b / t for t, b in zip(per_iter["train"], per_iter["bare"], strict=True)]
+    out["ratio_per_pair_median"] = statistics.median(pairs)
+    # The fastest step of each: the least disturbed by other jobs on a shared machine.
+    out["ratio_min_step"] = min(per_iter["bare"]) / min(per_iter["train"])
+    # Process CPU time (all threads) per step: less sensitive than wall time to other jobs taking the
+    # cores of a shared machine (a descheduled rank accrues no CPU time).
+    cpu = {
+        k: statistics.median(max(v) for v in zip(*(r["cpu_times_s"][k] for r in ranks), strict=True))
+        for k in ("train", "bare")
+    }
+    out["cpu_time_s_median"] = cpu
+    out["ratio_cpu_time"] = cpu["bare"] / cpu["train"]
+    out["target_met"] = out["ratio_train_over_bare"] >= 0.85
+    out["micro_batches"] = ranks[0]["micro_batches"]
+    out["threads_per_rank"] = ranks[0]["threads"]
+    out["recomputed_attention_layers"] = ranks[0]["recomputed_attention_layers"]
+    if ranks[0]["peak_mem_bytes"]:
+        out["peak_mem_gib"] = {k: v / 2**30 for k, v in ranks[0]["peak_mem_bytes"].items()}
+    if args.peak_tflops:
+        shape = PRESETS[args.preset]
+        n = model_params(shape)
+        attn = 12 * shape["num_layers"] * shape["hidden_size"] * args.seq
+        out["params"] = n
+        out["params_counted_rank0"] = ranks[0]["params_local"]
+        for name in ("train", "bare"):
+            rate = out[name]["tokens_per_s_median"]
+            out[name]["tflops_6n"] = 6 * n * rate / 1e12
+            out[name]["mfu_6n"] = 6 * n * rate / (args.peak_tflops * 1e12 * tp)
+            out[name]["mfu_6n_attn"] = (6 * n + attn) * rate / (args.peak_tflops * 1e12 * tp)
+    if "profile" in ranks[0]:
+        out["profile"] = ranks[0]["profile"]
+    return out
+
+
+def machine_info() -> dict:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    import megatron.core
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "loadavg_at_start": os.getloadavg(),
+        "torch": torch.__version__,
+        "megatron_core": getattr(megatron.core, "__version__", None),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "git_commit": commit,
+    }
+    return info
+
+
+def write_markdown(path: Path, report: dict) -> None:
+    a, m = report["args"], report["machine"]
+    lines = [
+        "# Policy train step vs bare Megatron step",
+        "",
+        f"{m['date']}, {m['cuda'] or 'CPU'}, {m['cpus_usable']} usable CPUs, torch {m['torch']}, "
+        f"megatron-core {m['megatron_core']}, commit {str(m['git_commit'])[:10]}.",
+        f"Model `{a['preset']}` {report['shape']} ({a['dtype']}), {a['batch']} sequences of "
+        f"{int(a['seq'] * a['min_len_frac'])}-{a['seq']} tokens, micro-batch budget {a['budget']}, "
+        f"logprob chunk {a['chunk']}; {a['warmup']} warm-up + {a['iters']} timed iterations of each, "
+        "alternating; medians. Ratios are train/bare throughput: of the median wall times, the median of "
+        "the per-pair ratios, of the fastest step of each, and of the median CPU time of the rank "
+        "processes. Command: `" + report["command"] + "`",
+        "",
+        "| TP | tokens/step | train tokens/s | bare tokens/s | ratio | per-pair median | fastest steps "
+        "| CPU-time ratio | target 0.85 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["runs"]:
+        lines.append(
+            f"| {r['tp']} | {r['tokens_per_step']} | {r['train']['tokens_per_s_median']:.1f} | "
+            f"{r['bare']['tokens_per_s_median']:.1f} | {r['ratio_train_over_bare']:.3f} | "
+            f"{r['ratio_per_pair_median']:.3f} | {r['ratio_min_step']:.3f} | {r['ratio_cpu_time']:.3f} | "
+            f"{'met' if r['target_met'] else 'missed'} |"
+        )
+    if any("mfu_6n" in r["train"] for r in report["runs"]):
+        lines += ["", "| TP | step | MFU 6N | MFU 6N+attn | peak GiB |", "| --- | --- | --- | --- | --- |"]
+        for r in report["runs"]:
+            for name in ("train", "bare"):
+                lines.append(
+                    f"| {r['tp']} | {name} | {r[name]['mfu_6n']:.3f} | {r[name]['mfu_6n_attn']:.3f} | "
+                    f"{r.get('peak_mem_gib', {}).get(name, float('nan')):.1f} |"
+                )
+    if report.get("notes"):
+        lines += ["", *report["notes"]]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="model shape")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="one run (of TP ranks) per value")
+    p.add_argument("--batch", type=int, default=16, help="sequences (one optimizer step)")
+    p.add_argument("--seq", type=int, default=512, help="longest sequence")
+    p.add_argument("--min-len-frac", type=float, default=0.5, help="shortest sequence as a fraction of --seq")
+    p.add_argument("--budget", type=int, default=2048, help="policy.micro_batch_max_tokens")
+    p.add_argument("--chunk", type=int, default=1024, help="policy.logprob_chunk_size")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations of each step")
+    p.add_argument("--iters", type=int, default=6, help="timed iterations of each step")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpus / ranks on CPU)")
+    p.add_argument("--recompute-core-attn", action="store_true", help="Megatron selective recompute")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (H200 bf16: 989)")
+    p.add_argument("--profile", action="store_true", help="cProfile + torch.profiler one step of each")
+    p.add_argument("--out", type=Path, default=RESULTS / "train.json", help=".json; a .md is written beside")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run of ranks")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    from megagrpo.parallel.local import run_local_ranks
+
+    args = parse_args(argv)
+    report = {
+        "benchmark": "policy train step vs bare Megatron forward+backward+optimizer step",
+        "command": " ".join(["python", *sys.argv]) if argv is None else " ".join(argv),
+        "machine": machine_info(),
+        "shape": PRESETS[args.preset],
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "runs": [],
+    }
+    cpus = report["machine"]["cpus_usable"] or os.cpu_count() or 1
+    for tp in args.tp:
+        run_args = argparse.Namespace(**vars(args))
+        if not args.threads and not torch.cuda.is_available():
+            run_args.threads = max(1, cpus // tp)  # no oversubscription of the cores
+        print(f"[train_bench] TP={tp}: {args.warmup} warm-up + {args.iters} timed iterations", flush=True)
+        ranks = run_local_ranks(rank_main, tp, run_args, timeout_s=args.timeout)
+        run = summarize(run_args, tp, ranks)
+        report["runs"].append(run)
+        # Written after every run, so a later run that fails or times out loses nothing.
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_markdown(args.out.with_suffix(".md"), report)
+        print(
+            f"[train_bench] TP={tp}: train {run['train']['tokens_per_s_median']:.1f} tok/s, "
+            f"bare {run['bare']['tokens_per_s_median']:.1f} tok/s, ratio {run['ratio_train_over_bare']:.3f}"
+            + (f", MFU(6N) train {run['train']['mfu_6n']:.3f}" if "mfu_6n" in run["train"] else ""),
+            flush=True,
+        )
+    print(f"[train_bench] wrote {args.out} and {args.out.with_suffix('.md')}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
