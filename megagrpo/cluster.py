@@ -23,6 +23,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megagrpo.config import ClusterConfig, Config
 
+# Fraction of a GPU a trainer rank reserves under colocated placement; its engine takes the rest.
+COLOCATED_SHARE = 0.5
+
 
 def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Config | None = None) -> None:
     """Join ``cluster.ray_address`` or start a local Ray; idempotent.
@@ -90,15 +93,19 @@ class RankGroup:
         self.world_size = cfg.parallel.world_size
         self.timeout_s = timeout_s
         gpus = cfg.cluster.gpus_per_node > 0
-        bundle = (
-            {"GPU": 1, "CPU": cfg.cluster.cpus_per_worker} if gpus else {"CPU": cfg.cluster.cpus_per_worker}
-        )
+        colocated = cfg.generation.placement == "colocated"
+        bundle = {"CPU": cfg.cluster.cpus_per_worker}
+        if gpus:
+            bundle["GPU"] = 1
+        if colocated:
+            bundle["CPU"] += cfg.cluster.cpus_per_worker  # room for the engine sharing the bundle
         self.pg = placement_group([bundle] * self.world_size, strategy="PACK", name=f"megagrpo-{name}")
         ray.get(self.pg.ready(), timeout=timeout_s)
         self.actors = [
             RankActor.options(
                 num_cpus=cfg.cluster.cpus_per_worker,
-                num_gpus=1 if gpus else 0,
+                # Colocated: a rank and an engine share each GPU (the engine sleeps while we train).
+                num_gpus=(COLOCATED_SHARE if colocated else 1) if gpus else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank
                 ),
@@ -160,16 +167,31 @@ def _is_large(value: Any) -> bool:
     return dataclasses.is_dataclass(value)
 
 
-def start_engines(cfg: Config, model_dir: str, *, timeout_s: float = 600.0) -> list:
-    """``generation.num_engines`` vLLM engines as Ray actors (started in parallel, returned when ready)."""
+def start_engines(
+    cfg: Config, model_dir: str, *, policy: RankGroup | None = None, timeout_s: float = 600.0
+) -> list:
+    """``generation.num_engines`` vLLM engines as Ray actors (started in parallel, returned when ready).
+
+    Colocated placement puts engine ``i`` in the policy's bundle ``i`` (sharing that rank's GPU);
+    disaggregated engines get devices of their own.
+    """
     from megagrpo.generation.worker import GenerationWorker
 
-    gpus = cfg.generation.engine_tensor_parallel_size if cfg.cluster.gpus_per_node > 0 else 0
     actor_cls = ray.remote(GenerationWorker)
-    engines = [
-        actor_cls.options(num_cpus=cfg.cluster.cpus_per_worker, num_gpus=gpus).remote(cfg, model_dir, index)
-        for index in range(cfg.generation.num_engines)
-    ]
+    colocated = cfg.generation.placement == "colocated"
+    if colocated and (policy is None or cfg.generation.num_engines > policy.world_size):
+        raise ValueError("colocated placement needs the policy group and at most one engine per trainer rank")
+    engines = []
+    for index in range(cfg.generation.num_engines):
+        options: dict = {"num_cpus": cfg.cluster.cpus_per_worker}
+        if colocated:
+            options["num_gpus"] = 1 - COLOCATED_SHARE
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=policy.pg, placement_group_bundle_index=index
+            )
+        elif cfg.cluster.gpus_per_node > 0:
+            options["num_gpus"] = cfg.generation.engine_tensor_parallel_size
+        engines.append(actor_cls.options(**options).remote(cfg, model_dir, index))
     # Construction happens in the actor's __init__; any method call waits for it.
     ready = [e.__ray_ready__.remote() for e in engines]
     done, pending = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)

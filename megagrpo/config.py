@@ -321,7 +321,7 @@ class GenerationConfig:
     """KV-cache size for vLLM's CPU backend in GiB; null keeps vLLM's default."""
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM (slower decode, faster start, less memory)."""
-    placement: Literal["colocated", "disaggregated"] = "colocated"
+    placement: Literal["colocated", "disaggregated"] = "disaggregated"
     """Engines share the trainer's devices (sleeping during training), or run on devices of their own."""
     sync_bucket_mb: float = 512.0
     """Size of the buckets weights are sent to the engines in, in MiB."""
@@ -662,6 +662,18 @@ class Config:
             self.parallel.backend != "nccl" or cluster.gpus_per_node > 0,
             ("parallel.backend", "cluster.gpus_per_node"),
             "backend 'nccl' needs GPUs (gpus_per_node > 0)",
+        )
+        _require(
+            gen.placement != "colocated" or cluster.gpus_per_node > 0,
+            ("generation.placement", "cluster.gpus_per_node"),
+            "colocated placement needs GPUs (engines sleep during training with vLLM's CUDA-only sleep "
+            "mode); use 'disaggregated' on CPU",
+        )
+        _require(
+            gen.placement != "colocated" or gen.engine_tensor_parallel_size == 1,
+            ("generation.placement", "generation.engine_tensor_parallel_size"),
+            "colocated placement shares one GPU per engine with a trainer rank: engine_tensor_parallel_size "
+            "must be 1 (use 'disaggregated' for multi-GPU engines)",
         )
         if cluster.gpus_per_node == 0:
             return

@@ -59,7 +59,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     save_config(cfg, run_dir / "config.yaml")
     start_ray(cfg.cluster, cfg=cfg)
     policy = RankGroup(cfg, POLICY)
-    engines = start_engines(cfg, model_dir)
+    engines = start_engines(cfg, model_dir, policy=policy)
     sync = WeightSync(cfg, policy, engines, vocab_size=run_model(cfg).shape.vocab_size)
     step, position = restore(cfg, policy, resume)
     timings = {"sync_s": sync.sync()}
@@ -85,6 +85,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
                         cfg, engines, source, scorer, position, step
                     )
                 batch = to_train_batch(cfg, rollouts)
+                set_engines_awake(cfg, engines, False)  # colocated: hand the GPUs to the trainer
                 with timed(timings, "logprobs_s"):
                     batch = batch.replace(old_logprobs=policy.call_first("logprobs", batch))
                     if cfg.grpo.kl_coef > 0:
@@ -92,6 +93,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
                 with timed(timings, "train_s"):
                     train_metrics = mean_metrics(policy.call_first("train", batch))
                 with timed(timings, "sync_s"):
+                    set_engines_awake(cfg, engines, True)
                     sync.sync()
                     probe = sync.probe()
                 metrics = step_metrics(cfg, rollouts, batch, train_metrics, probe.error, filtered)
@@ -317,6 +319,15 @@ def step_metrics(cfg, rollouts: Rollouts, batch: TrainBatch, train: dict, probe_
         "sync/probe_error": probe_error,
         **prefixed("train", train),
     }
+
+
+def set_engines_awake(cfg: Config, engines: list, awake: bool) -> None:
+    """Colocated placement: engines release their GPU memory while the trainer runs and take it
+    back before receiving the new weights. Disaggregated engines stay up."""
+    if cfg.generation.placement != "colocated":
+        return
+    calls = [(e.wake_up if awake else e.sleep).remote() for e in engines]
+    ray.get(calls, timeout=cfg.generation.sync_timeout_s)
 
 
 def mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:

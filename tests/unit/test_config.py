@@ -330,6 +330,17 @@ def test_yaml_syntax_error_and_non_mapping_top_level(tmp_path):
             "num_val_prompts is 0",
         ),
         (["parallel.backend=nccl"], ["parallel.backend", "cluster.gpus_per_node"], "needs GPUs"),
+        (["generation.placement=colocated"], ["generation.placement", "cluster.gpus_per_node"], "needs GPUs"),
+        (
+            [
+                "cluster.gpus_per_node=8",
+                "generation.placement=colocated",
+                "generation.engine_tensor_parallel_size=2",
+                "model.tiny.num_attention_heads=4",
+            ],
+            ["generation.placement", "generation.engine_tensor_parallel_size"],
+            "must be 1",
+        ),
         (
             ["cluster.gpus_per_node=1", "generation.placement=disaggregated"],
             ["parallel.data_parallel_size", "generation.num_engines", "cluster.gpus_per_node"],
