@@ -56,6 +56,8 @@ class GenerationWorker:
     def __init__(self, cfg: Config, model_dir: str, engine_index: int = 0, *, dummy_weights: bool = True):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generation.cpu_kvcache_space_gib))
+        # vLLM logs every weight reload at INFO/WARNING; the driver reports what matters per step.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
