@@ -2,14 +2,17 @@
 """Weight sync Megatron -> vLLM: ``WeightSync.sync()`` against one flat broadcast of the same bytes.
 
     .venv/bin/python benchmarks/sync_bench.py [--size-mb 256] [--engines 1 2 4] [--bucket-mb 512 32]
-                                              [--variants default glibc_heap] [--repeat 5] [--output sync]
+                                              [--variants default glibc_heap] [--heap-max-engines 2]
+                                              [--repeat 5] [--output sync]
+    .venv/bin/python benchmarks/sync_bench.py --render     # rewrite results/sync.md from sync.json
 
 Builds a random Qwen2-shaped fp32 checkpoint of at least ``--size-mb`` MB (hidden 1024, FFN 2816,
 16 heads, 4 KV heads, vocabulary 32000, tied embeddings; layers added until the size is reached;
 cached under ``benchmarks/results/tmp/``), starts a local Ray with one policy ``RankGroup`` (TP=1,
 one rank, loading that checkpoint) and ``max(--engines)`` vLLM engines (CPU backend, eager, 1 GiB
-KV cache, dummy weights: the first sync delivers the real ones), and for every bucket size and
-every engine count N:
+KV cache, dummy weights: the first sync delivers the real ones; started one after another, each
+only if ``--min-free-gib`` stays available after it, else fewer engines are measured and the
+report says why), and for every bucket size and every engine count N:
 
 - ``sync``: ``WeightSync(cfg, policy, engines[:N]).sync()`` as the driver calls it, timed by the
   controller (it returns its own seconds); GB/s = ``sync.total_bytes`` / seconds. One untimed
@@ -20,12 +23,14 @@ every engine count N:
   the controller around the same kind of Ray round trip.
 - ``bucketed``: the same actors replay the sync's bucket sizes with its protocol (sender: two
   buffers, at most two broadcasts in flight; receivers: a fresh buffer per bucket, the next one
-  posted when the previous arrived, as ``vllm_engine.receive_weights`` does), without any
-  conversion or loading: the bound for this bucket plan.
+  posted when the previous arrived, as ``vllm_engine.receive_weights`` does, the last two kept
+  alive as vLLM's layerwise reload keeps them), without any conversion or loading: the bound for
+  this bucket plan. Bound actors are started afresh for every configuration.
 
 The three alternate in every repeat (ABC, then CBA) so drift on a shared machine hits them alike;
-medians are reported. Targets of the weight-sync issue: sync / flat >= 0.8 (as GB/s), and sync time
-growing <= 1.2x from 1 to the most engines.
+medians are reported, with the CPU seconds all the benchmark's processes used in each run (the
+work done, steadier than time on a shared machine). Targets of the weight-sync issue: sync / flat
+>= 0.8 (as GB/s), and sync time growing <= 1.2x from 1 to the most engines.
 
 Where the time goes: the engines are ``GenerationWorker`` subclasses whose only addition is timers
 around the pieces of ``receive_weights`` (the vLLM collective RPCs, the waits on each bucket's
@@ -39,6 +44,8 @@ buffers (the sender's two bucket buffers, a receive buffer per bucket, vLLM's pe
 tensors and CPU weight repacking); by default glibc maps each from the kernel and unmaps it when
 freed, so every sync pays page faults on all of them. The single-thread copy of the model's bytes
 into a touched and into a fresh buffer, reported per variant, is the yardstick for that cost.
+Processes keep their peak memory in this variant, so it runs at most ``--heap-max-engines``
+engines (4 engines of the default model did not fit in 24 GiB next to other jobs).
 
 CPU contention: every timed run records the CPUs that processes other than this benchmark's kept
 busy meanwhile (machine busy time from /proc/stat minus the benchmark's processes).
@@ -497,7 +504,7 @@ VARIANTS = {
 }
 
 
-def measure(args: argparse.Namespace, hf_dir: Path, env: dict[str, str]) -> dict:
+def measure(args: argparse.Namespace, hf_dir: Path, env: dict[str, str], max_engines: int) -> dict:
     """One Ray session (``env`` added to every process's environment): every configuration."""
     import ray
 
@@ -505,7 +512,8 @@ def measure(args: argparse.Namespace, hf_dir: Path, env: dict[str, str]) -> dict
     from megagrpo.weight_sync.sync import WeightSync
 
     report: dict = {"env": env}
-    engine_counts, max_n = list(args.engines), max(args.engines)
+    engine_counts = sorted({min(n, max_engines) for n in args.engines})
+    max_n = max(engine_counts)
     cfg = bench_config(hf_dir, num_engines=max_n, bucket_mb=args.bucket_mb[0], timeout_s=args.timeout)
     saved = dict(os.environ)
     # Ray's local workers inherit the driver's environment: the policy factory below is imported
@@ -851,9 +859,37 @@ def write_markdown(path: Path, report: dict) -> None:
         "work done, which contention does not change much. 'other CPUs busy': CPUs used by processes",
         "other than this benchmark's during the timed runs (the machine is shared).",
     ]
-    if report.get("findings"):
-        lines += ["", "## Findings", "", *report["findings"]]
+    lines += comparison(report)
     path.write_text("\n".join(lines) + "\n")
+
+
+def comparison(report: dict) -> list[str]:
+    """Variant against variant, and the CPU work of a sync against the transport's, from the data."""
+    variants = report["variants"]
+    base = {(r["bucket_mb"], r["engines"]): r for r in variants.get("default", {}).get("results", [])}
+    lines = [
+        "",
+        "## Work and allocator",
+        "",
+        "| variant | bucket MB | engines | sync CPU-s / flat CPU-s | default sync s / this "
+        "| default sync CPU-s / this |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in variants.items():
+        for r in v.get("results", []):
+            ref = base.get((r["bucket_mb"], r["engines"])) if name != "default" else None
+            time_x = f"{ref['sync_s'] / r['sync_s']:.2f}x" if ref else ""
+            work_x = f"{ref['sync_cpu_s'] / r['sync_cpu_s']:.2f}x" if ref and r["sync_cpu_s"] else ""
+            work = r["sync_cpu_s"] / r["flat_cpu_s"] if r["flat_cpu_s"] else float("nan")
+            lines.append(
+                f"| {name} | {r['bucket_mb']:g} | {r['engines']} | {work:.1f} | {time_x} | {work_x} |"
+            )
+    lines += [
+        "",
+        "Times of different variants come from different Ray sessions, minutes apart on a shared machine",
+        "(compare their 'other CPUs busy'); CPU seconds, the work done, are the steadier comparison.",
+    ]
+    return lines
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -874,6 +910,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=list(VARIANTS),
         help="allocator settings to run (each is its own Ray session)",
     )
+    parser.add_argument(
+        "--heap-max-engines",
+        type=int,
+        default=2,
+        help="most engines for glibc_heap (every process keeps its peak memory: 4 engines of the "
+        "default model do not fit in 24 GiB next to other jobs)",
+    )
     parser.add_argument("--repeat", type=int, default=5, help="timed runs of each kind per configuration")
     parser.add_argument("--timeout", type=float, default=600, help="start-up and sync timeout, seconds")
     parser.add_argument(
@@ -883,6 +926,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="start another engine only if this much memory stays available after it",
     )
     parser.add_argument("--output", default="sync", help="results/<output>.json and .md")
+    parser.add_argument(
+        "--render", action="store_true", help="only rewrite results/<output>.md from results/<output>.json"
+    )
     parser.add_argument("--copy-costs", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -892,6 +938,10 @@ def main(argv=None) -> dict | None:
     if args.copy_costs:  # the yardstick, in a child interpreter with a variant's environment
         print(json.dumps(copy_costs(args.copy_costs, args.repeat)))
         return None
+    if args.render:
+        report = json.loads((RESULTS / f"{args.output}.json").read_text())
+        write_markdown(RESULTS / f"{args.output}.md", report)
+        return report
     if args.size_mb < 200:
         print(f"note: --size-mb {args.size_mb} is below the issue's 200 MB", flush=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -914,7 +964,8 @@ def main(argv=None) -> dict | None:
     for name in args.variants:
         print(f"--- variant {name}: {VARIANTS[name] or 'no extra environment'}", flush=True)
         try:
-            variant = measure(args, hf_dir, VARIANTS[name])
+            most = args.heap_max_engines if name == "glibc_heap" else max(args.engines)
+            variant = measure(args, hf_dir, VARIANTS[name], most)
         except Exception as err:  # keep what the other variants measured; say why this one stopped
             import traceback
 
