@@ -2,6 +2,7 @@
 """Conversion benchmark: HF <-> Megatron throughput and peak memory against the plain-I/O bound.
 
     python benchmarks/convert_bench.py [--size-mb 600] [--repeat 1] [--tp 1 2] [--small-shard-mb 200]
+                                       [--quiet-wait 60] [--no-phases] [--output convert]
 
 Builds a random Qwen2-shaped bf16 HF checkpoint of ``--size-mb`` MB (cached under
 benchmarks/results/tmp/), then runs each command below as its own process tree and records wall
@@ -23,9 +24,14 @@ anonymous RSS (RSS counts memory-mapped file pages, which safetensors reads go t
 RSS is what the process itself allocated). Every exported checkpoint is compared tensor by tensor
 with the source, so a fast but wrong conversion does not pass.
 
-Results: benchmarks/results/convert.json (every number and the machine) and convert.md (table).
-All caches and outputs are written under benchmarks/results/tmp/ (git-ignored); the source model
-is reused when its shape matches.
+Times mean little on a shared machine, so every run first waits (up to ``--quiet-wait`` s) for the
+CPUs to go idle and records how many CPUs other processes used meanwhile; a run above
+``CONTENDED_CPUS`` is "disturbed" and retried, and the reported time is the fastest undisturbed
+run. Then (unless ``--no-phases``) benchmarks/convert_phases.py times each phase of one rank.
+
+Results: benchmarks/results/<output>.json (every number and the machine) and <output>.md (table).
+Caches and outputs live under benchmarks/results/tmp/ (git-ignored); outputs are removed at the
+end, the source model is kept and reused while its shape matches.
 """
 
 from __future__ import annotations
@@ -395,6 +401,24 @@ def best(runs: list[Run]) -> dict:
     }
 
 
+def measure_repeats(name: str, cmd_for, args: argparse.Namespace, after=None) -> dict:
+    """Run ``cmd_for()`` until ``--repeat`` undisturbed runs exist (3x ``--repeat`` runs at most)."""
+    runs: list[Run] = []
+    while sum(r.other_cpus < CONTENDED_CPUS for r in runs) < args.repeat and len(runs) < 3 * args.repeat:
+        waited = wait_for_quiet(args.quiet_wait)
+        run = measure(name, cmd_for())
+        run.waited_for_quiet_s = waited
+        if after is not None:
+            run.extra.update(after(run))
+        print(
+            f"  {name} [{len(runs) + 1}]: {run.wall_s:.2f} s, "
+            f"max process RSS {run.max_process_rss / MB:.0f} MB, "
+            f"tree RSS {run.max_tree_rss / MB:.0f} MB, other processes used {run.other_cpus:.2f} CPUs"
+        )
+        runs.append(run)
+    return best(runs)
+
+
 def run_benchmarks(args: argparse.Namespace) -> dict:
     import torch
 
@@ -405,23 +429,8 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
     largest_src = max(p.stat().st_size for p in shard_files(src))
     results: dict[str, dict] = {}
 
-    def repeat(name: str, cmd_for, after=None) -> dict:
-        # --repeat undisturbed runs are wanted; a disturbed one is kept but retried (3x at most).
-        runs: list[Run] = []
-        while sum(r.other_cpus < CONTENDED_CPUS for r in runs) < args.repeat and len(runs) < 3 * args.repeat:
-            waited = wait_for_quiet(args.quiet_wait)
-            run = measure(name, cmd_for())
-            run.waited_for_quiet_s = waited
-            if after is not None:
-                run.extra.update(after(run))
-            print(
-                f"  {name} [{len(runs) + 1}]: {run.wall_s:.2f} s, "
-                f"max process RSS {run.max_process_rss / MB:.0f} MB, "
-                f"tree RSS {run.max_tree_rss / MB:.0f} MB, other processes used {run.other_cpus:.2f} CPUs"
-            )
-            runs.append(run)
-        results[name] = best(runs)
-        return results[name]
+    def repeat(name: str, cmd_for, after=None) -> None:
+        results[name] = measure_repeats(name, cmd_for, args, after)
 
     repeat("idle", lambda: [py, "-c", IDLE_SCRIPT])
 
@@ -476,6 +485,10 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
 
     summarize(results, size)
     phases = profile_phases(src, ckpt, args) if args.phases else {}
+    # Outputs are rewritten by every run; only the source model is worth keeping between runs.
+    for path in TMP.iterdir():
+        if path.name.startswith(("io-copy", "megatron-tp", "hf-export-", "phases-")):
+            shutil.rmtree(path, ignore_errors=True)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(torch),

@@ -202,6 +202,25 @@ def _profile_steps(steps: dict, device: torch.device, top: int = 25) -> dict:
     return out
 
 
+def _init_world_with_cpu_collectives(rank: int, world_size: int) -> None:
+    """The default process group with gloo for CPU tensors beside NCCL for CUDA ones.
+
+    PolicyWorker all-reduces CPU tensors on CUDA runs too (the logprob rows in ``_share_rows``, the
+    loss sums in ``_reduce``), but a group made with backend "nccl" has no CPU backend ("No backend
+    type associated with device type cpu"). ``init_parallel`` keeps a world that already exists and
+    Megatron's groups inherit both backends, so creating the world here lets the benchmark run until
+    megagrpo handles it (``--plain-nccl`` checks whether it does).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10)
+    )
+
+
 def rank_main(rank: int, world_size: int, args) -> dict:
     from megagrpo.parallel import destroy_parallel
     from megagrpo.policy.engine import forward_backward, optimizer_step
@@ -211,6 +230,8 @@ def rank_main(rank: int, world_size: int, args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = bench_config(args, world_size)
+    if torch.cuda.is_available() and args.backend != "gloo" and not args.plain_nccl:
+        _init_world_with_cpu_collectives(rank, world_size)
     worker = PolicyWorker(cfg)
     try:
         engine, device = worker.engine, worker.ctx.device
@@ -374,7 +395,13 @@ def write_markdown(path: Path, report: dict) -> None:
         "# Policy train step vs bare Megatron step",
         "",
         f"{m['date']}, {m['cuda'] or 'CPU'}, {m['cpus_usable']} usable CPUs, torch {m['torch']}, "
-        f"megatron-core {m['megatron_core']}, commit {str(m['git_commit'])[:10]}.",
+        f"megatron-core {m['megatron_core']}, commit {str(m['git_commit'])[:10]}, load average at start "
+        f"{', '.join(f'{x:.1f}' for x in m['loadavg_at_start'])}"
+        + (
+            f", at end {', '.join(f'{x:.1f}' for x in m['loadavg_at_end'])}."
+            if "loadavg_at_end" in m
+            else "."
+        ),
         f"Model `{a['preset']}` {report['shape']} ({a['dtype']}), {a['batch']} sequences of "
         f"{int(a['seq'] * a['min_len_frac'])}-{a['seq']} tokens, micro-batch budget {a['budget']}, "
         f"logprob chunk {a['chunk']}; {a['warmup']} warm-up + {a['iters']} timed iterations of each, "
@@ -401,8 +428,13 @@ def write_markdown(path: Path, report: dict) -> None:
                     f"| {r['tp']} | {name} | {r[name]['mfu_6n']:.3f} | {r[name]['mfu_6n_attn']:.3f} | "
                     f"{r.get('peak_mem_gib', {}).get(name, float('nan')):.1f} |"
                 )
-    if report.get("notes"):
-        lines += ["", *report["notes"]]
+    if not m["cuda"]:
+        lines += [
+            "",
+            "On a CPU shared with other jobs, wall times of the two steps are disturbed unevenly (each "
+            "step's runs are spread in the `step_s_all` lists of the JSON); the CPU time of single-threaded "
+            "ranks (`--threads 1`) is the steadiest of the four ratios.",
+        ]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -419,6 +451,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations of each step")
     p.add_argument("--iters", type=int, default=6, help="timed iterations of each step")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument(
+        "--plain-nccl", action="store_true", help="CUDA: let megagrpo create an NCCL-only default group"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpus / ranks on CPU)")
     p.add_argument("--recompute-core-attn", action="store_true", help="Megatron selective recompute")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (H200 bf16: 989)")
@@ -449,6 +484,7 @@ def main(argv=None) -> dict:
         ranks = run_local_ranks(rank_main, tp, run_args, timeout_s=args.timeout)
         run = summarize(run_args, tp, ranks)
         report["runs"].append(run)
+        report["machine"]["loadavg_at_end"] = os.getloadavg()
         # Written after every run, so a later run that fails or times out loses nothing.
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -126,7 +126,8 @@ def init_parallel(
 
     if not dist.is_initialized():
         dist.init_process_group(
-            backend=backend,
+            # With NCCL, small CPU-side reductions (metrics, logprob rows) go over gloo.
+            backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
             init_method=init_method or "env://",
             rank=rank,
             world_size=world_size,
