@@ -26,53 +26,57 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
-class _Chunks:
-    """Shared per-chunk preparation of the forward and backward passes."""
+def _real_columns(local_vocab: int, vocab_start: int, vocab_size: int) -> int:
+    """How many of this rank's vocabulary columns are real tokens.
 
-    def __init__(self, logits: torch.Tensor, vocab_start: int, vocab_size: int, inv_temp: float):
-        self.logits, self.inv_temp = logits, inv_temp
-        local_vocab = logits.shape[-1]
-        ids = vocab_start + torch.arange(local_vocab, device=logits.device)
-        self.padding = ids >= vocab_size  # [vocab / tp]
-        self.any_padding = bool(self.padding.any())
-
-    def scaled(self, start: int, end: int) -> torch.Tensor:
-        x = self.logits[start:end].float() * self.inv_temp  # [chunk, vocab / tp]
-        if self.any_padding:
-            x = x.masked_fill(self.padding, float("-inf"))
-        return x
+    Megatron's padding rows are the last global ids, so on every rank the real ones are a prefix of
+    its slice; slicing them off costs nothing, where masking would cost a pass over the chunk.
+    """
+    return max(0, min(local_vocab, vocab_size - vocab_start))
 
 
-def _local_targets(targets: torch.Tensor, vocab_start: int, local_vocab: int):
+def _local_targets(targets: torch.Tensor, vocab_start: int, real: int):
     local = targets - vocab_start
-    here = (local >= 0) & (local < local_vocab)  # this rank owns the target's logit
-    return local.clamp(0, local_vocab - 1), here
+    here = (local >= 0) & (local < real)  # this rank owns the target's logit
+    return local.clamp(0, max(real - 1, 0)), here
+
+
+def _scaled_chunk(logits: torch.Tensor, start: int, end: int, real: int, inv_temp: float) -> torch.Tensor:
+    """One fp32 copy of a chunk's real columns, divided by the temperature in place."""
+    x = logits[start:end, :real].to(torch.float32, copy=True)  # [chunk, real]
+    if inv_temp != 1.0:
+        x.mul_(inv_temp)
+    return x
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, vocab_size, inv_temp, chunk, with_entropy):
         tokens, local_vocab = logits.shape
-        chunks = _Chunks(logits, vocab_start, vocab_size, inv_temp)
-        local_t, here = _local_targets(targets, vocab_start, local_vocab)
+        real = _real_columns(local_vocab, vocab_start, vocab_size)
+        local_t, here = _local_targets(targets, vocab_start, real)
         lse = torch.empty(tokens, dtype=torch.float32, device=logits.device)  # [tokens]
         target_logit = torch.empty_like(lse)
         entropy = torch.empty_like(lse) if with_entropy else None
         for start in range(0, tokens, chunk):
             end = min(start + chunk, tokens)
-            x = chunks.scaled(start, end)
-            row_max = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, group)
-            shifted_exp = (x - row_max[:, None]).exp()
-            sum_exp = _all_reduce(shifted_exp.sum(dim=-1), dist.ReduceOp.SUM, group)
-            lse[start:end] = row_max + sum_exp.log()
-            picked = x.gather(1, local_t[start:end, None]).squeeze(1)
+            # A rank whose slice is all padding still joins every all-reduce, with neutral values.
+            x = _scaled_chunk(logits, start, end, real, inv_temp)
+            picked = x.gather(1, local_t[start:end, None]).squeeze(1) if real else lse.new_zeros(end - start)
             target_logit[start:end] = _all_reduce(
                 torch.where(here[start:end], picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group
             )
+            row_max = x.amax(dim=-1) if real else lse.new_full((end - start,), float("-inf"))
+            row_max = _all_reduce(row_max, dist.ReduceOp.MAX, group)
+            x.sub_(row_max[:, None])  # x - max, in place
+            shifted_exp = x.exp()
+            sum_exp = _all_reduce(shifted_exp.sum(dim=-1), dist.ReduceOp.SUM, group)
+            log_sum_exp = sum_exp.log()
+            lse[start:end] = row_max + log_sum_exp
             if entropy is not None:
-                # H = lse - E_p[x]; padded columns have p = 0 (and x = -inf), so exclude them explicitly.
-                p_x = torch.where(shifted_exp > 0, shifted_exp * x, torch.zeros_like(x)).sum(dim=-1)
-                entropy[start:end] = lse[start:end] - _all_reduce(p_x, dist.ReduceOp.SUM, group) / sum_exp
+                # H = lse - E_p[x] = log(sum_exp) - E_p[x - max]; padding columns were never included.
+                p_x = _all_reduce(torch.linalg.vecdot(shifted_exp, x), dist.ReduceOp.SUM, group)
+                entropy[start:end] = log_sum_exp - p_x / sum_exp
         ctx.save_for_backward(logits, targets, lse)
         ctx.args = (vocab_start, vocab_size, inv_temp, chunk)
         if entropy is None:
@@ -85,17 +89,21 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         logits, targets, lse = ctx.saved_tensors
         vocab_start, vocab_size, inv_temp, chunk = ctx.args
         tokens, local_vocab = logits.shape
-        chunks = _Chunks(logits, vocab_start, vocab_size, inv_temp)
-        local_t, here = _local_targets(targets, vocab_start, local_vocab)
+        real = _real_columns(local_vocab, vocab_start, vocab_size)
+        local_t, here = _local_targets(targets, vocab_start, real)
         grad = torch.empty_like(logits)
+        grad[:, real:] = 0  # padding columns never carry probability
+        if real == 0:
+            return grad, None, None, None, None, None, None, None
         for start in range(0, tokens, chunk):
             end = min(start + chunk, tokens)
-            g = grad_logprobs[start:end].float()  # [chunk]
-            softmax = (chunks.scaled(start, end) - lse[start:end, None]).exp()
-            grad_chunk = softmax.mul_(-g[:, None])
+            g = grad_logprobs[start:end].float() * inv_temp  # [chunk]
+            # d/dx_j = (onehot(target)_j - softmax_j) * g / temperature, built in one fp32 buffer.
+            x = _scaled_chunk(logits, start, end, real, inv_temp)
+            x.sub_(lse[start:end, None]).exp_().mul_(-g[:, None])
             onehot_g = torch.where(here[start:end], g, torch.zeros_like(g))
-            grad_chunk.scatter_add_(1, local_t[start:end, None], onehot_g[:, None])
-            grad[start:end] = (grad_chunk * inv_temp).to(grad.dtype)
+            x.scatter_add_(1, local_t[start:end, None], onehot_g[:, None])
+            grad[start:end, :real].copy_(x)
         return grad, None, None, None, None, None, None, None
 
 

@@ -171,9 +171,11 @@ class PolicyWorker:
         """[b, s - 1] fp32 logprobs (and entropy) of each next token, from vocab-parallel logits."""
         tp, tp_rank = self.ctx.sizes.tp, self.ctx.tp_rank
         local_vocab = padded_vocab_size(self.model_info.shape.vocab_size, tp) // tp
-        return vocab_parallel_logprobs(
-            logits[:, :-1],
-            sub.input_ids[:, 1:].to(logits.device),
+        # Score all s positions (a flatten of the whole logits is free, of logits[:, :-1] a copy)
+        # against the ids rolled by one; the last position's target is a dummy and is dropped.
+        logprobs, entropy = vocab_parallel_logprobs(
+            logits,
+            torch.roll(sub.input_ids, -1, dims=1).to(logits.device),
             group=self.ctx.pgs.tp,
             vocab_start=tp_rank * local_vocab,
             vocab_size=self.model_info.shape.vocab_size,
@@ -181,6 +183,7 @@ class PolicyWorker:
             chunk_size=self.cfg.policy.logprob_chunk_size,
             with_entropy=with_entropy,
         )
+        return logprobs[:, :-1], (entropy[:, :-1] if entropy is not None else None)
 
     # ------------------------------------------------------------------------------------ logprobs
 
@@ -292,10 +295,13 @@ class PolicyWorker:
         payload = [None]
         if self.ctx.is_last_stage:
             merged = combine_metrics(outputs)
+            by_op: dict[str, list[str]] = {}
             for key in sorted(merged):
-                value = merged[key].double().reshape(1)
-                dist.all_reduce(value, op=_REDUCE_OPS[METRIC_REDUCTIONS[key]], group=self.ctx.pgs.dp_cp)
-                merged[key] = value[0]
+                by_op.setdefault(METRIC_REDUCTIONS[key], []).append(key)
+            for op, keys in by_op.items():  # one all-reduce per reduction kind
+                values = torch.stack([merged[k].double().reshape(()) for k in keys])
+                dist.all_reduce(values, op=_REDUCE_OPS[op], group=self.ctx.pgs.dp_cp)
+                merged.update(zip(keys, values, strict=True))
             loss = torch.tensor([sum(float(s) for s, _ in loss_parts), sum(int(c) for _, c in loss_parts)])
             loss = loss.double()
             dist.all_reduce(loss, group=self.ctx.pgs.dp_cp)
