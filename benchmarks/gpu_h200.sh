@@ -17,7 +17,7 @@
 #      all parameters with the tied embedding once) and (6 N + 12 L h s) tokens/s / 989e12 with the
 #      attention matmuls. The local spec's attention is unfused (fp32 [b, heads, s, s] probabilities
 #      kept for backward, ~34 GB per 4K sequence at this shape), so Megatron's selective recompute of
-#      core attention is switched on (--recompute-core-attn): without it neither length fits a
+#      core attention is switched on (--recompute core_attention): without it neither length fits a
 #      16K-token micro-batch in 141 GB. Recomputed FLOPs are not counted in the MFU.
 #
 # Preparing the call (here, once): the wheel for the device's Python 3.12 goes to an ignored folder,
@@ -81,14 +81,14 @@ run_all() {
   local model lengths batch budget steps mem
   if [[ $SMOKE == 1 ]]; then
     # Toy shape on the CPU (gloo): every code path of the real run, in under a minute.
-    model=(--preset smoke --dtype bfloat16 --tp 1 --backend auto --recompute-core-attn --peak-tflops 989)
+    model=(--preset smoke --dtype bfloat16 --tp 1 --backend auto --recompute core_attention --peak-tflops 989)
     lengths=(128 256)
     batch=(4 2)
     budget=512
     steps=(--warmup 1 --iters 2)
     mem=(--tokens 512 1024 --vocab 4096 --chunk 256)
   else
-    model=(--preset qwen2-1.5b --dtype bfloat16 --tp 1 --backend auto --recompute-core-attn --peak-tflops 989)
+    model=(--preset qwen2-1.5b --dtype bfloat16 --tp 1 --backend auto --recompute core_attention --peak-tflops 989)
     lengths=(4096 8192)
     batch=(8 4)
     budget=16384

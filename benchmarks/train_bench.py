@@ -99,6 +99,7 @@ def bench_config(args, tp: int):
         f"policy.micro_batch_max_tokens={args.budget}",
         f"policy.mini_batch_size={args.batch}",
         f"policy.logprob_chunk_size={args.chunk}",
+        f"policy.recompute={args.recompute}",
         # The loss as the tiny default runs it, pinned: no reference model (its logprobs would be one
         # more forward outside the step), TIS on the generator's logprobs.
         "grpo.kl_coef=0.0",
@@ -159,19 +160,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _recompute_core_attention(module: torch.nn.Module) -> int:
-    """Megatron's selective recompute of core attention, switched on after the model is built.
-
-    The local spec's attention is unfused: it keeps fp32 and bf16 [b, heads, s, s] probabilities for
-    the backward pass, ~34 GB per 4K-token sequence at the 1.5B shape; recomputing it keeps only
-    q/k/v. megagrpo's config has no recompute knob yet, so the benchmark sets Megatron's flag.
-    """
-    layers = module.decoder.layers
-    for layer in layers:
-        layer.self_attention.checkpoint_core_attention = True
-    return len(layers)
-
-
 def _profile_steps(steps: dict, device: torch.device, top: int = 25) -> dict:
     """cProfile and torch.profiler summaries of one call of each step."""
     import cProfile
@@ -202,25 +190,6 @@ def _profile_steps(steps: dict, device: torch.device, top: int = 25) -> dict:
     return out
 
 
-def _init_world_with_cpu_collectives(rank: int, world_size: int) -> None:
-    """The default process group with gloo for CPU tensors beside NCCL for CUDA ones.
-
-    PolicyWorker all-reduces CPU tensors on CUDA runs too (the logprob rows in ``_share_rows``, the
-    loss sums in ``_reduce``), but a group made with backend "nccl" has no CPU backend ("No backend
-    type associated with device type cpu"). ``init_parallel`` keeps a world that already exists and
-    Megatron's groups inherit both backends, so creating the world here lets the benchmark run until
-    megagrpo handles it (``--plain-nccl`` checks whether it does).
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10)
-    )
-
-
 def rank_main(rank: int, world_size: int, args) -> dict:
     from megagrpo.parallel import destroy_parallel
     from megagrpo.policy.engine import forward_backward, optimizer_step
@@ -230,12 +199,9 @@ def rank_main(rank: int, world_size: int, args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = bench_config(args, world_size)
-    if torch.cuda.is_available() and args.backend != "gloo" and not args.plain_nccl:
-        _init_world_with_cpu_collectives(rank, world_size)
     worker = PolicyWorker(cfg)
     try:
         engine, device = worker.engine, worker.ctx.device
-        recomputed = _recompute_core_attention(engine.module) if args.recompute_core_attn else 0
         batch = make_batch(args, cfg.model.tiny.vocab_size)
         # Outside the timing, as the driver does before its updates: the PPO denominator, and the
         # generator's logprobs that the default config's TIS weight (grpo.tis_cap) needs.
@@ -287,7 +253,7 @@ def rank_main(rank: int, world_size: int, args) -> dict:
             "micro_batches": [list(m["tokens"].shape) for m in micro],
             "shard_tokens": int(sum(int(batch.lengths[i]) for i in shard)),
             "params_local": sum(p.numel() for p in engine.module.parameters()),
-            "recomputed_attention_layers": recomputed,
+            "recompute": engine.config.recompute_granularity,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         }
         if args.profile:
@@ -345,7 +311,7 @@ def summarize(args, tp: int, ranks: list[dict]) -> dict:
     out["target_met"] = out["ratio_train_over_bare"] >= 0.85
     out["micro_batches"] = ranks[0]["micro_batches"]
     out["threads_per_rank"] = ranks[0]["threads"]
-    out["recomputed_attention_layers"] = ranks[0]["recomputed_attention_layers"]
+    out["recompute"] = ranks[0]["recompute"]
     if ranks[0]["peak_mem_bytes"]:
         out["peak_mem_gib"] = {k: v / 2**30 for k, v in ranks[0]["peak_mem_bytes"].items()}
     if args.peak_tflops:
@@ -451,11 +417,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations of each step")
     p.add_argument("--iters", type=int, default=6, help="timed iterations of each step")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument(
-        "--plain-nccl", action="store_true", help="CUDA: let megagrpo create an NCCL-only default group"
-    )
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpus / ranks on CPU)")
-    p.add_argument("--recompute-core-attn", action="store_true", help="Megatron selective recompute")
+    p.add_argument(
+        "--recompute", default="none", choices=["none", "core_attention", "full"], help="policy.recompute"
+    )
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (H200 bf16: 989)")
     p.add_argument("--profile", action="store_true", help="cProfile + torch.profiler one step of each")
     p.add_argument("--out", type=Path, default=RESULTS / "train.json", help=".json; a .md is written beside")

@@ -282,6 +282,12 @@ class PolicyConfig:
     """Sequences per optimizer step; must divide grpo.num_prompts_per_step * grpo.num_generations."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk when turning logits into log-probs, bounding the float32 vocab-sized buffer."""
+    recompute: Literal["none", "core_attention", "full"] = "none"
+    """Activation recompute in the backward pass: "core_attention" keeps q/k/v and recomputes the
+    attention probabilities (Megatron's selective recompute; needed for long sequences on the local,
+    unfused attention), "full" keeps only each group of recompute_num_layers layers' input."""
+    recompute_num_layers: int = 1
+    """With recompute "full": layers per recomputed group (uniform split of each pipeline stage)."""
 
     def __post_init__(self) -> None:
         _check(self, "lr", self.lr > 0, "> 0")
@@ -293,6 +299,7 @@ class PolicyConfig:
         _check(self, "clip_grad", self.clip_grad >= 0, ">= 0 (0 disables)")
         _check(self, "lr_warmup_steps", self.lr_warmup_steps >= 0, ">= 0")
         _positive(self, "micro_batch_max_tokens", "mini_batch_size", "logprob_chunk_size")
+        _positive(self, "recompute_num_layers")
 
 
 @dataclass(kw_only=True, frozen=True)

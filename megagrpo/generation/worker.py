@@ -52,6 +52,22 @@ class SamplingSettings:
         )
 
 
+def _cpu_scheduler_args(max_model_len: int) -> dict:
+    """On vLLM's CPU build: whole-prompt prefills (no chunked prefill).
+
+    A prompt prefilled in several steps has its provisional sampled tokens discarded, and vLLM then
+    rewinds that request's seeded generator, which CPU generators cannot do ("CPU Generator does
+    not use offset"). Every rollout request is seeded, so once a step's prompts exceed the token
+    budget (4096 by default) generation would fail. Without chunking the budget must hold one
+    whole prompt.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
+
+
 class GenerationWorker:
     def __init__(self, cfg: Config, model_dir: str, engine_index: int = 0, *, dummy_weights: bool = True):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -80,6 +96,7 @@ class GenerationWorker:
             weight_transfer_config=WeightTransferConfig(backend=BACKEND),
             # Colocated engines give their memory back while the trainer runs (CUDA only).
             enable_sleep_mode=gen.placement == "colocated",
+            **_cpu_scheduler_args(cfg.model.seq_length),
         )
 
     # ---------------------------------------------------------------------------------- generation

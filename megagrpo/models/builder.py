@@ -82,14 +82,30 @@ def transformer_config(
     dtype: torch.dtype = torch.float32,
     on_cpu: bool = False,
     initialize: bool = True,
+    recompute: str = "none",
+    recompute_num_layers: int = 1,
 ):
     """The Megatron ``TransformerConfig`` for ``shape`` (RMSNorm + SwiGLU + RoPE decoder).
 
     ``initialize=False`` skips random initialisation (weights are about to be loaded).
+    ``recompute``: "none", "core_attention" (selective) or "full" (groups of
+    ``recompute_num_layers`` layers), as ``policy.recompute`` documents.
     """
     from megatron.core.transformer import TransformerConfig
 
+    recompute_args = {
+        "none": {},
+        "core_attention": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+        "full": dict(
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=recompute_num_layers,
+        ),
+    }
+    if recompute not in recompute_args:
+        raise ValueError(f"recompute must be one of {sorted(recompute_args)}, got {recompute!r}")
     return TransformerConfig(
+        **recompute_args[recompute],
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size,

@@ -59,8 +59,11 @@ def build_engine(
     transformer_impl: str = "auto",
     sequence_parallel: bool = False,
     initialize: bool = True,
+    recompute: str = "none",
+    recompute_num_layers: int = 1,
 ) -> TrainEngine:
-    """``initialize=False`` skips random initialisation when weights are loaded right after."""
+    """``initialize=False`` skips random initialisation when weights are loaded right after;
+    ``recompute`` is ``policy.recompute``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -75,6 +78,8 @@ def build_engine(
         dtype=dtype,
         on_cpu=ctx.device.type == "cpu",
         initialize=initialize,
+        recompute=recompute,
+        recompute_num_layers=recompute_num_layers,
     )
     # Micro-batches are packed by a token budget, so their [batch, seq] shapes differ; pipeline
     # stages then exchange shapes before activations.

@@ -101,6 +101,8 @@ class PolicyWorker:
             transformer_impl=cfg.parallel.transformer_impl,
             sequence_parallel=cfg.parallel.sequence_parallel,
             initialize=not loads_weights,
+            recompute=pol.recompute,
+            recompute_num_layers=pol.recompute_num_layers,
         )
         total_steps = max(1, cfg.grpo.num_steps * cfg.mini_batches_per_step)
         self.scheduler = build_lr_scheduler(

@@ -22,7 +22,8 @@ def _one_step(rank: int, world_size: int, cfg) -> dict:
         batch = policy_batch()
         old = worker.logprobs(batch)
         metrics = worker.train(batch.replace(old_logprobs=old))
-        return {"old": old, "metrics": metrics, "new": worker.logprobs(batch)}
+        new = worker.logprobs(batch)
+        return {"old": old, "metrics": metrics, "new": new, "recompute": worker.engine.config.recompute_granularity}
     finally:
         destroy_parallel()
 
@@ -49,13 +50,18 @@ def _rel(a: float, b: float) -> float:
         dict(tp=2, budget=LARGE_BUDGET),
         dict(pp=2, budget=SMALL_BUDGET),
         dict(dp=2, budget=SMALL_BUDGET),
+        dict(tp=2, extra=("policy.recompute=full", "policy.recompute_num_layers=2")),
+        dict(pp=2, extra=("policy.recompute=core_attention",)),
     ],
-    ids=["tp2-small", "tp2-large", "pp2-small", "dp2-small"],
+    ids=["tp2-small", "tp2-large", "pp2-small", "dp2-small", "tp2-recompute-full", "pp2-recompute-attn"],
 )
 def test_loss_and_grad_norm_do_not_depend_on_layout(layout, hf_dir, reference):
     results = run_local_ranks(_one_step, 2, policy_config(hf_dir, **layout), timeout_s=300)
     (want,) = reference["metrics"]
+    granularity = {"policy.recompute=full": "full", "policy.recompute=core_attention": "selective"}
+    want_recompute = next((granularity[e] for e in layout.get("extra", ()) if e in granularity), None)
     for res in results:
+        assert res["recompute"] == want_recompute  # the knob reached Megatron
         (got,) = res["metrics"]
         assert _rel(got["loss"], want["loss"]) <= 1e-5, (got["loss"], want["loss"])
         assert _rel(got["grad_norm"], want["grad_norm"]) <= 1e-5, (got["grad_norm"], want["grad_norm"])

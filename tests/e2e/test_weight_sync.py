@@ -119,3 +119,26 @@ def test_dead_engine_is_an_error_within_the_timeout(stack):
         assert math.isfinite(elapsed) and elapsed < 20 + 30  # the configured timeout, plus slack for teardown
     finally:
         group.shutdown()
+
+
+def test_seeded_rollouts_longer_than_one_scheduler_step(stack):
+    """More prompt tokens than vLLM schedules in one step (4096 on CPU), every request seeded.
+
+    Chunked prefill would split a prompt across steps and make vLLM rewind its seeded generator,
+    which the CPU build cannot do; and each prompt's samples must not depend on its batch-mates.
+    """
+    from megagrpo.generation.worker import SamplingSettings
+
+    _, engines = stack
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (50,), generator=gen).tolist() for _ in range(100)]  # 5000 tokens
+    seeds = list(range(1000, 1100))
+    settings = SamplingSettings(max_tokens=4, temperature=1.0, n=2)
+    together = ray.get(engines[0].generate.remote(prompts, settings, seeds))
+    assert len(together) == 200 and all(len(c.token_ids) == 4 for c in together)
+    for index in (0, 57, 99):
+        alone = ray.get(engines[0].generate.remote([prompts[index]], settings, [seeds[index]]))
+        batched = [c for c in together if c.prompt_index == index]
+        assert [c.token_ids for c in alone] == [c.token_ids for c in batched]
+        for a, b in zip(alone, batched, strict=True):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
