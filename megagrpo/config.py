@@ -222,6 +222,12 @@ class ParallelConfig:
             self.expert_model_parallel_size == 1,
             "1 (MoE is not supported yet)",
         )
+        _require(
+            not self.sequence_parallel or self.transformer_impl != "local",
+            ("sequence_parallel", "transformer_impl"),
+            "sequence_parallel needs transformer_impl 'transformer_engine' (Megatron's local norms refuse "
+            "it)",
+        )
         if self.context_parallel_size > 1:
             # Megatron's local attention has no context-parallel path; only TE's ring attention does.
             _require(
@@ -276,6 +282,10 @@ class PolicyConfig:
     """Linear warm-up length in optimizer steps."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: hold lr, or decay it to min_lr over all optimizer steps of the run."""
+    sequence_packing: Literal["auto", "off"] = "auto"
+    """"auto": with Transformer Engine layers, a micro-batch's sequences are laid end to end in one
+    row (THD, no padding; fused attention keeps them apart); "off", or with the local layers: right-
+    padded [batch, seq] micro-batches."""
     micro_batch_max_tokens: int = 8192
     """Token budget of one packed micro-batch (forward/backward); must fit one model.seq_length sequence."""
     mini_batch_size: int = 64
@@ -608,6 +618,13 @@ class Config:
                 self.model.seq_length % (2 * cp) == 0,
                 ("parallel.context_parallel_size", "model.seq_length"),
                 f"seq_length {self.model.seq_length} must be divisible by 2 * context_parallel_size",
+            )
+            # Megatron would run, but every CP rank would see whole sequences: wrong attention, silently.
+            _require(
+                False,
+                "parallel.context_parallel_size",
+                "context_parallel_size > 1 is not supported yet: the policy worker does not split "
+                "sequences over context-parallel ranks",
             )
         if tiny is None:
             return  # An HF model's shape is known only once its config is read.

@@ -142,6 +142,9 @@ def forward_backward(
 ) -> list[dict]:
     """Run Megatron's schedule over ``micro_batches`` (each: tokens/position_ids [b, s] + extras).
 
+    A micro-batch holding ``packed_seq_params`` (THD: b = 1, the sequences end to end) is run
+    without a mask; fused attention keeps its sequences apart by their boundaries.
+
     Returns the metrics dicts of the last pipeline stage (empty list elsewhere). Gradients are
     accumulated into the DDP buffers and finalized (DP all-reduce, embedding tie, per-token
     division) by Megatron; call ``optimizer_step`` afterwards.
@@ -159,10 +162,12 @@ def forward_backward(
     def forward_step(data_iterator: Iterator[dict], model):
         batch = next(data_iterator)
         tokens = batch["tokens"].to(device)
+        packed = batch.get("packed_seq_params")
         output = model(
             tokens,
             batch["position_ids"].to(device),
-            causal_mask(tokens.shape[1], device),
+            None if packed is not None else causal_mask(tokens.shape[1], device),
+            packed_seq_params=packed,
         )
         return output, lambda out: loss_fn(out, batch)
 

@@ -38,7 +38,7 @@ from megagrpo.policy.engine import (
     optimizer_step,
 )
 from megagrpo.policy.logprobs import vocab_parallel_logprobs
-from megagrpo.policy.packing import pack_by_token_budget
+from megagrpo.policy.packing import pack_by_token_budget, pack_sequences
 from megagrpo.types import TrainBatch, balanced_shards
 from megagrpo.weight_sync.buckets import plan_from_dict, plan_to_dict
 from megagrpo.weight_sync.trainer import WeightSender
@@ -82,6 +82,9 @@ class PolicyWorker:
             ParallelSizes.from_config(cfg.parallel), backend=cfg.parallel.backend, seed=cfg.grpo.seed + 1234
         )
         pol = cfg.policy
+        # THD micro-batches need fused attention (Transformer Engine) to keep sequences apart.
+        te_layers = cfg.parallel.resolved_transformer_impl == "transformer_engine"
+        self.packed = pol.sequence_packing == "auto" and te_layers
         settings = OptimizerSettings(
             lr=pol.lr,
             min_lr=pol.min_lr,
@@ -148,36 +151,63 @@ class PolicyWorker:
         return balanced_shards(batch.lengths.tolist(), self.ctx.dp_size)[self.ctx.dp_rank]
 
     def _micro_batches(self, batch: TrainBatch, indices: list[int]) -> list[tuple[list[int], dict]]:
+        """This rank's sequences grouped by the token budget, each group padded or packed (THD)."""
         lengths = [int(batch.lengths[i]) for i in indices]
-        groups = pack_by_token_budget(lengths, self.cfg.policy.micro_batch_max_tokens, padded=True)
+        groups = pack_by_token_budget(lengths, self.cfg.policy.micro_batch_max_tokens, padded=not self.packed)
         out = []
         for group in groups:
             rows = [indices[g] for g in group]
             sub = batch.select(rows)
+            if self.packed:
+                out.append((rows, self._packed_micro_batch(sub)))
+                continue
             seq = sub.input_ids.shape[1]
-            out.append(
-                (
-                    rows,
-                    {
-                        "tokens": sub.input_ids,
-                        "position_ids": torch.arange(seq).expand(sub.size, -1),
-                        "sub": sub,
-                    },
-                )
-            )
+            micro = {
+                "tokens": sub.input_ids,
+                "position_ids": torch.arange(seq).expand(sub.size, -1),
+                # The ids rolled by one: the last column's target is a dummy, dropped after scoring.
+                "targets": torch.roll(sub.input_ids, -1, dims=1),
+                "sub": sub,
+            }
+            out.append((rows, micro))
         return out
 
-    def _token_logprobs(
-        self, logits: torch.Tensor, sub: TrainBatch, *, with_entropy: bool, temperature: float | None = None
-    ):
-        """[b, s - 1] fp32 logprobs (and entropy) of each next token, from vocab-parallel logits."""
+    def _packed_micro_batch(self, sub: TrainBatch) -> dict:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        # Sequence parallelism splits the packed row over TP ranks.
+        total_multiple = self.ctx.sizes.tp if self.cfg.parallel.sequence_parallel else 1
+        packed = pack_sequences(sub.input_ids, sub.lengths, total_multiple=total_multiple)
+        cu = packed.cu_seqlens.to(self.ctx.device)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            max_seqlen_q=packed.max_seqlen,
+            max_seqlen_kv=packed.max_seqlen,
+        )
+        return {
+            "tokens": packed.tokens,
+            "position_ids": packed.position_ids,
+            "targets": packed.targets,
+            "packed_seq_params": params,
+            "packed": packed,
+            "sub": sub,
+        }
+
+    def _token_logprobs(self, logits: torch.Tensor, micro: dict, *, with_entropy: bool, temperature=None):
+        """[b, s - 1] fp32 logprobs (and entropy) of each next token, from vocab-parallel logits.
+
+        Every position of the logits is scored against ``micro["targets"]`` (a flatten of the whole
+        logits is free, of ``logits[:, :-1]`` a copy), then laid out as [b, s - 1].
+        """
         tp, tp_rank = self.ctx.sizes.tp, self.ctx.tp_rank
         local_vocab = padded_vocab_size(self.model_info.shape.vocab_size, tp) // tp
-        # Score all s positions (a flatten of the whole logits is free, of logits[:, :-1] a copy)
-        # against the ids rolled by one; the last position's target is a dummy and is dropped.
         logprobs, entropy = vocab_parallel_logprobs(
             logits,
-            torch.roll(sub.input_ids, -1, dims=1).to(logits.device),
+            micro["targets"].to(logits.device),
             group=self.ctx.pgs.tp,
             vocab_start=tp_rank * local_vocab,
             vocab_size=self.model_info.shape.vocab_size,
@@ -185,6 +215,9 @@ class PolicyWorker:
             chunk_size=self.cfg.policy.logprob_chunk_size,
             with_entropy=with_entropy,
         )
+        packed = micro.get("packed")
+        if packed is not None:
+            return packed.unpack(logprobs), (packed.unpack(entropy) if entropy is not None else None)
         return logprobs[:, :-1], (entropy[:, :-1] if entropy is not None else None)
 
     # ------------------------------------------------------------------------------------ logprobs
@@ -200,7 +233,7 @@ class PolicyWorker:
         collected: list[tuple[list[int], torch.Tensor]] = []
 
         def record(logits, micro):
-            lp, _ = self._token_logprobs(logits, micro["sub"], with_entropy=False, temperature=temperature)
+            lp, _ = self._token_logprobs(logits, micro, with_entropy=False, temperature=temperature)
             collected.append((micro["rows"], lp.detach().float().cpu()))
             return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), {}
 
@@ -266,7 +299,7 @@ class PolicyWorker:
 
         def loss_fn(logits, micro):
             sub: TrainBatch = micro["sub"]
-            lp, entropy = self._token_logprobs(logits, sub, with_entropy=True)
+            lp, entropy = self._token_logprobs(logits, micro, with_entropy=True)
             device = lp.device
             out = grpo_loss(
                 lp,

@@ -70,3 +70,62 @@ def test_deterministic_with_index_tie_breaks():
     assert pack_by_token_budget([], 8) == []
     lengths, max_tokens = next(random_cases())
     assert pack_by_token_budget(lengths, max_tokens) == pack_by_token_budget(list(lengths), max_tokens)
+
+
+def test_pack_sequences_layout():
+    import torch
+
+    from megagrpo.policy.packing import pack_sequences
+
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 10, 11], [12, 0, 0, 0]])
+    packed = pack_sequences(ids, torch.tensor([3, 4, 1]), total_multiple=3)  # 8 tokens -> 9
+    assert packed.tokens.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 0]]
+    assert packed.targets.tolist() == [[6, 7, 0, 9, 10, 11, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 1]]
+    assert packed.cu_seqlens.tolist() == [0, 3, 7, 9]
+    assert packed.max_seqlen == 4
+    assert packed.valid.tolist() == [[True, True, False], [True, True, True], [False, False, False]]
+
+
+def test_packed_logprobs_equal_padded_ones_with_gradients():
+    """Scoring the packed row and unpacking gives the padded layout's [b, s - 1] values and gradients."""
+    import torch
+
+    from megagrpo.policy.logprobs import vocab_parallel_logprobs
+    from megagrpo.policy.packing import pack_sequences
+    from megagrpo.types import TrainBatch
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, seqs = 37, [[int(t) for t in torch.randint(1, 37, (n,), generator=gen)] for n in (6, 2, 9, 4)]
+    batch = TrainBatch.from_sequences(seqs, [1, 1, 3, 2])
+    table = torch.randn(vocab, 50, generator=gen, dtype=torch.float64)  # 50 > vocab: Megatron-style padding
+    pos_table = torch.randn(16, 50, generator=gen, dtype=torch.float64)
+
+    def logits_of(tokens, positions):  # a per-position "model": the token's and position's rows
+        return table[tokens] + pos_table[positions]
+
+    table.requires_grad_()
+    seq = batch.input_ids.shape[1]
+    padded_logits = logits_of(batch.input_ids, torch.arange(seq).expand(batch.size, -1))
+    rolled = torch.roll(batch.input_ids, -1, dims=1)
+    want, _ = vocab_parallel_logprobs(padded_logits, rolled, vocab_size=vocab)
+    want = want[:, :-1] * batch.response_mask()
+    (want_grad,) = torch.autograd.grad(want.sum(), table)
+
+    packed = pack_sequences(batch.input_ids, batch.lengths, total_multiple=4)
+    packed_logits = logits_of(packed.tokens, packed.position_ids)
+    got, _ = vocab_parallel_logprobs(packed_logits, packed.targets, vocab_size=vocab)
+    got = packed.unpack(got) * batch.response_mask()
+    (got_grad,) = torch.autograd.grad(got.sum(), table)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+    assert batch.response_mask().sum() > 0
+
+
+def test_pack_sequences_rejects_bad_lengths():
+    import torch
+
+    from megagrpo.policy.packing import pack_sequences
+
+    with pytest.raises(ValueError, match="length"):
+        pack_sequences(torch.zeros(2, 4, dtype=torch.long), torch.tensor([3, 5]))
