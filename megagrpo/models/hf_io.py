@@ -1,6 +1,7 @@
 """Reading and writing HF checkpoint directories: safetensors shards, index, config/tokenizer files.
 
-Reads are lazy (one tensor at a time from memory-mapped files) and every input is validated from
+Reads are lazy (one tensor at a time, its byte range read into fresh memory: no file stays mapped,
+so a conversion's memory is the model plus the tensor in hand) and every input is validated from
 the file headers before any tensor is read: a truncated file, an index that points at a missing
 file or tensor, and tensors that are missing, unexpected or of the wrong shape are reported by
 name. Output directories are built under a temporary name and renamed only when complete.
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +61,9 @@ class TensorInfo:
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int
+    """Byte offset of the tensor's data in ``file``."""
+    nbytes: int
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
@@ -82,8 +87,15 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     for name, meta in header.items():
         if meta["dtype"] not in _DTYPES:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
-        out[name] = TensorInfo(path, _DTYPES[meta["dtype"]], tuple(meta["shape"]))
-        data_end = max(data_end, meta["data_offsets"][1])
+        dtype, shape = _DTYPES[meta["dtype"]], tuple(meta["shape"])
+        begin, end = meta["data_offsets"]
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(
+                f"{path}: tensor {name} spans {end - begin} bytes, its shape {list(shape)} and dtype "
+                f"{meta['dtype']} need {math.prod(shape) * dtype.itemsize}"
+            )
+        out[name] = TensorInfo(path, dtype, shape, 8 + header_len + begin, end - begin)
+        data_end = max(data_end, end)
     if 8 + header_len + data_end > size:
         raise CheckpointError(
             f"{path}: truncated safetensors file: tensors end at byte {8 + header_len + data_end}, "
@@ -125,7 +137,6 @@ class HFCheckpoint:
                 info = self.tensors.get(name)
                 if info is None or info.file.name != fname:
                     raise CheckpointError(f"{index}: lists tensor {name} in {fname}, which does not hold it")
-        self._handles: dict[Path, object] = {}
 
     def validate(self, expected: dict[str, tuple[int, ...]]) -> torch.dtype:
         """Check names and shapes against ``expected``; return the (single) floating dtype."""
@@ -152,64 +163,79 @@ class HFCheckpoint:
         return next(iter(example))
 
     def read(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
+        """The tensor ``name``, in memory of its own (the file is read, not mapped)."""
         info = self.tensors[name]
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-        return handle.get_tensor(name)
+        out = torch.empty(info.shape, dtype=info.dtype)
+        if info.nbytes:
+            view = memoryview(out.view(-1).view(torch.uint8).numpy())
+            with open(info.file, "rb", buffering=0) as fh:
+                fh.seek(info.offset)
+                got = 0
+                while got < info.nbytes:
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        raise CheckpointError(f"{info.file}: tensor {name} ends early (truncated while read)")
+                    got += n
+        return out
 
 
-class ShardedWriter:
-    """Writes tensors to safetensors shards of at most ``max_shard_bytes`` plus an index.
+_DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
-    Holds at most one shard in memory. Shards are named ``model-XXXXX-of-YYYYY.safetensors`` once
-    the count is known (``close``); a single shard becomes ``model.safetensors`` with no index.
+
+def write_sharded(
+    out_dir: Path, tensors: Sequence[tuple[str, torch.Tensor]], max_shard_bytes: int
+) -> list[Path]:
+    """Write ``tensors`` (in order) as safetensors shards of at most ``max_shard_bytes`` plus an index.
+
+    Streaming: every shard's header is known from the shapes before any data, so each tensor's bytes
+    go to the file as they are (a contiguous copy only of a tensor that is a strided view); nothing
+    like a whole shard is ever gathered in memory. Shards are named ``model-XXXXX-of-YYYYY.safetensors``;
+    a single shard is ``model.safetensors`` with no index.
     """
-
-    def __init__(self, out_dir: Path, max_shard_bytes: int):
-        self.out_dir = out_dir
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._written: list[tuple[Path, list[str]]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        # Own contiguous storage: safetensors refuses views that share memory with each other.
-        self._pending[name] = tensor.detach().contiguous().clone()
-        self._pending_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        path = self.out_dir / f".shard-{len(self._written):05d}.safetensors"
-        save_file(self._pending, str(path), metadata={"format": "pt"})
-        self._written.append((path, list(self._pending)))
-        self._pending, self._pending_bytes = {}, 0
-
-    def close(self) -> list[Path]:
-        if self._pending or not self._written:
-            self._flush()
-        count = len(self._written)
-        if count == 1:
-            final = self.out_dir / SINGLE_NAME
-            os.replace(self._written[0][0], final)
-            return [final]
-        weight_map, finals = {}, []
-        for i, (path, names) in enumerate(self._written):
-            final = self.out_dir / f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(path, final)
-            finals.append(final)
-            weight_map.update(dict.fromkeys(names, final.name))
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        return finals
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, tensor))
+        size += nbytes
+    count = len(shards)
+    paths = (
+        [out_dir / SINGLE_NAME]
+        if count == 1
+        else [out_dir / f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
+    weight_map, total = {}, 0
+    for path, shard in zip(paths, shards, strict=True):
+        header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, tensor in shard:
+            if tensor.dtype not in _DTYPE_CODES:
+                raise ValueError(f"{name}: dtype {tensor.dtype} cannot be written to safetensors")
+            nbytes = tensor.numel() * tensor.element_size()
+            header[name] = {
+                "dtype": _DTYPE_CODES[tensor.dtype],
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+            weight_map[name] = path.name
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        with open(path, "wb") as fh:
+            fh.write(struct.pack("<Q", len(raw)))
+            fh.write(raw)
+            for _, tensor in shard:
+                if tensor.numel():
+                    data = tensor.detach().to("cpu").contiguous()
+                    fh.write(memoryview(data.view(-1).view(torch.uint8).numpy()))
+        total += offset
+    if count > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return paths
 
 
 def copy_aux_files(src: Path, dst: Path) -> list[str]:
