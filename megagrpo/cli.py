@@ -146,7 +146,7 @@ def _export(args: argparse.Namespace) -> int:
     from megagrpo.models.convert import megatron_to_hf
 
     try:
-        out = megatron_to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size)
+        out = megatron_to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, in_process=True)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"megagrpo export: error: {err}", file=sys.stderr)
         return 1

@@ -35,7 +35,7 @@ from megagrpo.models.layout import is_gated_fc1, layer_offset, shift_layer_index
 from megagrpo.models.mapping import Rule, canonical_name, hf_tensor_shapes, to_hf, to_megatron
 from megagrpo.models.registry import _LLAMA3_FIXED, Architecture, load_hf_config, shape_from_hf_config
 from megagrpo.parallel import ParallelContext, ParallelSizes, destroy_parallel, init_parallel
-from megagrpo.parallel.local import run_local_ranks
+from megagrpo.parallel.local import run_in_this_process, run_local_ranks
 
 META_NAME = "megagrpo.json"
 FORMAT_VERSION = 1
@@ -268,8 +268,21 @@ def _import_rank(rank: int, world_size: int, hf_dir: str, out: str, tp: int, pp:
         destroy_parallel()
 
 
-def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1) -> Path:
-    """Convert an HF directory into a megagrpo Megatron checkpoint at ``out`` (written atomically)."""
+def _run_ranks(fn, world_size: int, in_process: bool, *args) -> None:
+    if in_process and world_size == 1:
+        run_in_this_process(fn, *args)
+    else:
+        run_local_ranks(fn, world_size, *args, timeout_s=24 * 3600)
+
+
+def hf_to_megatron(
+    hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, in_process: bool = False
+) -> Path:
+    """Convert an HF directory into a megagrpo Megatron checkpoint at ``out`` (written atomically).
+
+    ``in_process``: with TP = PP = 1, convert in this process instead of a spawned rank (for
+    command-line tools, which exit afterwards; it leaves Megatron's global state behind).
+    """
     hf_dir, out = Path(hf_dir), Path(out)
     # Everything that can be wrong with the input is reported here, before any rank starts.
     arch, shape = shape_from_hf_config(load_hf_config(hf_dir), str(hf_dir / "config.json"))
@@ -285,7 +298,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
         )
     padded_vocab_size(shape.vocab_size, tp)  # raises if this TP cannot split the padded vocabulary
     with atomic_output_dir(out) as tmp:
-        run_local_ranks(_import_rank, tp * pp, str(hf_dir), str(tmp), tp, pp, timeout_s=24 * 3600)
+        _run_ranks(_import_rank, tp * pp, in_process, str(hf_dir), str(tmp), tp, pp)
         write_checkpoint_meta(tmp, arch, shape, dtype, tp=tp, pp=pp, hf_files=hf_dir)
     return out
 
@@ -310,14 +323,21 @@ def _export_rank(rank: int, world_size: int, ckpt: str, out: str, max_shard_byte
 
 
 def megatron_to_hf(
-    ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    in_process: bool = False,
 ) -> Path:
-    """Write an HF directory (safetensors shards + index, config, tokenizer) from a megagrpo checkpoint."""
+    """Write an HF directory (safetensors shards + index, config, tokenizer) from a megagrpo checkpoint.
+
+    ``in_process`` as for ``hf_to_megatron``.
+    """
     ckpt, out = Path(ckpt), Path(out)
     source = read_source(ckpt)  # validates before any rank starts
     if not (ckpt / "megatron" / "metadata.json").is_file():
         raise CheckpointError(f"{ckpt / 'megatron'}: missing or incomplete Megatron checkpoint")
     with atomic_output_dir(out) as tmp:
-        run_local_ranks(_export_rank, 1, str(ckpt), str(tmp), max_shard_bytes, timeout_s=24 * 3600)
+        _run_ranks(_export_rank, 1, in_process, str(ckpt), str(tmp), max_shard_bytes)
         copy_aux_files(source.hf_config_dir, tmp)
     return out

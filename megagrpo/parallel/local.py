@@ -43,7 +43,17 @@ def _rank_main(
 ) -> None:
     # A hung collective shows up as every rank's stack on stderr just before the parent gives up.
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 2.0), exit=False)
-    os.environ.update(
+    os.environ.update(_rank_env(rank, world_size, port))
+    try:
+        # Plain pickle (bytes), not torch's shared-memory tensor passing: the rank exits right
+        # after, and shared tensors would die with it.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return dict(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -51,12 +61,23 @@ def _rank_main(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def run_in_this_process(fn: Callable, *args: Any) -> Any:
+    """``fn(0, 1, *args)`` as the only rank, here: no process start-up and no second import of torch
+    and Megatron (seconds). For command-line tools, which exit afterwards: whatever global state
+    ``fn`` leaves behind stays in this process.
+    """
+    saved = {key: os.environ.get(key) for key in _rank_env(0, 1, 0)}
+    os.environ.update(_rank_env(0, 1, free_port()))
     try:
-        # Plain pickle (bytes), not torch's shared-memory tensor passing: the rank exits right
-        # after, and shared tensors would die with it.
-        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        return fn(0, 1, *args)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def run_local_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:

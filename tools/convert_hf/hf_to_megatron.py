@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     from megagrpo.models.convert import hf_to_megatron
 
     try:
-        out = hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp)
+        out = hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, in_process=True)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"hf_to_megatron: error: {err}", file=sys.stderr)
         return 1
