@@ -41,7 +41,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -50,6 +49,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from _common import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -491,7 +492,10 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
             shutil.rmtree(path, ignore_errors=True)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(torch),
+        "machine": {
+            **machine_info("torch", "megatron.core", "safetensors"),
+            "torch_threads": torch.get_num_threads(),
+        },
         "model": {
             "architecture": "Qwen2ForCausalLM",
             "dtype": "bfloat16",
@@ -567,24 +571,6 @@ def summarize(results: dict[str, dict], size: int) -> None:
         res["meets_speed_target"] = res["fraction_of_io_bound"] >= 0.5
         res["meets_rss_target"] = res["max_process_rss"] < res["rss_bound"]
         res["meets_tree_rss_target"] = res["max_tree_rss"] < res["tree_rss_bound"]
-
-
-def machine_info(torch) -> dict:
-    import megatron.core
-    import safetensors
-
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)),
-        "memory_bytes": mem,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "megatron_core": megatron.core.__version__,
-        "safetensors": safetensors.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
 
 
 # --- report -----------------------------------------------------------------------------------------

@@ -25,10 +25,8 @@ logprobs and gradients of a small case. Results: benchmarks/results/logprob_memo
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -39,6 +37,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable from a checkout without installing megagrpo
+
+from _common import machine_info  # noqa: E402 (this folder is on sys.path when run as a script)
 
 RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = ("chunked", "chunked_entropy", "full", "full_entropy")
@@ -164,19 +164,6 @@ def estimate_full_gib(tokens: int, vocab: int) -> float:
     return tokens * vocab * (3 * 4 + 2 + 2) / 2**30
 
 
-def machine_info() -> dict:
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-
-
 def _available_gib() -> float:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -275,7 +262,7 @@ def main(argv=None) -> dict | None:
     report = {
         "benchmark": "logprob path peak memory: chunked vocab-parallel vs full-vocab fp32 log_softmax",
         "command": " ".join(["python", *(sys.argv if argv is None else [__file__, *argv])]),
-        "machine": machine_info(),
+        "machine": machine_info("torch"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "worker"},
         "agreement": check_agreement(device, min(args.vocab, 32768), 256),
         "runs": [],

@@ -43,18 +43,17 @@ Every run records the CPUs other processes kept busy meanwhile.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable from a checkout without installing megagrpo
+
+from _common import machine_info  # noqa: E402 (this folder is on sys.path when run as a script)
 
 RESULTS = REPO / "benchmarks" / "results"
 TMP = RESULTS / "tmp"
@@ -391,35 +390,6 @@ def summarize(runs: dict) -> dict:
 # ------------------------------------------------------------------------------------- reporting
 
 
-def machine_info() -> dict:
-    import torch
-    import vllm
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "cpu": next(
-            (ln.split(":", 1)[1].strip() for ln in cpuinfo if "model name" in ln), platform.processor()
-        ),
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        "loadavg_at_start": os.getloadavg(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vllm": vllm.__version__,
-        "git_commit": commit,
-    }
-
-
 def write_markdown(path: Path, report: dict) -> None:
     m, w, s, a = report["machine"], report["workload"], report["summary"], report["args"]
     ok = "ok" if s["meets_target"] else "MISS"
@@ -536,7 +506,7 @@ def main(argv=None) -> dict:
     report = {
         "command": " ".join([".venv/bin/python", "benchmarks/rollout_bench.py", *(argv or sys.argv[1:])]),
         "args": vars(args),
-        "machine": machine_info(),
+        "machine": machine_info("torch", "vllm"),
     }
     measure(args, report)
     RESULTS.mkdir(parents=True, exist_ok=True)

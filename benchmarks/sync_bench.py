@@ -54,10 +54,8 @@ busy meanwhile (machine busy time from /proc/stat minus the benchmark's processe
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -67,6 +65,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable from a checkout without installing megagrpo
+
+from _common import machine_info  # noqa: E402 (this folder is on sys.path when run as a script)
 
 from megagrpo.generation.worker import GenerationWorker  # noqa: E402
 from megagrpo.policy.worker import PolicyWorker  # noqa: E402
@@ -734,43 +734,6 @@ def growth(results: list[dict], bucket_mbs: list[float], engine_counts: list[int
 # ------------------------------------------------------------------------------------- reporting
 
 
-def machine_info() -> dict:
-    import megatron.core
-    import torch
-    import vllm
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in ln
-        ),
-        platform.processor(),
-    )
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "memory_bytes": mem,
-        "loadavg_at_start": os.getloadavg(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vllm": vllm.__version__,
-        "megatron_core": getattr(megatron.core, "__version__", None),
-        "git_commit": commit,
-    }
-
-
 def variant_tables(v: dict) -> list[str]:
     if v.get("error"):
         first_line = v["error"].splitlines()[0][:300]
@@ -949,7 +912,7 @@ def main(argv=None) -> dict | None:
     report = {
         "command": " ".join([".venv/bin/python", "benchmarks/sync_bench.py", *(argv or sys.argv[1:])]),
         "args": vars(args),
-        "machine": machine_info(),
+        "machine": machine_info("torch", "vllm", "megatron.core"),
     }
     layers = layers_for(args.size_mb)
     hf_dir = source_model(layers)

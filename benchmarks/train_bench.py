@@ -29,12 +29,9 @@ formula; the causal half is not subtracted), over ``--peak-tflops`` (H200 dense 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +40,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable from a checkout without installing megagrpo
+
+from _common import machine_info  # noqa: E402 (this folder is on sys.path when run as a script)
 
 from megagrpo.types import TrainBatch  # noqa: E402
 
@@ -330,31 +329,6 @@ def summarize(args, tp: int, ranks: list[dict]) -> dict:
     return out
 
 
-def machine_info() -> dict:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    import megatron.core
-
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "loadavg_at_start": os.getloadavg(),
-        "torch": torch.__version__,
-        "megatron_core": getattr(megatron.core, "__version__", None),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "git_commit": commit,
-    }
-    return info
-
-
 def write_markdown(path: Path, report: dict) -> None:
     a, m = report["args"], report["machine"]
     lines = [
@@ -435,7 +409,7 @@ def main(argv=None) -> dict:
     report = {
         "benchmark": "policy train step vs bare Megatron forward+backward+optimizer step",
         "command": " ".join(["python", *sys.argv]) if argv is None else " ".join(argv),
-        "machine": machine_info(),
+        "machine": machine_info("torch", "megatron.core"),
         "shape": PRESETS[args.preset],
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "runs": [],

@@ -4,8 +4,8 @@ Within a stage, the ranks of data-parallel replica 0 take part: each parameter i
 the TP group only when HF layout needs the whole tensor (TP-split weights), turned into HF tensors
 by the converter's map (QKV de-interleave, fc1 -> gate/up, vocabulary trimmed), and TP rank 0 of
 the stage packs them into fixed-size buckets and broadcasts them on its own group. Packing bucket
-k+1 overlaps the broadcast of bucket k (two buffers). No rank ever holds more than one parameter
-gathered plus two buckets; no rank funnels another stage's weights.
+k+1 overlaps the broadcast of bucket k (two buffers, kept from one sync to the next). No rank ever
+holds more than one parameter gathered plus two buckets; no rank funnels another stage's weights.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class WeightSender:
     def __init__(self, ctx, module: torch.nn.Module, model_info):
         self.ctx, self.module, self.info = ctx, module, model_info
         self.group: BroadcastGroup | None = None
+        self._buffers: list[torch.Tensor] | None = None  # the two packing buffers (sender only)
         names = stage_param_names(module, ctx, model_info.shape.num_layers)
         params = dict(module.named_parameters())
         by_global = {g: params[local] for local, g in names.items()}
@@ -85,7 +86,10 @@ class WeightSender:
         if self.group is None:
             raise RuntimeError("weight sync: send() before open()")
         size = max((b.nbytes for b in mine), default=0)
-        buffers = [torch.empty(size, dtype=torch.uint8, device=self.ctx.device) for _ in range(2)]
+        if self._buffers is None or self._buffers[0].numel() < size:
+            # Kept across syncs: fresh multi-MB buffers cost a page fault per 4 KiB on every sync.
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.ctx.device) for _ in range(2)]
+        buffers = [b[:size] for b in self._buffers]
         in_flight, digests = [None, None], []
         for i, bucket in enumerate(mine):
             slot = i % 2
@@ -112,6 +116,7 @@ class WeightSender:
         return {"source": self.ctx.pp_rank, "digests": digests if with_checksums else None}
 
     def close(self) -> None:
+        self._buffers = None
         if self.group is not None:
             self.group.close()
             self.group = None

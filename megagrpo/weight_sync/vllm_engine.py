@@ -54,6 +54,7 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         super().__init__(config, vllm_config, device, model)
         self.groups: list[BroadcastGroup] = []
         self.last_digests: list[str] = []
+        self._kept: list[torch.Tensor] = []  # receive buffers kept between syncs (CPU)
 
     def init_transfer_engine(self, init_info: MegagrpoInitInfo) -> None:
         self.shutdown()
@@ -106,11 +107,19 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         if not buckets:
             return
 
+        # A buffer per bucket: vLLM's layerwise reload keeps the tensors it is given (views into
+        # the buffer) until their layer is complete, so no buffer is reused within a sync. On CPU
+        # the buffers are kept for the next sync (every layer is complete by then): fresh ones
+        # would cost a page fault per 4 KiB each time. CUDA's caching allocator reuses memory itself.
+        sizes = [b.nbytes for b in buckets]
+        if [b.numel() for b in self._kept] != sizes:
+            self._kept = []
+        buffers = self._kept or [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        if torch.device(self.device).type == "cpu":
+            self._kept = buffers
+
         def post(i: int):
-            # A fresh buffer per bucket: vLLM's layerwise reload keeps the tensors it is given
-            # (views into this buffer) until their layer is complete, so buffers are never reused.
-            buf = torch.empty(buckets[i].nbytes, dtype=torch.uint8, device=self.device)
-            return buf, self.groups[buckets[i].source].broadcast(buf, root=0)
+            return buffers[i], self.groups[buckets[i].source].broadcast(buffers[i], root=0)
 
         self.last_digests = []
         pending = post(0)
@@ -127,6 +136,7 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
             self.model.load_weights(list(unpack(bucket, buf)))
 
     def shutdown(self) -> None:
+        self._kept = []
         for group in self.groups:
             group.close()
         self.groups = []
