@@ -194,7 +194,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline parallel size (PP); must divide the number of layers."""
     context_parallel_size: int = 1
-    """Context parallel size (CP); > 1 needs Transformer Engine attention."""
+    """Context parallel size (CP); > 1 needs Transformer Engine attention and grpo.loss_agg token
+    (sequences are padded, cut into 2 x CP chunks, and each rank scores its own two)."""
     expert_model_parallel_size: int = 1
     """Expert parallel size (EP); must stay 1 until MoE models are supported."""
     data_parallel_size: int = 1
@@ -619,12 +620,12 @@ class Config:
                 ("parallel.context_parallel_size", "model.seq_length"),
                 f"seq_length {self.model.seq_length} must be divisible by 2 * context_parallel_size",
             )
-            # Megatron would run, but every CP rank would see whole sequences: wrong attention, silently.
+            # Each CP rank scores only its chunks of a sequence; a per-sequence mean would need the
+            # sequence's token count from every CP rank.
             _require(
-                False,
-                "parallel.context_parallel_size",
-                "context_parallel_size > 1 is not supported yet: the policy worker does not split "
-                "sequences over context-parallel ranks",
+                self.grpo.loss_agg == "token",
+                ("parallel.context_parallel_size", "grpo.loss_agg"),
+                "context_parallel_size > 1 needs loss_agg 'token'",
             )
         if tiny is None:
             return  # An HF model's shape is known only once its config is read.

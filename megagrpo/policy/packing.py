@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedSequences", "pack_by_token_budget", "pack_sequences", "round_up"]
+__all__ = [
+    "PackedSequences",
+    "context_parallel_positions",
+    "pack_by_token_budget",
+    "pack_sequences",
+    "place_positions",
+    "round_up",
+]
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -125,3 +132,24 @@ def pack_sequences(
         source=source,
         valid=valid,
     )
+
+
+def context_parallel_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """The positions of a ``seq_len`` row held by context-parallel rank ``cp_rank`` of ``cp``.
+
+    Megatron's load-balanced split for causal attention: the row is cut into 2 x CP chunks and rank
+    r holds chunks r and 2 x CP - 1 - r (an early, cheap chunk with a late, expensive one).
+    """
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not a multiple of 2 x context parallel size {cp}")
+    chunk = seq_len // (2 * cp)
+    first, second = cp_rank, 2 * cp - 1 - cp_rank
+    return torch.cat(
+        [torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)]
+    )
+
+
+def place_positions(values: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+    """[b, n] values of the given row positions -> [b, length], zero elsewhere (differentiable)."""
+    full = values.new_zeros(values.shape[0], length)
+    return full.index_copy(1, positions.to(values.device), values)

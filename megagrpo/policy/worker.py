@@ -16,6 +16,7 @@ ranks), so neither packing nor DP size changes the result.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -38,7 +39,13 @@ from megagrpo.policy.engine import (
     optimizer_step,
 )
 from megagrpo.policy.logprobs import vocab_parallel_logprobs
-from megagrpo.policy.packing import pack_by_token_budget, pack_sequences
+from megagrpo.policy.packing import (
+    context_parallel_positions,
+    pack_by_token_budget,
+    pack_sequences,
+    place_positions,
+    round_up,
+)
 from megagrpo.types import TrainBatch, balanced_shards
 from megagrpo.weight_sync.buckets import plan_from_dict, plan_to_dict
 from megagrpo.weight_sync.trainer import WeightSender
@@ -84,7 +91,8 @@ class PolicyWorker:
         pol = cfg.policy
         # THD micro-batches need fused attention (Transformer Engine) to keep sequences apart.
         te_layers = cfg.parallel.resolved_transformer_impl == "transformer_engine"
-        self.packed = pol.sequence_packing == "auto" and te_layers
+        # Context parallelism splits padded rows (TE's THD split over CP ranks is not wired up).
+        self.packed = pol.sequence_packing == "auto" and te_layers and cfg.parallel.context_parallel_size == 1
         settings = OptimizerSettings(
             lr=pol.lr,
             min_lr=pol.min_lr,
@@ -161,16 +169,30 @@ class PolicyWorker:
             if self.packed:
                 out.append((rows, self._packed_micro_batch(sub)))
                 continue
-            seq = sub.input_ids.shape[1]
-            micro = {
-                "tokens": sub.input_ids,
-                "position_ids": torch.arange(seq).expand(sub.size, -1),
-                # The ids rolled by one: the last column's target is a dummy, dropped after scoring.
-                "targets": torch.roll(sub.input_ids, -1, dims=1),
-                "sub": sub,
-            }
-            out.append((rows, micro))
+            out.append((rows, self._padded_micro_batch(sub)))
         return out
+
+    def _padded_micro_batch(self, sub: TrainBatch) -> dict:
+        """[b, s] right-padded, s rounded up for sequence parallelism (a multiple of TP) and context
+        parallelism (2 x CP chunks; this rank keeps its two, see ``context_parallel_positions``)."""
+        cp, tp = self.ctx.sizes.cp, self.ctx.sizes.tp
+        multiple = math.lcm(tp if self.cfg.parallel.sequence_parallel else 1, 2 * cp if cp > 1 else 1)
+        seq = sub.input_ids.shape[1]
+        tokens = torch.nn.functional.pad(sub.input_ids, (0, round_up(seq, multiple) - seq))
+        micro = {
+            "tokens": tokens,
+            "position_ids": torch.arange(tokens.shape[1]).expand(sub.size, -1),
+            # The ids rolled by one; targets past the sequence are dummies, dropped after scoring.
+            "targets": torch.roll(tokens, -1, dims=1),
+            "sub": sub,
+        }
+        if cp > 1:
+            # Targets are rolled before the split: a chunk's last target lives in the next chunk.
+            held = context_parallel_positions(tokens.shape[1], cp, self.ctx.cp_rank)
+            for key in ("tokens", "position_ids", "targets"):
+                micro[key] = micro[key][:, held]
+            micro["cp_positions"] = held
+        return micro
 
     def _packed_micro_batch(self, sub: TrainBatch) -> dict:
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -218,7 +240,27 @@ class PolicyWorker:
         packed = micro.get("packed")
         if packed is not None:
             return packed.unpack(logprobs), (packed.unpack(entropy) if entropy is not None else None)
-        return logprobs[:, :-1], (entropy[:, :-1] if entropy is not None else None)
+        width = micro["sub"].input_ids.shape[1] - 1
+        held = micro.get("cp_positions")
+
+        def layout(values):  # [b, s - 1]; under CP, zero where another CP rank holds the position
+            if values is None:
+                return None
+            if held is not None:
+                values = place_positions(values, held, micro["tokens"].shape[1] * self.ctx.sizes.cp)
+            return values[:, :width]
+
+        return layout(logprobs), layout(entropy)
+
+    def _loss_mask(self, micro: dict) -> torch.Tensor:
+        """Response positions this rank scores (under CP: those of its own chunks)."""
+        mask = micro["sub"].response_mask()
+        held = micro.get("cp_positions")
+        if held is not None:
+            row = micro["tokens"].shape[1] * self.ctx.sizes.cp
+            mine = place_positions(torch.ones(1, len(held)), held, row)[0].bool()
+            mask = mask & mine[: mask.shape[1]]
+        return mask
 
     # ------------------------------------------------------------------------------------ logprobs
 
@@ -305,7 +347,7 @@ class PolicyWorker:
                 lp,
                 (sub.old_logprobs if sub.old_logprobs is not None else lp.detach()).to(device),
                 sub.advantages.to(device),
-                sub.response_mask().to(device),
+                self._loss_mask(micro).to(device),
                 self.loss_cfg,
                 ref_logprobs=None if sub.ref_logprobs is None else sub.ref_logprobs.to(device),
                 gen_logprobs=None if sub.gen_logprobs is None else sub.gen_logprobs.to(device),

@@ -369,9 +369,11 @@ def test_context_parallel_auto_depends_on_transformer_engine(monkeypatch):
     assert "parallel.context_parallel_size" in msg
     assert "transformer_engine is not importable" in msg
     monkeypatch.setattr(config_module, "_transformer_engine_available", lambda: True)
-    msg = _error(overrides)  # the prerequisites hold; the data split over CP ranks does not exist yet
-    assert "parallel.context_parallel_size" in msg
-    assert "not supported yet" in msg
+    cfg = load_config(None, overrides)
+    assert cfg.parallel.context_parallel_size == 2
+    assert cfg.parallel.resolved_transformer_impl == "transformer_engine"
+    msg = _error([*overrides, "grpo.loss_agg=sequence"])
+    assert "grpo.loss_agg" in msg and "needs loss_agg 'token'" in msg
 
 
 def test_context_parallel_needs_seq_length_divisible_by_2cp():

@@ -129,3 +129,39 @@ def test_pack_sequences_rejects_bad_lengths():
 
     with pytest.raises(ValueError, match="length"):
         pack_sequences(torch.zeros(2, 4, dtype=torch.long), torch.tensor([3, 5]))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_split_and_placement_give_the_whole_rows(cp):
+    """Every CP rank scores its two chunks (targets rolled before the split); placed back and summed
+    over ranks, the logprobs and their gradients are those of the unsplit row."""
+    import torch
+
+    from megagrpo.policy.logprobs import vocab_parallel_logprobs
+    from megagrpo.policy.packing import context_parallel_positions, place_positions, round_up
+
+    gen = torch.Generator().manual_seed(cp)
+    vocab = 29
+    ids = torch.randint(1, vocab, (3, 11), generator=gen)
+    seq = round_up(ids.shape[1], 2 * cp)
+    tokens = torch.nn.functional.pad(ids, (0, seq - ids.shape[1]))
+    targets = torch.roll(tokens, -1, dims=1)
+    positions = torch.arange(seq).expand(3, -1)
+    table = torch.randn(vocab, vocab, generator=gen, dtype=torch.float64, requires_grad=True)
+    pos_table = torch.randn(seq, vocab, generator=gen, dtype=torch.float64)
+
+    def score(tok, pos, tgt):  # a per-position "model"
+        return vocab_parallel_logprobs(table[tok] + pos_table[pos], tgt)[0]
+
+    want = score(tokens, positions, targets)
+    (want_grad,) = torch.autograd.grad(want.sum(), table)
+    held_all = [context_parallel_positions(seq, cp, r) for r in range(cp)]
+    assert torch.equal(torch.sort(torch.cat(held_all)).values, torch.arange(seq))  # a partition
+    got = sum(
+        place_positions(score(tokens[:, h], positions[:, h], targets[:, h]), h, seq) for h in held_all
+    )
+    (got_grad,) = torch.autograd.grad(got.sum(), table)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="multiple of 2 x context parallel size"):
+        context_parallel_positions(seq + 1, cp, 0)
