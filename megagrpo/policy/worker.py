@@ -166,10 +166,8 @@ class PolicyWorker:
         for group in groups:
             rows = [indices[g] for g in group]
             sub = batch.select(rows)
-            if self.packed:
-                out.append((rows, self._packed_micro_batch(sub)))
-                continue
-            out.append((rows, self._padded_micro_batch(sub)))
+            make = self._packed_micro_batch if self.packed else self._padded_micro_batch
+            out.append((rows, make(sub)))
         return out
 
     def _padded_micro_batch(self, sub: TrainBatch) -> dict:

@@ -4,8 +4,9 @@ Within a stage, the ranks of data-parallel replica 0 take part: each parameter i
 the TP group only when HF layout needs the whole tensor (TP-split weights), turned into HF tensors
 by the converter's map (QKV de-interleave, fc1 -> gate/up, vocabulary trimmed), and TP rank 0 of
 the stage packs them into fixed-size buckets and broadcasts them on its own group. Packing bucket
-k+1 overlaps the broadcast of bucket k (two buffers, kept from one sync to the next). No rank ever
-holds more than one parameter gathered plus two buckets; no rank funnels another stage's weights.
+k+1 overlaps the broadcast of bucket k (two buffers, on CPU kept from one sync to the next). No
+rank ever holds more than one parameter gathered plus two buckets; no rank funnels another stage's
+weights.
 """
 
 from __future__ import annotations
@@ -87,9 +88,12 @@ class WeightSender:
             raise RuntimeError("weight sync: send() before open()")
         size = max((b.nbytes for b in mine), default=0)
         if self._buffers is None or self._buffers[0].numel() < size:
-            # Kept across syncs: fresh multi-MB buffers cost a page fault per 4 KiB on every sync.
             self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.ctx.device) for _ in range(2)]
         buffers = [b[:size] for b in self._buffers]
+        if self.ctx.device.type != "cpu":
+            # On CPU they are kept (fresh multi-MB buffers cost a page fault per 4 KiB on every
+            # sync); a GPU's caching allocator reuses the memory, which colocated engines may need.
+            self._buffers = None
         in_flight, digests = [None, None], []
         for i, bucket in enumerate(mine):
             slot = i % 2
