@@ -74,6 +74,10 @@ class GenerationWorker:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generation.cpu_kvcache_space_gib))
         # vLLM logs every weight reload at INFO/WARNING; the driver reports what matters per step.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        if cfg.generation.engine_tensor_parallel_size > 1:
+            # vLLM's CPU build otherwise pins each TP worker's threads to a NUMA node of its own and
+            # refuses machines with fewer nodes than workers (ignored by the CUDA build).
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 

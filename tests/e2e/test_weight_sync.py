@@ -142,3 +142,34 @@ def test_seeded_rollouts_longer_than_one_scheduler_step(stack):
         assert [c.token_ids for c in alone] == [c.token_ids for c in batched]
         for a, b in zip(alone, batched, strict=True):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+def test_engine_with_tensor_parallel_workers(stack):
+    """An engine with two TP workers (vLLM worker processes): both join the broadcast groups through
+    the plugin, and the sharded engine then scores and samples exactly like the trainer."""
+    from megagrpo.cluster import RankGroup, start_engines
+    from megagrpo.weight_sync.sync import WeightSync
+
+    hf_dir, _ = stack
+    cfg = policy_config(
+        hf_dir,
+        extra=[
+            "generation.num_engines=1",
+            "generation.engine_tensor_parallel_size=2",
+            "generation.sync_timeout_s=60",
+            "generation.sync_bucket_mb=0.25",
+        ],
+    )
+    (engine,) = start_engines(cfg, hf_dir)
+    group = RankGroup(cfg, "megagrpo.policy.worker.PolicyWorker", timeout_s=300)
+    try:
+        sync = WeightSync(cfg, group, [engine], vocab_size=300)
+        batch = policy_batch(seed=7)
+        group.call_first("train", batch.replace(old_logprobs=group.call_first("logprobs", batch)))
+        sync.sync(with_checksums=True)
+        probe = sync.probe()
+        assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4
+        assert _sampled_logprob_error(sync, group, [engine], cfg) <= 1.001
+    finally:
+        group.shutdown()
+        ray.kill(engine)
