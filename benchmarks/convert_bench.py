@@ -378,8 +378,9 @@ def check_same_tensors(src: Path, out: Path) -> int:
         raise RuntimeError(f"{out}: tensor names differ from the source: {sorted(set(want) ^ set(got))[:5]}")
     for name in want:
         with safe_open(str(want[name]), framework="pt") as a, safe_open(str(got[name]), framework="pt") as b:
-            if not torch.equal(a.get_tensor(name), b.get_tensor(name)):
-                raise RuntimeError(f"{out}: tensor {name} differs from the source")
+            x, y = a.get_tensor(name), b.get_tensor(name)
+            if x.dtype != y.dtype or not torch.equal(x, y):  # torch.equal alone ignores dtypes
+                raise RuntimeError(f"{out}: tensor {name} differs from the source ({x.dtype}, {y.dtype})")
     return len(want)
 
 

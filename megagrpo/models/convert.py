@@ -17,6 +17,7 @@ Checkpoint directory layout::
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,10 +315,23 @@ def _export_rank(rank: int, world_size: int, ckpt: str, out: str, max_shard_byte
         load_megatron(model, Path(ckpt) / "megatron")
         names = stage_param_names(model, ctx, source.shape.num_layers)
         full = {names[local]: param.detach() for local, param in model.named_parameters()}
-        # Views into the model's parameters (split Q/K/V, gate/up halves, unpadded vocabulary).
-        tensors = list(hf_tensors_from_full(full, source.shape, source.arch.rules(source.shape)))
-        write_sharded(Path(out), tensors, max_shard_bytes)
-        return sum(t.numel() * t.element_size() for _, t in tensors)
+        rules = source.arch.rules(source.shape)
+        shapes = hf_tensor_shapes(source.shape)
+        specs = [
+            (name, shapes[name], source.dtype)
+            for rule in rules
+            if rule.export and rule.megatron in full
+            for name in rule.hf
+        ]
+        # Made one at a time as the writer asks (views where the layout allows: gate/up halves, the
+        # unpadded vocabulary; Q/K/V come out of the interleaved weight as copies). Megatron keeps
+        # norm weights in fp32 whatever the model's dtype: they go back in the checkpoint's.
+        tensors = (
+            (name, tensor.to(source.dtype))
+            for name, tensor in hf_tensors_from_full(full, source.shape, rules)
+        )
+        write_sharded(Path(out), specs, tensors, max_shard_bytes)
+        return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
     finally:
         destroy_parallel()
 

@@ -15,7 +15,7 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,23 +183,29 @@ _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 
 def write_sharded(
-    out_dir: Path, tensors: Sequence[tuple[str, torch.Tensor]], max_shard_bytes: int
+    out_dir: Path,
+    specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    max_shard_bytes: int,
 ) -> list[Path]:
-    """Write ``tensors`` (in order) as safetensors shards of at most ``max_shard_bytes`` plus an index.
+    """Write safetensors shards of at most ``max_shard_bytes`` plus an index, streaming.
 
-    Streaming: every shard's header is known from the shapes before any data, so each tensor's bytes
-    go to the file as they are (a contiguous copy only of a tensor that is a strided view); nothing
-    like a whole shard is ever gathered in memory. Shards are named ``model-XXXXX-of-YYYYY.safetensors``;
+    ``specs`` (name, shape, dtype), in order, plan the shards and their headers before any data;
+    ``tensors`` then yields each tensor in that order, and its bytes go straight to its file (a
+    contiguous copy only of a strided view), so the producer may compute each one on demand and
+    nothing like a whole shard is ever held. Shards are named ``model-XXXXX-of-YYYYY.safetensors``;
     a single shard is ``model.safetensors`` with no index.
     """
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     size = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
+    for name, shape, dtype in specs:
+        if dtype not in _DTYPE_CODES:
+            raise ValueError(f"{name}: dtype {dtype} cannot be written to safetensors")
+        nbytes = math.prod(shape) * dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, tensor))
+        shards[-1].append((name, tuple(shape), dtype))
         size += nbytes
     count = len(shards)
     paths = (
@@ -207,17 +213,16 @@ def write_sharded(
         if count == 1
         else [out_dir / f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     )
+    stream = iter(tensors)
     weight_map, total = {}, 0
     for path, shard in zip(paths, shards, strict=True):
         header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
         offset = 0
-        for name, tensor in shard:
-            if tensor.dtype not in _DTYPE_CODES:
-                raise ValueError(f"{name}: dtype {tensor.dtype} cannot be written to safetensors")
-            nbytes = tensor.numel() * tensor.element_size()
+        for name, shape, dtype in shard:
+            nbytes = math.prod(shape) * dtype.itemsize
             header[name] = {
-                "dtype": _DTYPE_CODES[tensor.dtype],
-                "shape": list(tensor.shape),
+                "dtype": _DTYPE_CODES[dtype],
+                "shape": list(shape),
                 "data_offsets": [offset, offset + nbytes],
             }
             offset += nbytes
@@ -227,11 +232,18 @@ def write_sharded(
         with open(path, "wb") as fh:
             fh.write(struct.pack("<Q", len(raw)))
             fh.write(raw)
-            for _, tensor in shard:
+            for name, shape, dtype in shard:
+                got_name, tensor = next(stream, (None, None))
+                if got_name != name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                    got = "nothing" if got_name is None else f"{got_name} {list(tensor.shape)} {tensor.dtype}"
+                    raise ValueError(f"{path.name}: expected tensor {name} {list(shape)} {dtype}, got {got}")
                 if tensor.numel():
                     data = tensor.detach().to("cpu").contiguous()
                     fh.write(memoryview(data.view(-1).view(torch.uint8).numpy()))
         total += offset
+    extra = next(stream, None)
+    if extra is not None:
+        raise ValueError(f"tensor {extra[0]} was not in the plan")
     if count > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

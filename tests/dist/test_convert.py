@@ -62,6 +62,19 @@ def test_round_trip_is_bit_identical(arch, tp, pp, hf_dirs, converted, tmp_path)
     assert (out / "generation_config.json").is_file()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bf16_round_trip_keeps_every_dtype(tp, tmp_path):
+    """A bf16 checkpoint comes back bf16 throughout (Megatron keeps its norms in fp32 meanwhile)."""
+    src_dir = make_tiny_hf("qwen2", tmp_path / "src", dtype=torch.bfloat16)
+    out = megatron_to_hf(hf_to_megatron(src_dir, tmp_path / "ckpt", tp=tp), tmp_path / "hf")
+    src, back = HFCheckpoint(src_dir), HFCheckpoint(out)
+    assert set(back.tensors) == set(src.tensors)
+    for name in src.tensors:
+        a, b = src.read(name), back.read(name)
+        assert a.dtype == b.dtype == torch.bfloat16, (name, b.dtype)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
 def _megatron_logits(rank: int, world_size: int, ckpt: str, tokens: torch.Tensor) -> dict:
     import torch.distributed as dist
 

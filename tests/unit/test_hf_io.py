@@ -24,10 +24,14 @@ def _tensors():
     ]
 
 
+def _specs(tensors):
+    return [(name, tuple(t.shape), t.dtype) for name, t in tensors]
+
+
 @pytest.mark.parametrize("max_bytes", [10**9, 50])
 def test_written_shards_read_back_exactly(tmp_path, max_bytes):
     tensors = _tensors()
-    paths = write_sharded(tmp_path, tensors, max_bytes)
+    paths = write_sharded(tmp_path, _specs(tensors), iter(tensors), max_bytes)
     index = tmp_path / INDEX_NAME
     if max_bytes == 50:
         assert len(paths) > 1 and index.is_file()
@@ -49,3 +53,11 @@ def test_written_shards_read_back_exactly(tmp_path, max_bytes):
     for name, tensor in tensors:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
         assert torch.equal(ours.read(name), tensor), name
+
+
+def test_a_tensor_out_of_plan_is_named(tmp_path):
+    tensors = _tensors()
+    with pytest.raises(ValueError, match=r"expected tensor b\.weight \[2, 10\] torch\.bfloat16, got c\.bias"):
+        write_sharded(tmp_path, _specs(tensors), iter([tensors[0], *tensors[2:]]), 10**9)
+    with pytest.raises(ValueError, match="tensor extra was not in the plan"):
+        write_sharded(tmp_path, _specs(tensors), iter([*tensors, ("extra", torch.zeros(1))]), 10**9)
