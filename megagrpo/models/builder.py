@@ -181,9 +181,20 @@ def build_gpt_model(
         pg_collection=pgs,
     )
     _mark_tensor_parallel(model)
+    _params_to_dtype(model, config.params_dtype)
     if not config.use_cpu_initialization:
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _params_to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter in the model's dtype. The local spec's norms are torch modules made
+    in fp32 whatever ``params_dtype`` says (Megatron's own training casts them with Float16Module,
+    which would also turn the logits to fp32): in bf16 they would run unfused on mixed dtypes and
+    differ from what vLLM, and an HF export, hold. Buffers (RoPE frequencies) stay as they are."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def _mark_tensor_parallel(model: torch.nn.Module) -> None:

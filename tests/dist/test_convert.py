@@ -62,11 +62,27 @@ def test_round_trip_is_bit_identical(arch, tp, pp, hf_dirs, converted, tmp_path)
     assert (out / "generation_config.json").is_file()
 
 
+def _stage_param_dtypes(rank: int, world_size: int, ckpt: str) -> dict:
+    source = read_source(Path(ckpt))
+    ctx = init_parallel(ParallelSizes(), backend="gloo")
+    try:
+        model = build_stage(ctx, source.shape, source.dtype)
+        load_megatron(model, Path(ckpt) / "megatron")
+        return {name: p.dtype for name, p in model.named_parameters()}
+    finally:
+        destroy_parallel()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bf16_round_trip_keeps_every_dtype(tp, tmp_path):
-    """A bf16 checkpoint comes back bf16 throughout (Megatron keeps its norms in fp32 meanwhile)."""
+    """A bf16 checkpoint is bf16 throughout: in Megatron (whose local norms are made in fp32) and
+    back in HF."""
     src_dir = make_tiny_hf("qwen2", tmp_path / "src", dtype=torch.bfloat16)
-    out = megatron_to_hf(hf_to_megatron(src_dir, tmp_path / "ckpt", tp=tp), tmp_path / "hf")
+    ckpt = hf_to_megatron(src_dir, tmp_path / "ckpt", tp=tp)
+    (dtypes,) = run_local_ranks(_stage_param_dtypes, 1, str(ckpt), timeout_s=300)
+    assert any("layernorm" in name for name in dtypes)
+    assert set(dtypes.values()) == {torch.bfloat16}, dtypes
+    out = megatron_to_hf(ckpt, tmp_path / "hf")
     src, back = HFCheckpoint(src_dir), HFCheckpoint(out)
     assert set(back.tensors) == set(src.tensors)
     for name in src.tensors:
