@@ -19,6 +19,9 @@
 #      kept for backward, ~34 GB per 4K sequence at this shape), so Megatron's selective recompute of
 #      core attention is switched on (--recompute core_attention): without it neither length fits a
 #      16K-token micro-batch in 141 GB. Recomputed FLOPs are not counted in the MFU.
+#      The 4096 run also times the weight-sync sender on that model (HF conversion + 512 MB
+#      double-buffered buckets on an NCCL group with no receivers) against one flat device copy of
+#      the same bytes.
 #
 # Preparing the call (here, once): the wheel for the device's Python 3.12 goes to an ignored folder,
 #   .venv/bin/python -m pip download megatron-core==0.16.1 --no-deps --only-binary=:all: \
@@ -85,6 +88,7 @@ run_all() {
     lengths=(128 256)
     batch=(4 2)
     budget=512
+    bucket_mb=0.05
     steps=(--warmup 1 --iters 2)
     mem=(--tokens 512 1024 --vocab 4096 --chunk 256)
   else
@@ -92,15 +96,18 @@ run_all() {
     lengths=(4096 8192)
     batch=(8 4)
     budget=16384
+    bucket_mb=512
     steps=(--warmup 2 --iters 5)
     mem=(--tokens 8192 16384 --vocab 151936 --chunk 1024)
   fi
-  local status=0 seq left i
+  local status=0 seq left i sync
 
   # Shortest and surest first: the memory comparison (about a minute on the H200).
-  stamp "logprob_memory"
-  timeout 150 "$PYTHON" benchmarks/logprob_memory.py "${mem[@]}" --out "$RESULTS/logprob_memory.json" ||
-    { status=$?; stamp "logprob_memory failed ($status)"; }
+  if [[ -z "${SKIP_MEMORY:-}" ]]; then # SKIP_MEMORY=1: the training runs alone
+    stamp "logprob_memory"
+    timeout 150 "$PYTHON" benchmarks/logprob_memory.py "${mem[@]}" --out "$RESULTS/logprob_memory.json" ||
+      { status=$?; stamp "logprob_memory failed ($status)"; }
+  fi
 
   for i in 0 1; do
     seq=${lengths[$i]}
@@ -110,10 +117,13 @@ run_all() {
       continue
     fi
     if ((left > 220)); then left=220; fi
+    # The first run also times the weight-sync sender on this model (see train_bench.py).
+    sync=()
+    if ((i == 0)); then sync=(--sync-bucket-mb "$bucket_mb"); fi
     stamp "train_bench sequence $seq (at most ${left}s)"
     # Every sequence is exactly $seq tokens (--min-len-frac 1): tokens/s counts no padding.
     timeout "$left" "$PYTHON" benchmarks/train_bench.py "${model[@]}" "${steps[@]}" --seq "$seq" \
-      --batch "${batch[$i]}" --budget "$budget" --min-len-frac 1.0 --timeout $((left - 5)) \
+      --batch "${batch[$i]}" --budget "$budget" --min-len-frac 1.0 "${sync[@]}" --timeout $((left - 5)) \
       --out "$RESULTS/train_$seq.json" || { status=$?; stamp "train_bench $seq failed ($status)"; }
   done
 

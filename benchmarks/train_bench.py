@@ -255,6 +255,8 @@ def rank_main(rank: int, world_size: int, args) -> dict:
             "recompute": engine.config.recompute_granularity,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         }
+        if args.sync_bucket_mb:
+            result["sync"] = time_weight_sender(worker, args)
         if args.profile:
             # Every rank runs the profiled steps (they are collective); rank 0's summary is kept.
             profile = _profile_steps(steps, device)
@@ -263,6 +265,74 @@ def rank_main(rank: int, world_size: int, args) -> dict:
         return result
     finally:
         destroy_parallel()
+
+
+def time_weight_sender(worker, args) -> dict:
+    """The trainer side of a weight sync of this model, against a flat device copy of its bytes.
+
+    The sender is rank 0 of a broadcast group with no receivers (world size 1, NCCL on CUDA, gloo on
+    CPU), so what is timed is what the trainer adds on top of the transport: turning Megatron's
+    parameters into HF tensors (QKV de-interleave, gate/up split, vocabulary trim) and packing them
+    into the double-buffered buckets. ``reshard_s`` is the HF conversion alone (its tensors made
+    and dropped). The bound is one device copy of the same number of bytes (``copy_s``): packing
+    has to write every byte at least once. TP=1 (one rank), where the plan is this rank's own.
+    """
+    from megagrpo.weight_sync.transport import GroupAddress
+
+    device = worker.ctx.device
+    address = worker.weight_sync_address()
+    plan = worker.weight_sync_plan(int(args.sync_bucket_mb * 2**20))
+    if address is None or plan is None:
+        raise RuntimeError("--sync-bucket-mb times one sender: run it with --tp 1")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    worker.open_weight_sync([GroupAddress(*address, 1).to_dict()], backend, 300.0)
+    total = sum(b["nbytes"] for b in plan)
+
+    def timed(fn) -> list[float]:
+        times = []
+        for i in range(args.warmup + args.iters):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+        return times
+
+    def reshard():
+        for _ in worker._sender()._hf_tensors():
+            pass
+
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        send_s = timed(lambda: worker.send_weights(plan))
+        extra = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+        reshard_s = timed(reshard)
+        flat = torch.empty(2, total, dtype=torch.uint8, device=device)
+        copy_s = timed(lambda: flat[1].copy_(flat[0]))
+    finally:
+        worker.close_weight_sync()
+    send, copy = statistics.median(send_s), statistics.median(copy_s)
+    return {
+        "backend": backend,
+        "bucket_mb": args.sync_bucket_mb,
+        "buckets": len(plan),
+        "tensors": sum(len(b["slots"]) for b in plan),
+        "bytes": total,
+        "send_s_all": send_s,
+        "reshard_s_all": reshard_s,
+        "copy_s_all": copy_s,
+        "send_s_median": send,
+        "reshard_s_median": statistics.median(reshard_s),
+        "copy_s_median": copy,
+        "send_gb_per_s": total / send / 1e9,
+        "copy_gb_per_s": total / copy / 1e9,
+        "send_over_copy": copy / send,
+        "send_extra_mem_bytes": extra,
+    }
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -326,6 +396,8 @@ def summarize(args, tp: int, ranks: list[dict]) -> dict:
             out[name]["mfu_6n_attn"] = (6 * n + attn) * rate / (args.peak_tflops * 1e12 * tp)
     if "profile" in ranks[0]:
         out["profile"] = ranks[0]["profile"]
+    if "sync" in ranks[0]:
+        out["sync"] = ranks[0]["sync"]
     return out
 
 
@@ -368,6 +440,21 @@ def write_markdown(path: Path, report: dict) -> None:
                     f"| {r['tp']} | {name} | {r[name]['mfu_6n']:.3f} | {r[name]['mfu_6n_attn']:.3f} | "
                     f"{r.get('peak_mem_gib', {}).get(name, float('nan')):.1f} |"
                 )
+    for r in report["runs"]:
+        if "sync" in r:
+            sy = r["sync"]
+            extra = sy["send_extra_mem_bytes"]
+            lines += [
+                "",
+                f"Weight-sync sender (TP {r['tp']}, {sy['backend']}, no receivers): "
+                f"{sy['bytes'] / 1e9:.2f} GB in {sy['tensors']} HF tensors, {sy['buckets']} buckets of "
+                f"<= {sy['bucket_mb']} MB. "
+                f"Send {sy['send_s_median'] * 1e3:.1f} ms ({sy['send_gb_per_s']:.1f} GB/s; HF conversion "
+                f"alone {sy['reshard_s_median'] * 1e3:.1f} ms) vs one flat device copy of the same bytes "
+                f"{sy['copy_s_median'] * 1e3:.1f} ms ({sy['copy_gb_per_s']:.1f} GB/s): "
+                f"{sy['send_over_copy']:.2f} of the copy bound"
+                + (f"; {extra / 2**20:.0f} MiB on top of the model while sending." if extra else "."),
+            ]
     if not m["cuda"]:
         lines += [
             "",
@@ -396,6 +483,12 @@ def parse_args(argv=None):
         "--recompute", default="none", choices=["none", "core_attention", "full"], help="policy.recompute"
     )
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (H200 bf16: 989)")
+    p.add_argument(
+        "--sync-bucket-mb",
+        type=float,
+        default=0.0,
+        help="also time the weight-sync sender with buckets of this size (TP 1; 0: off)",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile + torch.profiler one step of each")
     p.add_argument("--out", type=Path, default=RESULTS / "train.json", help=".json; a .md is written beside")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run of ranks")

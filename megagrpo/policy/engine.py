@@ -119,8 +119,10 @@ def build_engine(
         params_dtype=dtype,
         use_distributed_optimizer=opt.use_distributed_optimizer,
     )
+    # Megatron refuses gloo side groups when it is handed a pg_collection (found on the H200, where
+    # the backend is NCCL); the distributed optimizer then gathers its state over the NCCL groups.
     optimizer = get_megatron_optimizer(
-        opt_config, [ddp], use_gloo_process_groups=ctx.backend == "nccl", pg_collection=ctx.pgs
+        opt_config, [ddp], use_gloo_process_groups=False, pg_collection=ctx.pgs
     )
     return TrainEngine(ctx=ctx, shape=shape, config=config, model=[ddp], optimizer=optimizer)
 
