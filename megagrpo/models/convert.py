@@ -16,8 +16,10 @@ Checkpoint directory layout::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,7 @@ from megagrpo.models.hf_io import (
     write_sharded,
 )
 from megagrpo.models.layout import is_gated_fc1, layer_offset, shift_layer_index, tp_partition_dim, tp_shard
-from megagrpo.models.mapping import Rule, canonical_name, hf_tensor_shapes, to_hf, to_megatron
+from megagrpo.models.mapping import Rule, canonical_name, hf_tensor_shapes, shard_rows, to_hf, to_megatron
 from megagrpo.models.registry import _LLAMA3_FIXED, Architecture, load_hf_config, shape_from_hf_config
 from megagrpo.parallel import ParallelContext, ParallelSizes, destroy_parallel, init_parallel
 from megagrpo.parallel.local import run_in_this_process, run_local_ranks
@@ -63,9 +65,27 @@ def stage_param_names(model: torch.nn.Module, ctx: ParallelContext, num_layers: 
 
 
 def load_hf_into_stage(
-    model: torch.nn.Module, ctx: ParallelContext, hf: HFCheckpoint, shape: GPTShape, rules: list[Rule]
+    model: torch.nn.Module,
+    ctx: ParallelContext,
+    hf: HFCheckpoint,
+    shape: GPTShape,
+    rules: list[Rule],
+    *,
+    gated_halves: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
-    """Fill every parameter of this rank's model stage from the HF checkpoint (TP slice of each)."""
+    """Fill every parameter of this rank's model stage from the HF checkpoint (TP slice of each).
+
+    Where a shard is whole rows of its HF tensors (everything but row-parallel weights at TP > 1)
+    and the parameter is a CPU tensor of the file's dtype, the rows are read from the file straight
+    into the parameter: no HF tensor is materialized and nothing is read that another rank owns.
+    Otherwise the HF tensors are read whole and transformed.
+
+    ``gated_halves`` (conversion, where the model is written and discarded): the gate and up rows of
+    each fused ``linear_fc1`` weight go into two tensors of their own, stored there by parameter name
+    (the stage's own, as Megatron's checkpoint keys spell it),
+    and the fused parameter is left unfilled; ``save_megatron`` writes those tensors as the halves
+    Megatron checkpoints (it would otherwise copy each half out of the fused weight).
+    """
     by_name = {rule.megatron: rule for rule in rules}
     padded = padded_vocab_size(shape.vocab_size, ctx.sizes.tp)
     params = dict(model.named_parameters())
@@ -73,23 +93,66 @@ def load_hf_into_stage(
         rule = by_name.get(global_name)
         if rule is None:
             raise CheckpointError(f"Megatron parameter {global_name} has no rule in the HF map")
-        full = to_megatron(rule, [hf.read(n) for n in rule.hf], shape, padded)
         param = params[local]
-        shard = tp_shard(
-            full,
-            partition_dim=tp_partition_dim(global_name),
+        dim = tp_partition_dim(global_name)
+        plan = shard_rows(
+            rule,
+            {n: hf.tensors[n].shape[0] for n in rule.hf},
+            shape,
+            padded,
+            partition_dim=dim,
             tp_rank=ctx.tp_rank,
             tp_size=ctx.sizes.tp,
-            gated=is_gated_fc1(global_name),
         )
-        if shard.shape != param.shape:
+        direct = (
+            plan is not None
+            and param.device.type == "cpu"
+            and param.is_contiguous()
+            and all(hf.tensors[n].dtype == param.dtype for n in rule.hf)
+        )
+        if not direct:
+            _load_transformed(param, rule, hf, shape, padded, ctx, dim, global_name)
+            continue
+        row_shape = {tuple(hf.tensors[n].shape[1:]) for n in rule.hf}
+        if row_shape != {tuple(param.shape[1:])} or plan.rows != param.shape[0]:
             raise CheckpointError(
-                f"{global_name}: HF tensors {list(rule.hf)} give a shard of shape {list(shard.shape)}, "
-                f"the Megatron parameter has {list(param.shape)}"
+                f"{global_name}: HF tensors {list(rule.hf)} give a shard of shape "
+                f"{[plan.rows, *next(iter(row_shape))]}, the Megatron parameter has {list(param.shape)}"
             )
-        with torch.no_grad():
-            param.copy_(shard)
-        del full, shard
+        # (first shard row, tensor) pieces the shard is made of: the parameter, or two halves of
+        # their own (views of one storage would be copied out again by the checkpoint writer).
+        pieces = [(0, param.detach())]
+        if gated_halves is not None and rule.transform == "gated":
+            half = plan.rows // 2
+            pieces = [(start, param.new_empty(half, *param.shape[1:])) for start in (0, half)]
+            gated_halves[local] = (pieces[0][1], pieces[1][1])
+        covered = 0
+        for read in plan.reads:
+            start, target = next(piece for piece in reversed(pieces) if piece[0] <= read.dest)
+            rows, at = read.stop - read.start, read.dest - start
+            hf.read_rows_into(read.hf, read.start, read.stop, target[at : at + rows])
+            covered += rows
+        if covered < plan.rows:  # vocabulary padding: the reads cover the leading rows
+            pieces[0][1][covered:].zero_()
+
+
+def _load_transformed(param, rule, hf, shape, padded, ctx, dim: int, global_name: str) -> None:
+    """The general path: whole HF tensors, transformed to the Megatron tensor, then sliced."""
+    full = to_megatron(rule, [hf.read(n) for n in rule.hf], shape, padded)
+    shard = tp_shard(
+        full,
+        partition_dim=dim,
+        tp_rank=ctx.tp_rank,
+        tp_size=ctx.sizes.tp,
+        gated=is_gated_fc1(global_name),
+    )
+    if shard.shape != param.shape:
+        raise CheckpointError(
+            f"{global_name}: HF tensors {list(rule.hf)} give a shard of shape {list(shard.shape)}, "
+            f"the Megatron parameter has {list(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(shard)
 
 
 def hf_tensors_from_full(
@@ -130,26 +193,89 @@ def _gated_factories(state: dict) -> list[str]:
     return [k for k, v in state.items() if isinstance(v, ShardedTensorFactory) and v.flattened_range is None]
 
 
-def save_megatron(model: torch.nn.Module, path: Path, *, consume: bool = False) -> None:
+def save_megatron(
+    model: torch.nn.Module,
+    path: Path,
+    *,
+    consume: bool = False,
+    gated_halves: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> None:
     """Write ``model`` as a Megatron distributed checkpoint.
 
     ``consume=True`` (the model is discarded afterwards, as in conversion): each fused gate/up weight
     is moved into two tensors of its own and its storage freed, one layer at a time. Otherwise the
     writer copies every half (a view into the fused weight) at once: ~1/3 of the model more memory.
+    ``gated_halves`` (from ``load_hf_into_stage``) are written instead of the fused weights' halves,
+    whose storage is then freed.
     """
-    from megatron.core import dist_checkpointing
-
     path.mkdir(parents=True, exist_ok=True)
     state = model.sharded_state_dict()
-    if consume:
-        for key in _gated_factories(state):
-            factory = state[key]
-            halves = factory.build()
-            for half in halves:
+    gated = _gated_factories(state)
+    if gated_halves is not None and sorted(gated_halves) != sorted(gated):
+        # The fused weights were never filled: writing them instead would be silent garbage.
+        raise RuntimeError(
+            f"gate/up halves were read for {sorted(set(gated_halves) - set(gated))[:3]} and are "
+            f"missing for {sorted(set(gated) - set(gated_halves))[:3]}"
+        )
+    for key in gated if consume or gated_halves is not None else ():
+        factory = state[key]
+        halves = factory.build()
+        for i, half in enumerate(halves):
+            if gated_halves is not None:
+                given = gated_halves[key][i]
+                if given.shape != half.data.shape or given.dtype != half.data.dtype:
+                    raise ValueError(
+                        f"{key}: half {i} is {list(given.shape)}, expected {list(half.data.shape)}"
+                    )
+                half.data = given
+            else:
                 half.data = half.data.clone()
-            factory.data.untyped_storage().resize_(0)
-            state[key] = halves
-    dist_checkpointing.save(state, str(path))
+        factory.data.untyped_storage().resize_(0)
+        state[key] = halves
+    save_dist_checkpoint(state, path)
+
+
+@contextlib.contextmanager
+def _lean_torch_dist_writer():
+    """Two costs of Megatron's torch_dist writer that a synchronous save does not need.
+
+    - Its results queue is a ``Manager`` in a spawned Python process (~1.5 s to start on two cores),
+      there so that an asynchronous save's proxy process can report back. A synchronous save runs
+      the writers' coordinator in this process, so a plain in-process queue carries the results.
+    - ``torch.save`` computes a CRC32 of every record it writes (~0.15 s per GB per writer),
+      which ``torch.load`` never checks.
+
+    Both are restored on exit. Where a Megatron or torch version lacks either hook, it is left alone.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    try:
+        from torch.utils.serialization import config as ser_config
+
+        save_config = ser_config.save
+        crc = save_config.compute_crc32
+        save_config.compute_crc32 = False
+    except (ImportError, AttributeError):
+        save_config = None
+    swap_queue = getattr(filesystem_async, "_results_queue", False) is None
+    if swap_queue:
+        filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        if swap_queue:
+            filesystem_async._results_queue = None
+        if save_config is not None:
+            save_config.compute_crc32 = crc
+
+
+def save_dist_checkpoint(state: dict, path: Path) -> None:
+    """``dist_checkpointing.save`` (synchronous, torch_dist) without the costs it only needs for
+    asynchronous saves."""
+    from megatron.core import dist_checkpointing
+
+    with _lean_torch_dist_writer():
+        dist_checkpointing.save(state, str(path))
 
 
 def load_megatron(model: torch.nn.Module, path: Path) -> None:
@@ -263,8 +389,9 @@ def _import_rank(rank: int, world_size: int, hf_dir: str, out: str, tp: int, pp:
     ctx = init_parallel(ParallelSizes(tp=tp, pp=pp), backend="gloo")
     try:
         model = build_stage(ctx, shape, dtype)
-        load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape))
-        save_megatron(model, Path(out) / "megatron", consume=True)
+        halves: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), gated_halves=halves)
+        save_megatron(model, Path(out) / "megatron", consume=True, gated_halves=halves)
     finally:
         destroy_parallel()
 

@@ -166,17 +166,39 @@ class HFCheckpoint:
         """The tensor ``name``, in memory of its own (the file is read, not mapped)."""
         info = self.tensors[name]
         out = torch.empty(info.shape, dtype=info.dtype)
-        if info.nbytes:
-            view = memoryview(out.view(-1).view(torch.uint8).numpy())
-            with open(info.file, "rb", buffering=0) as fh:
-                fh.seek(info.offset)
-                got = 0
-                while got < info.nbytes:
-                    n = fh.readinto(view[got:])
-                    if not n:
-                        raise CheckpointError(f"{info.file}: tensor {name} ends early (truncated while read)")
-                    got += n
+        self._read_bytes(name, info.offset, out)
         return out
+
+    def read_rows_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Rows ``[start, stop)`` of tensor ``name`` (elements, for a 1-D tensor) into ``out``, a
+        contiguous CPU tensor of that shape and the file's dtype (e.g. a slice of a parameter)."""
+        info = self.tensors[name]
+        want = (stop - start, *info.shape[1:])
+        if not 0 <= start <= stop <= (info.shape[0] if info.shape else 0):
+            raise CheckpointError(f"{info.file}: rows {start}:{stop} of tensor {name} {list(info.shape)}")
+        if tuple(out.shape) != want or out.dtype != info.dtype or not out.is_contiguous() or out.is_cuda:
+            raise ValueError(
+                f"{name}: rows {start}:{stop} are {info.dtype} {list(want)}; the destination is "
+                f"{out.dtype} {list(out.shape)} on {out.device} (contiguous={out.is_contiguous()})"
+            )
+        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        self._read_bytes(name, info.offset + start * row_bytes, out)
+
+    def _read_bytes(self, name: str, offset: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (contiguous CPU) with the file bytes from ``offset`` on."""
+        nbytes = out.numel() * out.element_size()
+        if not nbytes:
+            return
+        info = self.tensors[name]
+        view = memoryview(out.detach().view(-1).view(torch.uint8).numpy())
+        with open(info.file, "rb", buffering=0) as fh:
+            fh.seek(offset)
+            got = 0
+            while got < nbytes:
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise CheckpointError(f"{info.file}: tensor {name} ends early (truncated while read)")
+                got += n
 
 
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}

@@ -188,6 +188,83 @@ def to_megatron(rule: Rule, hf: list[torch.Tensor], shape: GPTShape, padded_voca
     raise AssertionError(f"unknown transform {rule.transform}")
 
 
+@dataclass(frozen=True)
+class RowRead:
+    """Rows ``[start, stop)`` of HF tensor ``hf`` land at row ``dest`` of a Megatron shard."""
+
+    hf: str
+    start: int
+    stop: int
+    dest: int
+
+
+@dataclass(frozen=True)
+class ShardRows:
+    """A TP shard of a Megatron tensor as whole rows of its HF tensors (rows of a 1-D tensor are
+    its elements). Shard rows that no read covers (vocabulary padding) are zero."""
+
+    rows: int
+    reads: tuple[RowRead, ...]
+
+
+def shard_rows(
+    rule: Rule,
+    hf_rows: dict[str, int],
+    shape: GPTShape,
+    padded_vocab: int,
+    *,
+    partition_dim: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> ShardRows | None:
+    """Where each row of this rank's shard of ``to_megatron(rule, ...)`` comes from, or None where
+    the shard is not made of whole HF rows (a split along dim 1 at TP > 1).
+
+    ``hf_rows``: the first dimension of each HF tensor of the rule. The shard equals
+    ``tp_shard(to_megatron(...))``: readers can fill it straight from the file, row range by row
+    range, with no full tensor in between (the tests check the two agree for every transform).
+    """
+    if partition_dim < 0 or tp_size == 1:
+        tp_rank, tp_size = 0, 1
+    elif partition_dim != 0:
+        return None
+    r = tp_rank
+
+    def split(name: str) -> tuple[int, int]:
+        per = hf_rows[name] // tp_size
+        return r * per, (r + 1) * per
+
+    if rule.transform == "copy":
+        (name,) = rule.hf
+        lo, hi = split(name)
+        return ShardRows(hi - lo, (RowRead(name, lo, hi, 0),))
+    if rule.transform == "gated":
+        gate, up = rule.hf
+        lo, hi = split(gate)
+        return ShardRows(2 * (hi - lo), (RowRead(gate, lo, hi, 0), RowRead(up, lo, hi, hi - lo)))
+    if rule.transform == "vocab":
+        (name,) = rule.hf
+        per = padded_vocab // tp_size
+        lo, hi = r * per, min((r + 1) * per, hf_rows[name])
+        return ShardRows(per, (RowRead(name, lo, hi, 0),) if lo < hi else ())
+    if rule.transform == "qkv":
+        q, k, v = rule.hf
+        groups, hd = shape.num_query_groups, shape.head_dim
+        q_rows = hf_rows[q] // groups
+        block = q_rows + 2 * hd
+        per = groups // tp_size
+        reads = []
+        for j, g in enumerate(range(r * per, (r + 1) * per)):
+            base = j * block
+            reads += [
+                RowRead(q, g * q_rows, (g + 1) * q_rows, base),
+                RowRead(k, g * hd, (g + 1) * hd, base + q_rows),
+                RowRead(v, g * hd, (g + 1) * hd, base + q_rows + hd),
+            ]
+        return ShardRows(per * block, tuple(reads))
+    raise AssertionError(f"unknown transform {rule.transform}")
+
+
 def to_hf(rule: Rule, tensor: torch.Tensor, shape: GPTShape) -> list[torch.Tensor]:
     """The HF tensors of ``rule`` (in ``rule.hf`` order) from the full canonical Megatron tensor."""
     if rule.transform == "copy":

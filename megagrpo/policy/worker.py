@@ -26,7 +26,13 @@ import torch.distributed as dist
 from megagrpo.algorithms.grpo import METRIC_REDUCTIONS, LossConfig, combine_metrics, grpo_loss, reduce_metrics
 from megagrpo.config import Config
 from megagrpo.models.builder import padded_vocab_size
-from megagrpo.models.convert import load_hf_into_stage, load_megatron, save_megatron, write_checkpoint_meta
+from megagrpo.models.convert import (
+    load_hf_into_stage,
+    load_megatron,
+    save_dist_checkpoint,
+    save_megatron,
+    write_checkpoint_meta,
+)
 from megagrpo.models.hf_io import HFCheckpoint
 from megagrpo.models.source import run_model
 from megagrpo.parallel import ParallelSizes, init_parallel
@@ -422,14 +428,12 @@ class PolicyWorker:
         Collective. Layout: ``megatron/`` model, ``optimizer/`` optimizer state (both Megatron
         distributed checkpoints, loadable at another TP/PP), ``trainer_state.json``.
         """
-        from megatron.core import dist_checkpointing
-
         path = Path(path)
         model_sd = self.engine.module.sharded_state_dict()
         save_megatron(self.engine.module, path / "megatron")
         (path / "optimizer").mkdir(parents=True, exist_ok=True)
         opt_sd = self.engine.optimizer.sharded_state_dict(model_sd, metadata=_OPTIMIZER_CKPT_FORMAT)
-        dist_checkpointing.save(opt_sd, str(path / "optimizer"))
+        save_dist_checkpoint(opt_sd, path / "optimizer")
         if self.ctx.rank == 0:
             state = {"steps_done": self.steps_done, "scheduler": self.scheduler.state_dict()}
             _write_json(path / "trainer_state.json", state)

@@ -61,3 +61,21 @@ def test_a_tensor_out_of_plan_is_named(tmp_path):
         write_sharded(tmp_path, _specs(tensors), iter([tensors[0], *tensors[2:]]), 10**9)
     with pytest.raises(ValueError, match="tensor extra was not in the plan"):
         write_sharded(tmp_path, _specs(tensors), iter([*tensors, ("extra", torch.zeros(1))]), 10**9)
+
+
+def test_row_ranges_are_read_into_slices_of_a_destination(tmp_path):
+    tensors = _tensors()
+    write_sharded(tmp_path, _specs(tensors), iter(tensors), max_shard_bytes=50)
+    ckpt = HFCheckpoint(tmp_path)
+    dest = torch.zeros(7, 4, dtype=torch.bfloat16)
+    ckpt.read_rows_into("a.weight", 1, 4, dest[2:5])  # rows 1-3 of a shard file, into rows 2-4
+    assert torch.equal(dest[2:5], tensors[0][1][1:4]) and not dest[:2].any() and not dest[5:].any()
+    bias = torch.zeros(3, dtype=torch.int64)
+    ckpt.read_rows_into("c.bias", 4, 7, bias)  # a 1-D tensor: rows are elements
+    assert bias.tolist() == [4, 5, 6]
+    with pytest.raises(ValueError, match=r"a.weight: rows 0:2 are torch.bfloat16 \[2, 4\]"):
+        ckpt.read_rows_into("a.weight", 0, 2, torch.zeros(2, 4))  # wrong dtype
+    with pytest.raises(ValueError, match="contiguous=False"):
+        ckpt.read_rows_into("a.weight", 0, 2, torch.zeros(4, 2, dtype=torch.bfloat16).t())
+    with pytest.raises(Exception, match=r"rows 5:8 of tensor a.weight \[6, 4\]"):
+        ckpt.read_rows_into("a.weight", 5, 8, torch.zeros(3, 4, dtype=torch.bfloat16))

@@ -1,8 +1,17 @@
 import pytest
 import torch
 
-from megagrpo.models.builder import GPTShape
-from megagrpo.models.mapping import Rule, canonical_name, decoder_rules, hf_tensor_shapes, to_hf, to_megatron
+from megagrpo.models.builder import GPTShape, padded_vocab_size
+from megagrpo.models.layout import is_gated_fc1, tp_partition_dim, tp_shard
+from megagrpo.models.mapping import (
+    Rule,
+    canonical_name,
+    decoder_rules,
+    hf_tensor_shapes,
+    shard_rows,
+    to_hf,
+    to_megatron,
+)
 from megagrpo.models.registry import UnsupportedModelError, shape_from_hf_config
 
 pytestmark = pytest.mark.unit
@@ -125,3 +134,41 @@ def test_unsupported_options_are_named(patch, pattern):
     cfg = {k: v for k, v in cfg.items() if v is not None}
     with pytest.raises(UnsupportedModelError, match=pattern):
         shape_from_hf_config(cfg, "m/config.json")
+
+
+@pytest.mark.parametrize("tie,qkv_bias", [(False, True), (True, False)])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_row_reads_give_the_transformed_shard(tie, qkv_bias, tp):
+    """Filling a shard row range by row range from the HF tensors (how the loader reads files)
+    gives exactly tp_shard(to_megatron(...)) for every rule; only row-parallel weights at TP > 1
+    have no such plan."""
+    shape = GPTShape(**{**SHAPE.__dict__, "tie_word_embeddings": tie, "qkv_bias": qkv_bias})
+    gen = torch.Generator().manual_seed(0)
+    hf = {n: torch.randn(s, generator=gen) for n, s in hf_tensor_shapes(shape).items()}
+    padded = padded_vocab_size(shape.vocab_size, tp)
+    planned = 0
+    for rule in decoder_rules(shape):
+        dim = tp_partition_dim(rule.megatron)
+        full = to_megatron(rule, [hf[n] for n in rule.hf], shape, padded)
+        for rank in range(tp):
+            want = tp_shard(
+                full, partition_dim=dim, tp_rank=rank, tp_size=tp, gated=is_gated_fc1(rule.megatron)
+            )
+            plan = shard_rows(
+                rule,
+                {n: hf[n].shape[0] for n in rule.hf},
+                shape,
+                padded,
+                partition_dim=dim,
+                tp_rank=rank,
+                tp_size=tp,
+            )
+            if plan is None:
+                assert dim == 1 and tp > 1, rule.megatron
+                continue
+            got = torch.zeros(plan.rows, *hf[rule.hf[0]].shape[1:])  # uncovered rows: padding, zero
+            for read in plan.reads:
+                got[read.dest : read.dest + read.stop - read.start] = hf[read.hf][read.start : read.stop]
+            assert torch.equal(got, want), (rule.megatron, rank)
+            planned += 1
+    assert planned > 0
