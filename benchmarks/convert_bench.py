@@ -403,12 +403,28 @@ def best(runs: list[Run]) -> dict:
     }
 
 
+def settle(src: Path) -> None:
+    """The same start for every command: the source model in the page cache, no dirty pages.
+
+    A command that starts while earlier runs' gigabytes are still being written back is throttled
+    by the kernel (writers wait once dirty pages pass ``vm.dirty_ratio``): a plain 3 GB write
+    measured 6.7 s that way against 0.6 s from a clean start.
+    """
+    os.sync()
+    for path in shard_files(src):
+        with open(path, "rb", buffering=0) as fh:
+            while fh.read(64 * MB):
+                pass
+
+
 def measure_repeats(name: str, cmd_for, args: argparse.Namespace, after=None) -> dict:
     """Run ``cmd_for()`` until ``--repeat`` undisturbed runs exist (3x ``--repeat`` runs at most)."""
     runs: list[Run] = []
     while sum(r.other_cpus < CONTENDED_CPUS for r in runs) < args.repeat and len(runs) < 3 * args.repeat:
+        cmd = cmd_for()  # removes the previous run's output first
+        settle(args.source)
         waited = wait_for_quiet(args.quiet_wait)
-        run = measure(name, cmd_for())
+        run = measure(name, cmd)
         run.waited_for_quiet_s = waited
         if after is not None:
             run.extra.update(after(run))
@@ -427,6 +443,7 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
     py = sys.executable
     layers = layers_for(args.size_mb)
     src = source_model(layers)
+    args.source = src
     size = sum(p.stat().st_size for p in shard_files(src))
     largest_src = max(p.stat().st_size for p in shard_files(src))
     results: dict[str, dict] = {}
@@ -616,8 +633,9 @@ def table(report: dict) -> str:
         "bound is plain safetensors load_file + save_file per shard, timed inside its script. RSS bound =",
         "model + largest HF shard (input for import, output for export) + idle RSS; the tree bound adds",
         "one idle RSS per process seen (loose: forked writers share their parent's pages, and RSS sums",
-        "count shared pages once per process). Warm page cache throughout. 'other CPUs busy': CPUs used",
-        f"by other processes on the machine during the chosen run (> {CONTENDED_CPUS} marks it disturbed).",
+        "count shared pages once per process). Every command starts with the source in the page cache",
+        "and no dirty pages (`sync` first). 'other CPUs busy': CPUs used by other processes on the",
+        f"machine during the chosen run (> {CONTENDED_CPUS} marks it disturbed).",
     ]
     for name, ph in report.get("phases", {}).items():
         lines += [
