@@ -1,7 +1,8 @@
 """HF <-> Megatron conversion over the declarative map, one tensor at a time.
 
 Import: every rank of a TP x PP layout builds its own model stage (no random init), fills each of
-its parameters from the HF tensors the map names (reading only those, lazily), and Megatron's
+its parameters from the HF tensors the map names (reading its own rows of them straight into the
+parameters where the layout allows, whole tensors otherwise), and Megatron's
 ``dist_checkpointing`` writes a checkpoint that loads at any TP/PP. Export: one rank loads the
 checkpoint at TP=PP=1 and streams HF tensors (views of its parameters) into size-capped safetensors
 shards. Neither holds the model twice: peak memory is the model (or the rank's stage) plus the
@@ -81,10 +82,9 @@ def load_hf_into_stage(
     Otherwise the HF tensors are read whole and transformed.
 
     ``gated_halves`` (conversion, where the model is written and discarded): the gate and up rows of
-    each fused ``linear_fc1`` weight go into two tensors of their own, stored there by parameter name
-    (the stage's own, as Megatron's checkpoint keys spell it),
-    and the fused parameter is left unfilled; ``save_megatron`` writes those tensors as the halves
-    Megatron checkpoints (it would otherwise copy each half out of the fused weight).
+    each fused ``linear_fc1`` weight go into two tensors of their own, stored there by the stage's
+    parameter name (as Megatron's checkpoint keys spell it), and the fused parameter is left
+    unfilled; ``save_megatron`` writes those tensors as the halves Megatron checkpoints.
     """
     by_name = {rule.megatron: rule for rule in rules}
     padded = padded_vocab_size(shape.vocab_size, ctx.sizes.tp)
@@ -197,41 +197,35 @@ def save_megatron(
     model: torch.nn.Module,
     path: Path,
     *,
-    consume: bool = False,
     gated_halves: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
     """Write ``model`` as a Megatron distributed checkpoint.
 
-    ``consume=True`` (the model is discarded afterwards, as in conversion): each fused gate/up weight
-    is moved into two tensors of its own and its storage freed, one layer at a time. Otherwise the
-    writer copies every half (a view into the fused weight) at once: ~1/3 of the model more memory.
-    ``gated_halves`` (from ``load_hf_into_stage``) are written instead of the fused weights' halves,
-    whose storage is then freed.
+    Megatron checkpoints each fused gate/up weight as two halves, which its writer copies out of the
+    fused weight (~1/3 of the model more memory, all at once). ``gated_halves`` (conversion, from
+    ``load_hf_into_stage``) are written instead, and the fused weights' storage, never filled, is
+    freed.
     """
     path.mkdir(parents=True, exist_ok=True)
     state = model.sharded_state_dict()
-    gated = _gated_factories(state)
-    if gated_halves is not None and sorted(gated_halves) != sorted(gated):
-        # The fused weights were never filled: writing them instead would be silent garbage.
-        raise RuntimeError(
-            f"gate/up halves were read for {sorted(set(gated_halves) - set(gated))[:3]} and are "
-            f"missing for {sorted(set(gated) - set(gated_halves))[:3]}"
-        )
-    for key in gated if consume or gated_halves is not None else ():
-        factory = state[key]
-        halves = factory.build()
-        for i, half in enumerate(halves):
-            if gated_halves is not None:
-                given = gated_halves[key][i]
+    if gated_halves is not None:
+        gated = _gated_factories(state)
+        if sorted(gated_halves) != sorted(gated):
+            # The fused weights were never filled: writing them instead would be silent garbage.
+            raise RuntimeError(
+                f"gate/up halves were read for {sorted(set(gated_halves) - set(gated))[:3]} and are "
+                f"missing for {sorted(set(gated) - set(gated_halves))[:3]}"
+            )
+        for key in gated:
+            halves = state[key].build()
+            for half, given in zip(halves, gated_halves[key], strict=True):
                 if given.shape != half.data.shape or given.dtype != half.data.dtype:
                     raise ValueError(
-                        f"{key}: half {i} is {list(given.shape)}, expected {list(half.data.shape)}"
+                        f"{key}: a half is {list(given.shape)}, expected {list(half.data.shape)}"
                     )
                 half.data = given
-            else:
-                half.data = half.data.clone()
-        factory.data.untyped_storage().resize_(0)
-        state[key] = halves
+            state[key].data.untyped_storage().resize_(0)
+            state[key] = halves
     save_dist_checkpoint(state, path)
 
 
@@ -391,7 +385,7 @@ def _import_rank(rank: int, world_size: int, hf_dir: str, out: str, tp: int, pp:
         model = build_stage(ctx, shape, dtype)
         halves: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), gated_halves=halves)
-        save_megatron(model, Path(out) / "megatron", consume=True, gated_halves=halves)
+        save_megatron(model, Path(out) / "megatron", gated_halves=halves)
     finally:
         destroy_parallel()
 
