@@ -304,8 +304,8 @@ def time_weight_sender(worker, args) -> dict:
             pass
 
     try:
+        _sync(device)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         send_s = timed(lambda: worker.send_weights(plan))
