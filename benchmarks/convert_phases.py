@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         events = Events(Path(tmp) / "events.jsonl")
         events.emit("imports (torch, megatron, megagrpo)", t_imported - T_START)
         start = time.perf_counter()
-        instrument(events)  # imports megatron.core.dist_checkpointing, as the rank would
+        with convert._weights_only_process():  # as the rank imports Megatron
+            instrument(events)
         events.emit("imports (megatron.core.dist_checkpointing)", time.perf_counter() - start)
         out = Path(args.out)
         out.mkdir(parents=True)

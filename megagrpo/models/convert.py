@@ -1,9 +1,11 @@
 """HF <-> Megatron conversion over the declarative map, one tensor at a time.
 
-Import: every rank of a TP x PP layout builds its own model stage (no random init), fills each of
-its parameters from the HF tensors the map names (reading its own rows of them straight into the
-parameters where the layout allows, whole tensors otherwise), and Megatron's
-``dist_checkpointing`` writes a checkpoint that loads at any TP/PP. Export: one rank loads the
+Import: every rank of a TP x PP layout builds its own model stage (no random init) for its
+checkpoint layout, and Megatron's ``dist_checkpointing`` writes a checkpoint that loads at any
+TP/PP. What it writes for each parameter is, where the shard is a contiguous row range of the HF
+files, a view of the file's mapped bytes (read once, by the writer); otherwise the parameter, filled
+from the HF tensors the map names (its own rows read straight into it where the layout allows,
+whole tensors transformed otherwise). Export: one rank loads the
 checkpoint at TP=PP=1 and streams HF tensors (views of its parameters) into size-capped safetensors
 shards. Neither holds the model twice: peak memory is the model (or the rank's stage) plus the
 tensor in hand.
@@ -18,9 +20,13 @@ Checkpoint directory layout::
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
+import inspect
 import json
 import math
 import queue
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +71,11 @@ def stage_param_names(model: torch.nn.Module, ctx: ParallelContext, num_layers: 
     return {name: shift_layer_index(canonical_name(name), offset) for name, _ in model.named_parameters()}
 
 
+# What conversion writes in place of a parameter it never fills: a view of the file's rows, or the
+# (gate, up) halves Megatron checkpoints a fused linear_fc1 weight as.
+Mapped = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
 def load_hf_into_stage(
     model: torch.nn.Module,
     ctx: ParallelContext,
@@ -72,7 +83,7 @@ def load_hf_into_stage(
     shape: GPTShape,
     rules: list[Rule],
     *,
-    gated_halves: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    mapped: dict[str, Mapped] | None = None,
 ) -> None:
     """Fill every parameter of this rank's model stage from the HF checkpoint (TP slice of each).
 
@@ -81,10 +92,12 @@ def load_hf_into_stage(
     into the parameter: no HF tensor is materialized and nothing is read that another rank owns.
     Otherwise the HF tensors are read whole and transformed.
 
-    ``gated_halves`` (conversion, where the model is written and discarded): the gate and up rows of
-    each fused ``linear_fc1`` weight go into two tensors of their own, stored there by the stage's
-    parameter name (as Megatron's checkpoint keys spell it), and the fused parameter is left
-    unfilled; ``save_megatron`` writes those tensors as the halves Megatron checkpoints.
+    ``mapped`` (conversion, where the stage is written once and discarded): a shard that is one
+    contiguous row range of a file tensor, or two for gate/up, is not read at all. Views of the
+    file's bytes (``HFCheckpoint.map_rows``) are stored there by the stage's parameter name (as
+    Megatron's checkpoint keys spell it) and the parameter is left unfilled; ``save_megatron``
+    writes them in its place, so the checkpoint writer reads those bytes once, from the page cache.
+    Q/K/V (interleaved per query group) and padded vocabularies are still read into the parameter.
     """
     by_name = {rule.megatron: rule for rule in rules}
     padded = padded_vocab_size(shape.vocab_size, ctx.sizes.tp)
@@ -119,21 +132,22 @@ def load_hf_into_stage(
                 f"{global_name}: HF tensors {list(rule.hf)} give a shard of shape "
                 f"{[plan.rows, *next(iter(row_shape))]}, the Megatron parameter has {list(param.shape)}"
             )
-        # (first shard row, tensor) pieces the shard is made of: the parameter, or two halves of
-        # their own (views of one storage would be copied out again by the checkpoint writer).
-        pieces = [(0, param.detach())]
-        if gated_halves is not None and rule.transform == "gated":
-            half = plan.rows // 2
-            pieces = [(start, param.new_empty(half, *param.shape[1:])) for start in (0, half)]
-            gated_halves[local] = (pieces[0][1], pieces[1][1])
+        if mapped is not None and rule.transform in ("copy", "vocab", "gated"):
+            views = [hf.map_rows(read.hf, read.start, read.stop) for read in plan.reads]
+            if rule.transform == "gated":
+                mapped[local] = (views[0], views[1])
+                continue
+            if len(views) == 1 and views[0].shape[0] == plan.rows:  # not a padded vocabulary
+                mapped[local] = views[0]
+                continue
         covered = 0
+        target = param.detach()
         for read in plan.reads:
-            start, target = next(piece for piece in reversed(pieces) if piece[0] <= read.dest)
-            rows, at = read.stop - read.start, read.dest - start
-            hf.read_rows_into(read.hf, read.start, read.stop, target[at : at + rows])
+            rows = read.stop - read.start
+            hf.read_rows_into(read.hf, read.start, read.stop, target[read.dest : read.dest + rows])
             covered += rows
         if covered < plan.rows:  # vocabulary padding: the reads cover the leading rows
-            pieces[0][1][covered:].zero_()
+            target[covered:].zero_()
 
 
 def _load_transformed(param, rule, hf, shape, padded, ctx, dim: int, global_name: str) -> None:
@@ -193,39 +207,34 @@ def _gated_factories(state: dict) -> list[str]:
     return [k for k, v in state.items() if isinstance(v, ShardedTensorFactory) and v.flattened_range is None]
 
 
-def save_megatron(
-    model: torch.nn.Module,
-    path: Path,
-    *,
-    gated_halves: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> None:
+def save_megatron(model: torch.nn.Module, path: Path, *, mapped: dict[str, Mapped] | None = None) -> None:
     """Write ``model`` as a Megatron distributed checkpoint.
 
-    Megatron checkpoints each fused gate/up weight as two halves, which its writer copies out of the
-    fused weight (~1/3 of the model more memory, all at once). ``gated_halves`` (conversion, from
-    ``load_hf_into_stage``) are written instead, and the fused weights' storage, never filled, is
-    freed.
+    ``mapped`` (conversion, from ``load_hf_into_stage``): tensors written in place of the parameters
+    they are keyed by, which were never filled. For a fused gate/up weight, the two halves Megatron
+    checkpoints it as (its writer would otherwise copy them out of the fused weight).
     """
     path.mkdir(parents=True, exist_ok=True)
     state = model.sharded_state_dict()
-    if gated_halves is not None:
-        gated = _gated_factories(state)
-        if sorted(gated_halves) != sorted(gated):
-            # The fused weights were never filled: writing them instead would be silent garbage.
-            raise RuntimeError(
-                f"gate/up halves were read for {sorted(set(gated_halves) - set(gated))[:3]} and are "
-                f"missing for {sorted(set(gated) - set(gated_halves))[:3]}"
-            )
-        for key in gated:
-            halves = state[key].build()
-            for half, given in zip(halves, gated_halves[key], strict=True):
-                if given.shape != half.data.shape or given.dtype != half.data.dtype:
-                    raise ValueError(
-                        f"{key}: a half is {list(given.shape)}, expected {list(half.data.shape)}"
-                    )
-                half.data = given
-            state[key].data.untyped_storage().resize_(0)
-            state[key] = halves
+    gated = set(_gated_factories(state)) if mapped else set()
+    for key, given in (mapped or {}).items():
+        if key not in state:
+            # A parameter left unfilled would be written as garbage: refuse rather than guess.
+            raise RuntimeError(f"{key}: tensors were mapped for it, the model's checkpoint has no such key")
+        if isinstance(given, tuple):
+            if key not in gated:
+                raise RuntimeError(f"{key}: gate/up halves were mapped for a weight that is not fused")
+            targets = state[key].build()
+            state[key] = targets
+        else:
+            targets, given = [state[key]], (given,)
+        for target, tensor in zip(targets, given, strict=True):
+            if tensor.shape != target.data.shape or tensor.dtype != target.data.dtype:
+                raise ValueError(
+                    f"{key}: mapped {tensor.dtype} {list(tensor.shape)}, the checkpoint expects "
+                    f"{target.data.dtype} {list(target.data.shape)}"
+                )
+            target.data = tensor
     save_dist_checkpoint(state, path)
 
 
@@ -376,22 +385,79 @@ def hf_config_for(arch: Architecture, shape: GPTShape, dtype: torch.dtype) -> di
 # --- HF -> Megatron -------------------------------------------------------------------------------
 
 
+def _compile_on_first_call(compile_fn):
+    """A ``torch.compile`` that, given a function, compiles it when it is first called."""
+
+    def deferred(model=None, **options):
+        if model is None:  # the decorator form, @torch.compile(...)
+            return lambda fn: deferred(fn, **options)
+        if not inspect.isfunction(model):
+            return compile_fn(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_fn(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return deferred
+
+
+@contextlib.contextmanager
+def _weights_only_process() -> Iterator[None]:
+    """Two start-up costs that a rank which only moves weights need not pay.
+
+    - Megatron decorates its fused kernels with ``torch.compile`` when imported, which imports
+      dynamo and inductor (~0.7 s on two cores). If Megatron is first imported here, compiling each
+      of those functions waits for its first call, which a conversion never makes.
+    - Python's cyclic garbage collector is off for the block: Megatron's import alone leaves ~400K
+      tracked objects that every full collection walks again (~1 s of a conversion), and a
+      conversion creates no cycles worth collecting.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        if "megatron.core" not in sys.modules:
+            compile_fn = torch.compile
+            torch.compile = _compile_on_first_call(compile_fn)
+            try:
+                import megatron.core  # noqa: F401
+            finally:
+                torch.compile = compile_fn
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def _import_rank(rank: int, world_size: int, hf_dir: str, out: str, tp: int, pp: int) -> None:
+    with _weights_only_process():
+        _import_stage(hf_dir, out, tp, pp)
+
+
+def _import_stage(hf_dir: str, out: str, tp: int, pp: int) -> None:
     arch, shape = shape_from_hf_config(load_hf_config(hf_dir), f"{hf_dir}/config.json")
     hf = HFCheckpoint(hf_dir)
     dtype = hf.validate(hf_tensor_shapes(shape))
     ctx = init_parallel(ParallelSizes(tp=tp, pp=pp), backend="gloo")
     try:
         model = build_stage(ctx, shape, dtype)
-        halves: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), gated_halves=halves)
-        save_megatron(model, Path(out) / "megatron", gated_halves=halves)
+        mapped: dict[str, Mapped] = {}
+        load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), mapped=mapped)
+        save_megatron(model, Path(out) / "megatron", mapped=mapped)
     finally:
         destroy_parallel()
 
 
 def _run_ranks(fn, world_size: int, in_process: bool, *args) -> None:
     if in_process and world_size == 1:
+        # The command-line tool exits next: its cyclic garbage collector stays off, which also
+        # skips the full collection over Megatron's objects at interpreter exit (~0.15 s).
+        gc.disable()
         run_in_this_process(fn, *args)
     else:
         run_local_ranks(fn, world_size, *args, timeout_s=24 * 3600)
@@ -429,6 +495,11 @@ def hf_to_megatron(
 
 
 def _export_rank(rank: int, world_size: int, ckpt: str, out: str, max_shard_bytes: int) -> int:
+    with _weights_only_process():
+        return _export_stage(ckpt, out, max_shard_bytes)
+
+
+def _export_stage(ckpt: str, out: str, max_shard_bytes: int) -> int:
     source = read_source(Path(ckpt))
     ctx = init_parallel(ParallelSizes(), backend="gloo")
     try:

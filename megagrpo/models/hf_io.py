@@ -1,8 +1,9 @@
 """Reading and writing HF checkpoint directories: safetensors shards, index, config/tokenizer files.
 
-Reads are lazy (one tensor at a time, its byte range read into fresh memory: no file stays mapped,
-so a conversion's memory is the model plus the tensor in hand) and every input is validated from
-the file headers before any tensor is read: a truncated file, an index that points at a missing
+Reads are lazy: one tensor (or row range) at a time, either read into memory of the caller's or,
+for a conversion that only writes the bytes out again, viewed in place through a private mapping of
+the file (no copy; the pages stay the page cache's). Every input is validated from the file
+headers before any tensor is read: a truncated file, an index that points at a missing
 file or tensor, and tensors that are missing, unexpected or of the wrong shape are reported by
 name. Output directories are built under a temporary name and renamed only when complete.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import mmap
 import os
 import shutil
 import struct
@@ -109,6 +111,7 @@ class HFCheckpoint:
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
+        self._maps: dict[Path, mmap.mmap] = {}
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: not a directory")
         self.tensors: dict[str, TensorInfo] = {}
@@ -183,6 +186,27 @@ class HFCheckpoint:
             )
         row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
         self._read_bytes(name, info.offset + start * row_bytes, out)
+
+    def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``name`` as a view of the file's bytes, read by nobody
+        until used: a private (copy-on-write) mapping, so writing to the tensor never reaches the
+        file. The tensor's storage is exactly these rows (a checkpoint writer that copies out views
+        of larger storages takes it as it is) and keeps the mapping alive."""
+        info = self.tensors[name]
+        if not 0 <= start <= stop <= (info.shape[0] if info.shape else 0):
+            raise CheckpointError(f"{info.file}: rows {start}:{stop} of tensor {name} {list(info.shape)}")
+        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        shape = (stop - start, *info.shape[1:])
+        if start == stop:
+            return torch.empty(shape, dtype=info.dtype)
+        mapped = self._maps.get(info.file)
+        if mapped is None:
+            with open(info.file, "rb") as fh:
+                mapped = self._maps[info.file] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(
+            mapped, dtype=info.dtype, count=math.prod(shape), offset=info.offset + start * row_bytes
+        )
+        return flat.view(shape)
 
     def _read_bytes(self, name: str, offset: int, out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous CPU) with the file bytes from ``offset`` on."""

@@ -79,3 +79,21 @@ def test_row_ranges_are_read_into_slices_of_a_destination(tmp_path):
         ckpt.read_rows_into("a.weight", 0, 2, torch.zeros(4, 2, dtype=torch.bfloat16).t())
     with pytest.raises(Exception, match=r"rows 5:8 of tensor a.weight \[6, 4\]"):
         ckpt.read_rows_into("a.weight", 5, 8, torch.zeros(3, 4, dtype=torch.bfloat16))
+
+
+def test_mapped_rows_view_the_file_without_changing_it(tmp_path):
+    tensors = _tensors()
+    paths = write_sharded(tmp_path, _specs(tensors), iter(tensors), max_shard_bytes=50)
+    before = {path: path.read_bytes() for path in paths}
+    ckpt = HFCheckpoint(tmp_path)
+    rows = ckpt.map_rows("a.weight", 1, 4)
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, tensors[0][1][1:4])
+    # Its storage is exactly these rows: a checkpoint writer that copies out views takes it as is.
+    assert rows.untyped_storage().size() == rows.numel() * rows.element_size()
+    assert ckpt.map_rows("c.bias", 2, 5).tolist() == [2, 3, 4]
+    assert ckpt.map_rows("b.weight", 1, 1).shape == (0, 10)
+    rows.fill_(7.0)  # a private mapping: the file keeps its bytes, a new view sees them
+    assert {path: path.read_bytes() for path in paths} == before
+    assert torch.equal(HFCheckpoint(tmp_path).map_rows("a.weight", 0, 6), tensors[0][1])
+    with pytest.raises(Exception, match=r"rows 4:9 of tensor b.weight \[2, 10\]"):
+        ckpt.map_rows("b.weight", 4, 9)
