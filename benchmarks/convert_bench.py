@@ -8,8 +8,8 @@ Builds a random Qwen2-shaped bf16 HF checkpoint of ``--size-mb`` MB (cached unde
 benchmarks/results/tmp/), then runs each command below as its own process tree and records wall
 time, GB/s (model bytes / wall seconds) and peak memory:
 
-- ``idle``: python importing megagrpo.models.convert and megatron.core, then exiting; its RSS is
-  the per-process constant in the memory bound;
+- ``idle``: python importing megagrpo.models.convert and megatron.core (as a converter rank
+  does), then exiting; its RSS is the per-process constant in the memory bound;
 - ``io_bound``: read every source shard with safetensors ``load_file`` and write it back with
   ``save_file`` (same sharding): the time to simply move the bytes. Its GB/s is measured inside
   the script (interpreter start-up excluded), which makes the bound strict;
@@ -64,7 +64,8 @@ PSS_POLL_S = 1.0  # smaps_rollup walks page tables: ~34 ms for a 3 GB process
 # A run during which other processes kept this many CPUs busy is "disturbed": its time is not used
 # when an undisturbed repeat exists.
 CONTENDED_CPUS = 0.3
-IDLE_SCRIPT = "import megagrpo.models.convert, megatron.core"
+# A converter rank imports Megatron the way it does (torch.compile decorations deferred, GC paused).
+IDLE_SCRIPT = "from megagrpo.models import convert\nwith convert._weights_only_process(): pass"
 # A fork inherits its parent's RSS as the start of its ru_maxrss, so the command is started by a
 # bare interpreter (~10 MB) rather than by this process (torch imported); it reports the
 # command's rusage (which covers the rank processes the command joined) on its stdout.
@@ -426,26 +427,34 @@ def best(runs: list[Run]) -> dict:
     }
 
 
-def settle(src: Path) -> None:
-    """The same start for every command: the source model in the page cache, no dirty pages.
+def settle(inputs: Path) -> None:
+    """The same start for every command: its input in the page cache, no dirty pages.
 
     A command that starts while earlier runs' gigabytes are still being written back is throttled
     by the kernel (writers wait once dirty pages pass ``vm.dirty_ratio``): a plain 3 GB write
-    measured 6.7 s that way against 0.6 s from a clean start.
+    measured 6.7 s that way against 0.6 s from a clean start. And the input must be read just
+    before: this machine's kernel pages out file data unused for about a minute (DAMON
+    ``pageout``), so the checkpoint an export reads, written by import runs minutes earlier, was
+    read from disk otherwise (3.5 s more for 3 GB).
     """
     os.sync()
-    for path in shard_files(src):
+    for path in sorted(p for p in inputs.rglob("*") if p.is_file()):
         with open(path, "rb", buffering=0) as fh:
             while fh.read(64 * MB):
                 pass
 
 
-def measure_repeats(name: str, cmd_for, args: argparse.Namespace, after=None) -> dict:
-    """Run ``cmd_for()`` until ``--repeat`` undisturbed runs exist (3x ``--repeat`` runs at most)."""
+def measure_repeats(
+    name: str, cmd_for, args: argparse.Namespace, after=None, inputs: Path | None = None
+) -> dict:
+    """Run ``cmd_for()`` until ``--repeat`` undisturbed runs exist (3x ``--repeat`` runs at most).
+
+    ``inputs``: what the command reads (default: the HF source), brought into the page cache first.
+    """
     runs: list[Run] = []
     while sum(r.other_cpus < CONTENDED_CPUS for r in runs) < args.repeat and len(runs) < 3 * args.repeat:
         cmd = cmd_for()  # removes the previous run's output first
-        settle(args.source)
+        settle(inputs or args.source)
         waited = wait_for_quiet(args.quiet_wait)
         run = measure(name, cmd)
         run.waited_for_quiet_s = waited
@@ -471,8 +480,8 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
     largest_src = max(p.stat().st_size for p in shard_files(src))
     results: dict[str, dict] = {}
 
-    def repeat(name: str, cmd_for, after=None) -> None:
-        results[name] = measure_repeats(name, cmd_for, args, after)
+    def repeat(name: str, cmd_for, after=None, inputs: Path | None = None) -> None:
+        results[name] = measure_repeats(name, cmd_for, args, after, inputs)
 
     repeat("idle", lambda: [py, "-c", IDLE_SCRIPT])
 
@@ -522,6 +531,7 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
                 "tensors_checked": check_same_tensors(src, out),
                 "output_shards": len(shard_files(out)),
             },
+            inputs=ckpt,
         )
         results[name]["largest_shard_bytes"] = max(p.stat().st_size for p in shard_files(out))
 
@@ -574,6 +584,7 @@ def profile_phases(src: Path, ckpt: Path, args: argparse.Namespace) -> dict:
     for name, job in jobs.items():
         # Up to three tries: keep the one least disturbed by other processes.
         for _ in range(3):
+            settle(src if job[0] == "import" else ckpt)
             wait_for_quiet(args.quiet_wait)
             busy, children = cpu_busy_seconds(), _children_cpu_seconds()
             start = time.perf_counter()
