@@ -85,6 +85,7 @@ def instrument(events: Events) -> None:
         "load_hf_into_stage",
         "save_megatron",
         "load_megatron",
+        "mapped_checkpoint_tensors",
         "destroy_parallel",
         "read_source",
         "to_megatron",

@@ -5,10 +5,11 @@ checkpoint layout, and Megatron's ``dist_checkpointing`` writes a checkpoint tha
 TP/PP. What it writes for each parameter is, where the shard is a contiguous row range of the HF
 files, a view of the file's mapped bytes (read once, by the writer); otherwise the parameter, filled
 from the HF tensors the map names (its own rows read straight into it where the layout allows,
-whole tensors transformed otherwise). Export: one rank loads the
-checkpoint at TP=PP=1 and streams HF tensors (views of its parameters) into size-capped safetensors
-shards. Neither holds the model twice: peak memory is the model (or the rank's stage) plus the
-tensor in hand.
+whole tensors transformed otherwise). Export: one rank builds the model at TP=PP=1 and streams HF
+tensors into size-capped safetensors shards, taking each weight as a view of the mapped checkpoint
+files where the stored chunks allow (a checkpoint this converter wrote, or any saved at TP=1) and
+loading the rest through Megatron into the model. Neither holds the model twice: peak memory is at
+most the model (or the rank's stage) plus the tensor in hand.
 
 Checkpoint directory layout::
 
@@ -170,15 +171,22 @@ def _load_transformed(param, rule, hf, shape, padded, ctx, dim: int, global_name
 
 
 def hf_tensors_from_full(
-    full: dict[str, torch.Tensor], shape: GPTShape, rules: list[Rule]
+    full: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]], shape: GPTShape, rules: list[Rule]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs from full canonical Megatron tensors (TP-merged, global names).
+    """HF (name, tensor) pairs from full canonical Megatron tensors (TP-merged, global names); a
+    fused gate/up weight may be given as its two halves.
 
     A generator in rule order (embedding, layer 0, layer 1, ...): callers stream the result.
     """
     for rule in rules:
         if rule.export and rule.megatron in full:
-            yield from zip(rule.hf, to_hf(rule, full[rule.megatron], shape), strict=True)
+            tensor = full[rule.megatron]
+            if isinstance(tensor, tuple):
+                if rule.transform != "gated":
+                    raise ValueError(f"{rule.megatron}: two halves given for a {rule.transform} rule")
+                yield from zip(rule.hf, tensor, strict=True)
+            else:
+                yield from zip(rule.hf, to_hf(rule, tensor, shape), strict=True)
 
 
 def build_stage(ctx: ParallelContext, shape: GPTShape, dtype: torch.dtype, *, initialize: bool = False):
@@ -281,17 +289,20 @@ def save_dist_checkpoint(state: dict, path: Path) -> None:
         dist_checkpointing.save(state, str(path))
 
 
-def load_megatron(model: torch.nn.Module, path: Path) -> None:
+def load_megatron(model: torch.nn.Module, path: Path, keys: set[str] | None = None) -> None:
     """Load a Megatron distributed checkpoint into ``model`` at whatever TP/PP it was built with.
 
     The gate/up halves of each fused ``linear_fc1`` weight are read straight into the two halves of
     the parameter (Megatron would read them into new tensors and concatenate: one more copy).
+    ``keys``: load only these entries of the model's state dict (whole parameters, all layers).
     """
     from megatron.core import dist_checkpointing
 
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"{path}: not a Megatron distributed checkpoint (no metadata.json)")
     state = model.sharded_state_dict()
+    if keys is not None:
+        state = {key: value for key, value in state.items() if key in keys}
     fused = {}
     for key in _gated_factories(state):
         fused[key] = state[key].data
@@ -305,9 +316,48 @@ def load_megatron(model: torch.nn.Module, path: Path) -> None:
         state[key] = param
     # The loaded tensors are the model's own parameters, filled in place; this only checks names.
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state") and (keys is None or k in keys)]
     if missing or unexpected:
         raise CheckpointError(f"{path}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def mapped_checkpoint_tensors(
+    model: torch.nn.Module, path: Path
+) -> tuple[dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]], list[str]]:
+    """The model's parameters as they are stored in the checkpoint at ``path``, without filling the
+    model: views of the mapped checkpoint files where the stored chunks allow
+    (``dist_files.MappedDistCheckpoint``), keyed by the model's state dict names; a fused gate/up
+    weight as its (gate, up) halves. Also returns the names it could not take that way (for
+    ``load_megatron(..., keys=...)``)."""
+    from megagrpo.models.dist_files import MappedDistCheckpoint
+
+    files = MappedDistCheckpoint(path)
+    state = model.sharded_state_dict()
+    gated = set(_gated_factories(state))
+    mapped: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+    rest = []
+    for name, _ in model.named_parameters():
+        entry = state.get(name)
+        pieces = entry.build() if name in gated else [entry]
+        views = [_mapped_shard(files, piece) for piece in pieces] if entry is not None else [None]
+        if any(view is None for view in views):
+            rest.append(name)
+        else:
+            mapped[name] = (views[0], views[1]) if name in gated else views[0]
+    return mapped, rest
+
+
+def _mapped_shard(files, sharded) -> torch.Tensor | None:
+    """One Megatron ShardedTensor's data from the mapped checkpoint, or None."""
+    if getattr(sharded, "flattened_range", None) is not None:
+        return None
+    local = tuple(sharded.local_shape)
+    sizes = (1,) * sharded.prepend_axis_num + local
+    # Megatron prepends a layer axis to per-layer keys: the weight's own rows come after it.
+    tensor = files.read(sharded.key, tuple(sharded.global_offset), sizes, axis=sharded.prepend_axis_num)
+    if tensor is None or tensor.dtype != sharded.data.dtype:
+        return None
+    return tensor.view(local)
 
 
 def read_source(ckpt: Path) -> ModelSource:
@@ -504,9 +554,14 @@ def _export_stage(ckpt: str, out: str, max_shard_bytes: int) -> int:
     ctx = init_parallel(ParallelSizes(), backend="gloo")
     try:
         model = build_stage(ctx, source.shape, source.dtype)
-        load_megatron(model, Path(ckpt) / "megatron")
+        # The stored chunks, viewed in the mapped checkpoint files where they allow (the model is
+        # never filled); Megatron loads the rest into the model's parameters.
+        mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
+        if rest:
+            load_megatron(model, Path(ckpt) / "megatron", keys=set(rest))
         names = stage_param_names(model, ctx, source.shape.num_layers)
-        full = {names[local]: param.detach() for local, param in model.named_parameters()}
+        params = dict(model.named_parameters())
+        full = {names[local]: mapped.get(local, params[local].detach()) for local in params}
         rules = source.arch.rules(source.shape)
         shapes = hf_tensor_shapes(source.shape)
         specs = [

@@ -13,7 +13,14 @@ import pytest
 import torch
 from hf_models import ARCHS, make_tiny_hf
 
-from megagrpo.models.convert import build_stage, hf_to_megatron, load_megatron, megatron_to_hf, read_source
+from megagrpo.models.convert import (
+    build_stage,
+    hf_to_megatron,
+    load_megatron,
+    mapped_checkpoint_tensors,
+    megatron_to_hf,
+    read_source,
+)
 from megagrpo.models.hf_io import HFCheckpoint
 from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
 from megagrpo.parallel.local import run_local_ranks
@@ -60,6 +67,39 @@ def test_round_trip_is_bit_identical(arch, tp, pp, hf_dirs, converted, tmp_path)
     assert len(list(out.glob("model-*-of-*.safetensors"))) >= 2
     assert (out / "config.json").read_text() == (hf_dirs[arch] / "config.json").read_text()
     assert (out / "generation_config.json").is_file()
+
+
+def _mapped_and_loaded(rank: int, world_size: int, ckpt: str) -> tuple[list[str], dict[str, bool], int]:
+    """What an export maps from the checkpoint files, compared with what Megatron loads."""
+    source = read_source(Path(ckpt))
+    ctx = init_parallel(ParallelSizes(), backend="gloo")
+    try:
+        model = build_stage(ctx, source.shape, source.dtype)
+        mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
+        load_megatron(model, Path(ckpt) / "megatron")
+        params = {name: p.detach() for name, p in model.named_parameters()}
+        same = {}
+        for name, tensor in mapped.items():
+            got = torch.cat(tensor) if isinstance(tensor, tuple) else tensor
+            same[name] = got.dtype == params[name].dtype and torch.equal(got, params[name])
+        return sorted(rest), same, len(params)
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_maps_the_stored_chunks(arch, tp, pp, converted):
+    """An export takes each weight straight from the mapped checkpoint files (the chunks stacked
+    where the checkpoint was saved at TP=2) and equals what Megatron loads; only row-parallel weights
+    saved at TP=2 (split along their columns) are left to Megatron."""
+    ckpt = converted(arch, tp, pp)
+    ((rest, same, count),) = run_local_ranks(_mapped_and_loaded, 1, str(ckpt), timeout_s=300)
+    assert same and all(same.values()), [name for name, ok in same.items() if not ok]
+    assert len(same) + len(rest) == count
+    row_parallel = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+    assert all(name.endswith(row_parallel) for name in rest)
+    assert len(rest) == (0 if tp == 1 else 2 * read_source(ckpt).shape.num_layers)
 
 
 def _stage_param_dtypes(rank: int, world_size: int, ckpt: str) -> dict:
@@ -133,7 +173,12 @@ def test_megatron_logits_match_transformers(arch, hf_dirs, converted):
 
 def test_killed_conversion_leaves_no_output_directory(hf_dirs, tmp_path):
     out = tmp_path / "ckpt"
-    cmd = [sys.executable, str(REPO / "tools/convert_hf/hf_to_megatron.py"), "--hf-dir", str(hf_dirs["qwen2"])]
+    cmd = [
+        sys.executable,
+        str(REPO / "tools/convert_hf/hf_to_megatron.py"),
+        "--hf-dir",
+        str(hf_dirs["qwen2"]),
+    ]
     proc = subprocess.Popen([*cmd, "--out", str(out), "--tp", "2"], start_new_session=True)
     deadline = time.monotonic() + 120
     # Kill the whole process group as soon as the conversion has started writing.

@@ -1,0 +1,245 @@
+"""Tensors of a Megatron ``torch_dist`` checkpoint as views of its mapped files: no read, no copy.
+
+Megatron's ``torch_dist`` format is PyTorch Distributed Checkpoint (DCP): a ``.metadata`` file that
+lists, for every key, the chunks it was saved in (global offsets and sizes) and where each chunk's
+bytes are (``.distcp`` file, offset, length); each chunk is one ``torch.save`` archive (an
+uncompressed zip) holding one tensor. An export, which only writes the weights out again, can take
+each chunk straight from a private mapping of its file: the model is never filled, and the bytes
+are copied once, into the output files.
+
+Only what this module checks is taken this way: uncompressed, untransformed chunks that hold one
+contiguous little-endian tensor of the expected shape, tiling the requested region along one
+axis (a weight's rows). Anything else (a checkpoint written with another serialization, a region split along a
+later axis, e.g. a row-parallel weight saved at TP > 1) returns ``None``, and the caller loads
+through Megatron instead.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import mmap
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, 30 bytes
+_LOCAL_HEADER_SIGNATURE = 0x04034B50
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable file over ``buffer[start : start + length]`` (no copy of the rest)."""
+
+    def __init__(self, buffer: mmap.mmap, start: int, length: int):
+        self._buffer, self._start, self._length, self._pos = buffer, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, out) -> int:
+        n = min(len(out), self._length - self._pos)
+        begin = self._start + self._pos
+        out[:n] = self._buffer[begin : begin + n]
+        self._pos += n
+        return n
+
+
+# The storage classes torch.save names in its pickle, by the dtype they hold.
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
+
+
+class _StoredTensor(NamedTuple):
+    storage_key: str
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _TensorRecord(pickle.Unpickler):
+    """Unpickles a ``torch.save`` ``data.pkl`` that holds a single tensor, touching no storage
+    (``tensor()``). Any other content is refused (``UnpicklingError``): nothing in a checkpoint
+    file gets to name a callable."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return self._rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise pickle.UnpicklingError(f"unexpected {module}.{name} in a checkpoint chunk")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        _, dtype, key, _location, _numel = pid
+        return key, dtype
+
+    @staticmethod
+    def _rebuild(storage, storage_offset, size, stride, requires_grad, hooks, *metadata):
+        key, dtype = storage
+        return _StoredTensor(key, dtype, storage_offset, tuple(size), tuple(stride))
+
+    def tensor(self) -> _StoredTensor:
+        """The one tensor the pickle holds (anything else is refused)."""
+        found = self.load()
+        if not isinstance(found, _StoredTensor):
+            raise pickle.UnpicklingError(f"a checkpoint chunk holds {type(found).__name__}, not one tensor")
+        return found
+
+
+def _without_leading_ones(size) -> tuple[int, ...]:
+    size = tuple(size)
+    while size and size[0] == 1:
+        size = size[1:]
+    return size
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(size):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
+
+
+class MappedDistCheckpoint:
+    """The chunks of a ``torch_dist`` checkpoint directory, viewed through private mappings."""
+
+    def __init__(self, path: str | Path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path = Path(path)
+        self.metadata = FileSystemReader(str(self.path)).read_metadata()
+        self._storage = {
+            (index.fqn, tuple(index.offset)): info
+            for index, info in self.metadata.storage_data.items()
+            if index.offset is not None
+        }
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def read(
+        self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], axis: int = 0
+    ) -> torch.Tensor | None:
+        """The region ``[offsets, offsets + sizes)`` of tensor ``key`` (global coordinates), shaped
+        ``sizes``: a view of the files where one chunk holds it, a new tensor where several chunks
+        tiling it along ``axis`` do; ``None`` where it cannot be taken from the chunks directly."""
+        meta = self.metadata.state_dict_metadata.get(key)
+        chunks = getattr(meta, "chunks", None)
+        if not chunks or len(offsets) != len(sizes) or len(meta.size) != len(sizes):
+            return None
+        ends = [o + n for o, n in zip(offsets, sizes, strict=True)]
+        pieces = []
+        for chunk in sorted(chunks, key=lambda c: tuple(c.offsets)):
+            c_off, c_size = tuple(chunk.offsets), tuple(chunk.sizes)
+            if any(o >= e or o + n <= b for o, n, b, e in zip(c_off, c_size, offsets, ends, strict=True)):
+                continue  # no overlap
+            others = [d for d in range(len(sizes)) if d != axis]
+            if any(c_off[d] != offsets[d] or c_size[d] != sizes[d] for d in others):
+                return None  # split along another axis, or a different region there
+            pieces.append((c_off, c_size))
+        lo, hi = offsets[axis], ends[axis]
+        views, at = [], lo
+        for c_off, c_size in pieces:
+            begin, end = c_off[axis], c_off[axis] + c_size[axis]
+            if not begin <= at < end:
+                return None  # a gap between chunks
+            tensor = self._chunk(key, c_off, c_size)
+            if tensor is None:
+                return None
+            stop = min(hi, end)
+            views.append(tensor.narrow(axis, at - begin, stop - at))
+            at = stop
+        if at != hi:
+            return None
+        return views[0] if len(views) == 1 else torch.cat(views, dim=axis)
+
+    def _chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
+        info = self._storage.get((key, offsets))
+        if info is None or info.transform_descriptors:
+            return None
+        mapped = self._maps.get(info.relative_path)
+        if mapped is None:
+            with open(self.path / info.relative_path, "rb") as fh:
+                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[info.relative_path] = mapped
+        if info.offset + info.length > len(mapped):
+            return None
+        try:
+            with zipfile.ZipFile(_Window(mapped, info.offset, info.length)) as archive:
+                members = archive.infolist()
+        except zipfile.BadZipFile:
+            return None
+        by_name = {m.filename.split("/", 1)[-1]: m for m in members}
+        if any(m.compress_type != zipfile.ZIP_STORED for m in members) or "data.pkl" not in by_name:
+            return None
+        if bytes(self._member(mapped, info.offset, by_name.get("byteorder")) or b"little") != b"little":
+            return None
+        try:
+            storage_key, dtype, storage_offset, size, stride = _TensorRecord(
+                io.BytesIO(self._member(mapped, info.offset, by_name["data.pkl"]))
+            ).tensor()
+        except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError):
+            return None
+        data = by_name.get(f"data/{storage_key}")
+        numel = math.prod(size)
+        if (
+            data is None
+            or _without_leading_ones(size) != _without_leading_ones(sizes)
+            or stride != _contiguous_strides(size)
+            or (storage_offset + numel) * dtype.itemsize > data.file_size
+        ):
+            return None
+        start = self._data_start(mapped, info.offset, data)
+        if start is None or start + data.file_size > info.offset + info.length:
+            return None
+        flat = torch.frombuffer(
+            mapped, dtype=dtype, count=numel, offset=start + storage_offset * dtype.itemsize
+        )
+        return flat.view(sizes)
+
+    @staticmethod
+    def _data_start(mapped: mmap.mmap, base: int, member: zipfile.ZipInfo) -> int | None:
+        """Where a stored member's bytes begin in the file (after its local header)."""
+        at = base + member.header_offset
+        if at + _LOCAL_HEADER.size > len(mapped):
+            return None
+        fields = _LOCAL_HEADER.unpack_from(mapped, at)
+        if fields[0] != _LOCAL_HEADER_SIGNATURE:
+            return None
+        name_len, extra_len = fields[9], fields[10]
+        return at + _LOCAL_HEADER.size + name_len + extra_len
+
+    def _member(self, mapped: mmap.mmap, base: int, member: zipfile.ZipInfo | None) -> bytes | None:
+        if member is None:
+            return None
+        start = self._data_start(mapped, base, member)
+        return None if start is None else mapped[start : start + member.file_size]
