@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from megagrpo.models.builder import GPTShape, build_gpt_model, padded_vocab_size, transformer_config
+from megagrpo.models.dist_files import MappedDistCheckpoint
 from megagrpo.models.hf_io import (
     CheckpointError,
     HFCheckpoint,
@@ -323,14 +324,12 @@ def load_megatron(model: torch.nn.Module, path: Path, keys: set[str] | None = No
 
 def mapped_checkpoint_tensors(
     model: torch.nn.Module, path: Path
-) -> tuple[dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]], list[str]]:
+) -> tuple[MappedDistCheckpoint, dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]], list[str]]:
     """The model's parameters as they are stored in the checkpoint at ``path``, without filling the
-    model: views of the mapped checkpoint files where the stored chunks allow
-    (``dist_files.MappedDistCheckpoint``), keyed by the model's state dict names; a fused gate/up
-    weight as its (gate, up) halves. Also returns the names it could not take that way (for
-    ``load_megatron(..., keys=...)``)."""
-    from megagrpo.models.dist_files import MappedDistCheckpoint
-
+    model: views of the mapped checkpoint files where the stored chunks allow, keyed by the
+    model's state dict names; a fused gate/up weight as its (gate, up) halves. Returns the mapped
+    files (whose ``file_range`` places a view in them), those tensors, and the names it could not
+    take that way (for ``load_megatron(..., keys=...)``)."""
     files = MappedDistCheckpoint(path)
     state = model.sharded_state_dict()
     gated = set(_gated_factories(state))
@@ -344,7 +343,7 @@ def mapped_checkpoint_tensors(
             rest.append(name)
         else:
             mapped[name] = (views[0], views[1]) if name in gated else views[0]
-    return mapped, rest
+    return files, mapped, rest
 
 
 def _mapped_shard(files, sharded) -> torch.Tensor | None:
@@ -556,7 +555,7 @@ def _export_stage(ckpt: str, out: str, max_shard_bytes: int) -> int:
         model = build_stage(ctx, source.shape, source.dtype)
         # The stored chunks, viewed in the mapped checkpoint files where they allow (the model is
         # never filled); Megatron loads the rest into the model's parameters.
-        mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
+        files, mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
         if rest:
             load_megatron(model, Path(ckpt) / "megatron", keys=set(rest))
         names = stage_param_names(model, ctx, source.shape.num_layers)
@@ -577,7 +576,7 @@ def _export_stage(ckpt: str, out: str, max_shard_bytes: int) -> int:
             (name, tensor.to(source.dtype))
             for name, tensor in hf_tensors_from_full(full, source.shape, rules)
         )
-        write_sharded(Path(out), specs, tensors, max_shard_bytes)
+        write_sharded(Path(out), specs, tensors, max_shard_bytes, file_range=files.file_range)
         return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
     finally:
         destroy_parallel()

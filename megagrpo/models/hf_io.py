@@ -11,13 +11,14 @@ name. Output directories are built under a temporary name and renamed only when 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import mmap
 import os
 import shutil
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,6 +234,8 @@ def write_sharded(
     specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
     tensors: Iterable[tuple[str, torch.Tensor]],
     max_shard_bytes: int,
+    *,
+    file_range: Callable[[torch.Tensor], tuple[int, int] | None] | None = None,
 ) -> list[Path]:
     """Write safetensors shards of at most ``max_shard_bytes`` plus an index, streaming.
 
@@ -241,6 +244,10 @@ def write_sharded(
     contiguous copy only of a strided view), so the producer may compute each one on demand and
     nothing like a whole shard is ever held. Shards are named ``model-XXXXX-of-YYYYY.safetensors``;
     a single shard is ``model.safetensors`` with no index.
+
+    ``file_range(tensor)``: where a tensor's bytes also lie in an open file, as (descriptor,
+    offset), or None. Such bytes are copied file to file by the kernel (``copy_file_range``),
+    never passing through this process: 1.5x the speed of writing them from a mapping here.
     """
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     size = 0
@@ -275,17 +282,21 @@ def write_sharded(
             weight_map[name] = path.name
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-        with open(path, "wb") as fh:
-            fh.write(struct.pack("<Q", len(raw)))
-            fh.write(raw)
+        with open(path, "wb", buffering=0) as fh:
+            _write_all(fh.fileno(), memoryview(struct.pack("<Q", len(raw)) + raw))
             for name, shape, dtype in shard:
                 got_name, tensor = next(stream, (None, None))
                 if got_name != name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
                     got = "nothing" if got_name is None else f"{got_name} {list(tensor.shape)} {tensor.dtype}"
                     raise ValueError(f"{path.name}: expected tensor {name} {list(shape)} {dtype}, got {got}")
-                if tensor.numel():
+                if not tensor.numel():
+                    continue
+                source = file_range(tensor) if file_range is not None and tensor.is_contiguous() else None
+                if source is None or not _copy_range(
+                    *source, fh.fileno(), tensor.numel() * tensor.element_size()
+                ):
                     data = tensor.detach().to("cpu").contiguous()
-                    fh.write(memoryview(data.view(-1).view(torch.uint8).numpy()))
+                    _write_all(fh.fileno(), memoryview(data.view(-1).view(torch.uint8).numpy()))
         total += offset
     extra = next(stream, None)
     if extra is not None:
@@ -294,6 +305,33 @@ def write_sharded(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return paths
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _copy_range(src_fd: int, src_offset: int, dst_fd: int, nbytes: int) -> bool:
+    """Append ``nbytes`` of ``src_fd`` from ``src_offset`` to ``dst_fd`` in the kernel. False (and
+    nothing written) where the system cannot (no ``copy_file_range``, or files it will not copy
+    between); a failure part-way raises."""
+    copied = 0
+    while copied < nbytes:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, nbytes - copied, src_offset + copied)
+        except (AttributeError, OSError) as err:
+            if copied or (isinstance(err, OSError) and err.errno not in _NO_KERNEL_COPY):
+                raise
+            return False
+        if n == 0:
+            raise OSError(f"source file ended {nbytes - copied} bytes early (copy_file_range)")
+        copied += n
+    return True
+
+
+# Errors that mean "this kernel or filesystem pair does not copy ranges": write from memory instead.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 def copy_aux_files(src: Path, dst: Path) -> list[str]:

@@ -75,7 +75,7 @@ def _mapped_and_loaded(rank: int, world_size: int, ckpt: str) -> tuple[list[str]
     ctx = init_parallel(ParallelSizes(), backend="gloo")
     try:
         model = build_stage(ctx, source.shape, source.dtype)
-        mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
+        _, mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
         load_megatron(model, Path(ckpt) / "megatron")
         params = {name: p.detach() for name, p in model.named_parameters()}
         same = {}

@@ -97,3 +97,20 @@ def test_mapped_rows_view_the_file_without_changing_it(tmp_path):
     assert torch.equal(HFCheckpoint(tmp_path).map_rows("a.weight", 0, 6), tensors[0][1])
     with pytest.raises(Exception, match=r"rows 4:9 of tensor b.weight \[2, 10\]"):
         ckpt.map_rows("b.weight", 4, 9)
+
+
+def test_tensors_placed_in_a_file_are_copied_from_it(tmp_path):
+    """With ``file_range``, a tensor's bytes come from the file place it names (the kernel copies
+    them file to file): here that place holds other values, which the output must then hold."""
+    stored = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"\0" * 12 + stored.numpy().tobytes())
+    stand_in = torch.zeros(6, 4)  # what would be written from memory
+    tensors = [("a.weight", stand_in), ("b.bias", torch.ones(3))]
+    with open(source, "rb") as fh:
+        places = {id(stand_in): (fh.fileno(), 12)}
+        out = tmp_path / "out"
+        out.mkdir()
+        write_sharded(out, _specs(tensors), iter(tensors), 10**9, file_range=lambda t: places.get(id(t)))
+    back = HFCheckpoint(out)
+    assert torch.equal(back.read("a.weight"), stored) and torch.equal(back.read("b.bias"), torch.ones(3))

@@ -157,9 +157,7 @@ def test_context_parallel_split_and_placement_give_the_whole_rows(cp):
     (want_grad,) = torch.autograd.grad(want.sum(), table)
     held_all = [context_parallel_positions(seq, cp, r) for r in range(cp)]
     assert torch.equal(torch.sort(torch.cat(held_all)).values, torch.arange(seq))  # a partition
-    got = sum(
-        place_positions(score(tokens[:, h], positions[:, h], targets[:, h]), h, seq) for h in held_all
-    )
+    got = sum(place_positions(score(tokens[:, h], positions[:, h], targets[:, h]), h, seq) for h in held_all)
     (got_grad,) = torch.autograd.grad(got.sum(), table)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
