@@ -334,15 +334,20 @@ def mapped_checkpoint_tensors(
     state = model.sharded_state_dict()
     gated = set(_gated_factories(state))
     mapped: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
-    rest = []
+    key_of: dict[str, str | None] = {}  # parameter -> its checkpoint key (one for all layers)
     for name, _ in model.named_parameters():
         entry = state.get(name)
+        key_of[name] = getattr(entry, "key", None)
         pieces = entry.build() if name in gated else [entry]
         views = [_mapped_shard(files, piece) for piece in pieces] if entry is not None else [None]
-        if any(view is None for view in views):
-            rest.append(name)
-        else:
+        if all(view is not None for view in views):
             mapped[name] = (views[0], views[1]) if name in gated else views[0]
+    # Megatron loads a checkpoint key for all its layers or not at all: a key that is not mapped
+    # for every parameter it holds goes to Megatron whole.
+    unmapped_keys = {key_of[name] for name in key_of if name not in mapped}
+    rest = [name for name in key_of if name not in mapped or key_of[name] in unmapped_keys]
+    for name in rest:
+        mapped.pop(name, None)
     return files, mapped, rest
 
 

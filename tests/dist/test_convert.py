@@ -102,6 +102,43 @@ def test_export_maps_the_stored_chunks(arch, tp, pp, converted):
     assert len(rest) == (0 if tp == 1 else 2 * read_source(ckpt).shape.num_layers)
 
 
+def _one_chunk_refused(rank: int, world_size: int, ckpt: str) -> tuple[list[str], bool]:
+    """An export where the reader cannot map layer 1's QKV weight: Megatron loads that key whole."""
+    from unittest import mock
+
+    from megagrpo.models.dist_files import MappedDistCheckpoint
+
+    real_read = MappedDistCheckpoint.read
+
+    def read(self, key, offsets, sizes, axis=0):
+        if key.endswith("linear_qkv.weight") and offsets[0] == 1:
+            return None
+        return real_read(self, key, offsets, sizes, axis)
+
+    source = read_source(Path(ckpt))
+    ctx = init_parallel(ParallelSizes(), backend="gloo")
+    try:
+        model = build_stage(ctx, source.shape, source.dtype)
+        with mock.patch.object(MappedDistCheckpoint, "read", read):
+            _, mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
+        load_megatron(model, Path(ckpt) / "megatron", keys=set(rest))
+        filled = {name: p.detach().clone() for name, p in model.named_parameters() if name in rest}
+        load_megatron(model, Path(ckpt) / "megatron")
+        params = dict(model.named_parameters())
+        same = all(torch.equal(filled[name], params[name]) for name in rest)
+        return sorted(rest), same and not set(rest) & set(mapped)
+    finally:
+        destroy_parallel()
+
+
+def test_an_unmapped_chunk_sends_its_whole_key_to_megatron(converted):
+    ckpt = converted("qwen2", 1, 1)
+    ((rest, same),) = run_local_ranks(_one_chunk_refused, 1, str(ckpt), timeout_s=300)
+    layers = read_source(ckpt).shape.num_layers
+    assert rest == sorted(f"decoder.layers.{i}.self_attention.linear_qkv.weight" for i in range(layers))
+    assert same
+
+
 def _stage_param_dtypes(rank: int, world_size: int, ckpt: str) -> dict:
     source = read_source(Path(ckpt))
     ctx = init_parallel(ParallelSizes(), backend="gloo")
