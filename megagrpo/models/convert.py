@@ -73,8 +73,8 @@ def stage_param_names(model: torch.nn.Module, ctx: ParallelContext, num_layers: 
     return {name: shift_layer_index(canonical_name(name), offset) for name, _ in model.named_parameters()}
 
 
-# What conversion writes in place of a parameter it never fills: a view of the file's rows, or the
-# (gate, up) halves Megatron checkpoints a fused linear_fc1 weight as.
+# A weight taken from mapped files instead of a filled parameter: a tensor, or the (gate, up) halves
+# Megatron checkpoints a fused linear_fc1 weight as.
 Mapped = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
@@ -172,7 +172,7 @@ def _load_transformed(param, rule, hf, shape, padded, ctx, dim: int, global_name
 
 
 def hf_tensors_from_full(
-    full: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]], shape: GPTShape, rules: list[Rule]
+    full: dict[str, Mapped], shape: GPTShape, rules: list[Rule]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs from full canonical Megatron tensors (TP-merged, global names); a
     fused gate/up weight may be given as its two halves.
@@ -324,7 +324,7 @@ def load_megatron(model: torch.nn.Module, path: Path, keys: set[str] | None = No
 
 def mapped_checkpoint_tensors(
     model: torch.nn.Module, path: Path
-) -> tuple[MappedDistCheckpoint, dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]], list[str]]:
+) -> tuple[MappedDistCheckpoint, dict[str, Mapped], list[str]]:
     """The model's parameters as they are stored in the checkpoint at ``path``, without filling the
     model: views of the mapped checkpoint files where the stored chunks allow, keyed by the
     model's state dict names; a fused gate/up weight as its (gate, up) halves. Returns the mapped
@@ -333,7 +333,7 @@ def mapped_checkpoint_tensors(
     files = MappedDistCheckpoint(path)
     state = model.sharded_state_dict()
     gated = set(_gated_factories(state))
-    mapped: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+    mapped: dict[str, Mapped] = {}
     key_of: dict[str, str | None] = {}  # parameter -> its checkpoint key (one for all layers)
     for name, _ in model.named_parameters():
         entry = state.get(name)
