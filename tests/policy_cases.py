@@ -44,3 +44,21 @@ def policy_config(hf_dir: str, *, tp=1, pp=1, dp=1, budget=LARGE_BUDGET, mini=8,
             *extra,
         ],
     )
+
+
+def load_then_continue(rank: int, world_size: int, cfg, path: str) -> dict:
+    """A rank that loads a saved policy, scores ``policy_batch()`` and trains one step on the next
+    batch: what a resumed run sees (compared with the run that saved)."""
+    from megagrpo.parallel import destroy_parallel
+    from megagrpo.policy.worker import PolicyWorker
+
+    worker = PolicyWorker(cfg)
+    try:
+        worker.load(path)
+        steps_after_load = worker.steps_done
+        batch, next_batch = policy_batch(), policy_batch(seed=1)
+        loaded_logprobs = worker.logprobs(batch)
+        next_metrics = worker.train(next_batch.replace(old_logprobs=worker.logprobs(next_batch)))
+        return {"loaded": loaded_logprobs, "next": next_metrics, "steps": steps_after_load}
+    finally:
+        destroy_parallel()

@@ -176,27 +176,21 @@ class HFCheckpoint:
     def read_rows_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Rows ``[start, stop)`` of tensor ``name`` (elements, for a 1-D tensor) into ``out``, a
         contiguous CPU tensor of that shape and the file's dtype (e.g. a slice of a parameter)."""
-        info = self.tensors[name]
+        info, first_byte = self._row_range(name, start, stop)
         want = (stop - start, *info.shape[1:])
-        if not 0 <= start <= stop <= (info.shape[0] if info.shape else 0):
-            raise CheckpointError(f"{info.file}: rows {start}:{stop} of tensor {name} {list(info.shape)}")
         if tuple(out.shape) != want or out.dtype != info.dtype or not out.is_contiguous() or out.is_cuda:
             raise ValueError(
                 f"{name}: rows {start}:{stop} are {info.dtype} {list(want)}; the destination is "
                 f"{out.dtype} {list(out.shape)} on {out.device} (contiguous={out.is_contiguous()})"
             )
-        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
-        self._read_bytes(name, info.offset + start * row_bytes, out)
+        self._read_bytes(name, first_byte, out)
 
     def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of tensor ``name`` as a view of the file's bytes, read by nobody
         until used: a private (copy-on-write) mapping, so writing to the tensor never reaches the
         file. The tensor's storage is exactly these rows (a checkpoint writer that copies out views
         of larger storages takes it as it is) and keeps the mapping alive."""
-        info = self.tensors[name]
-        if not 0 <= start <= stop <= (info.shape[0] if info.shape else 0):
-            raise CheckpointError(f"{info.file}: rows {start}:{stop} of tensor {name} {list(info.shape)}")
-        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        info, first_byte = self._row_range(name, start, stop)
         shape = (stop - start, *info.shape[1:])
         if start == stop:
             return torch.empty(shape, dtype=info.dtype)
@@ -204,10 +198,17 @@ class HFCheckpoint:
         if mapped is None:
             with open(info.file, "rb") as fh:
                 mapped = self._maps[info.file] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(
-            mapped, dtype=info.dtype, count=math.prod(shape), offset=info.offset + start * row_bytes
+        return torch.frombuffer(mapped, dtype=info.dtype, count=math.prod(shape), offset=first_byte).view(
+            shape
         )
-        return flat.view(shape)
+
+    def _row_range(self, name: str, start: int, stop: int) -> tuple[TensorInfo, int]:
+        """Tensor ``name``'s info and the file offset of its row ``start``, checking ``[start, stop)``."""
+        info = self.tensors[name]
+        if not 0 <= start <= stop <= (info.shape[0] if info.shape else 0):
+            raise CheckpointError(f"{info.file}: rows {start}:{stop} of tensor {name} {list(info.shape)}")
+        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        return info, info.offset + start * row_bytes
 
     def _read_bytes(self, name: str, offset: int, out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous CPU) with the file bytes from ``offset`` on."""

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import make_tiny_hf
-from policy_cases import LARGE_BUDGET, SMALL_BUDGET, policy_batch, policy_config
+from policy_cases import LARGE_BUDGET, SMALL_BUDGET, load_then_continue, policy_batch, policy_config
 
 from megagrpo.parallel import destroy_parallel
 from megagrpo.parallel.local import run_local_ranks
@@ -96,28 +96,13 @@ def _save_then_continue(rank: int, world_size: int, cfg, path: str) -> dict:
         destroy_parallel()
 
 
-def _load_then_continue(rank: int, world_size: int, cfg, path: str) -> dict:
-    from megagrpo.policy.worker import PolicyWorker
-
-    worker = PolicyWorker(cfg)
-    try:
-        worker.load(path)
-        steps_after_load = worker.steps_done
-        batch, next_batch = policy_batch(), policy_batch(seed=1)
-        loaded_logprobs = worker.logprobs(batch)
-        next_metrics = worker.train(next_batch.replace(old_logprobs=worker.logprobs(next_batch)))
-        return {"loaded": loaded_logprobs, "next": next_metrics, "steps": steps_after_load}
-    finally:
-        destroy_parallel()
-
-
 def test_save_load_restores_logprobs_and_optimizer_at_any_layout(hf_dir, tmp_path):
     ckpt = str(tmp_path / "step")
     (saved,) = run_local_ranks(_save_then_continue, 1, policy_config(hf_dir), ckpt, timeout_s=300)
     mask = policy_batch().response_mask()
     for layout in (dict(), dict(tp=2), dict(pp=2)):
         world = 2 if layout else 1
-        results = run_local_ranks(_load_then_continue, world, policy_config(hf_dir, **layout), ckpt, timeout_s=300)
+        results = run_local_ranks(load_then_continue, world, policy_config(hf_dir, **layout), ckpt, timeout_s=300)
         for res in results:
             assert res["steps"] == 1
             torch.testing.assert_close(res["loaded"][mask], saved["saved"][mask], atol=1e-5, rtol=1e-5)

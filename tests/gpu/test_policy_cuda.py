@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import make_tiny_hf
-from policy_cases import policy_batch, policy_config
+from policy_cases import load_then_continue, policy_batch, policy_config
 
 from megagrpo.parallel import destroy_parallel
 from megagrpo.parallel.local import run_local_ranks
@@ -40,21 +40,6 @@ def _train_save_continue(rank: int, world_size: int, cfg, path: str) -> dict:
         destroy_parallel()
 
 
-def _load_continue(rank: int, world_size: int, cfg, path: str) -> dict:
-    from megagrpo.policy.worker import PolicyWorker
-
-    worker = PolicyWorker(cfg)
-    try:
-        worker.load(path)
-        steps = worker.steps_done
-        batch, next_batch = policy_batch(), policy_batch(seed=1)
-        loaded = worker.logprobs(batch)
-        following = worker.train(next_batch.replace(old_logprobs=worker.logprobs(next_batch)))
-        return {"loaded": loaded, "next": following, "steps": steps}
-    finally:
-        destroy_parallel()
-
-
 def test_train_save_load_export_on_cuda(tmp_path):
     hf_dir = str(make_tiny_hf("qwen2", tmp_path / "qwen2"))
     cfg = policy_config(hf_dir, extra=("parallel.backend=auto",))  # the shared cases pin gloo
@@ -64,7 +49,7 @@ def test_train_save_load_export_on_cuda(tmp_path):
     first = saved["first"]
     assert first["ratio_mean"] == 1.0 and first["clip_low_frac"] == 0.0  # on-policy first step
     assert (saved["saved"][mask] - saved["before"][mask]).abs().max() > 1e-3  # the step moved it
-    (loaded,) = run_local_ranks(_load_continue, 1, cfg, ckpt, timeout_s=600)
+    (loaded,) = run_local_ranks(load_then_continue, 1, cfg, ckpt, timeout_s=600)
     assert loaded["steps"] == 1
     torch.testing.assert_close(loaded["loaded"][mask], saved["saved"][mask], atol=1e-5, rtol=1e-5)
     (got,), (want,) = loaded["next"], saved["next"]
