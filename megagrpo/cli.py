@@ -6,8 +6,13 @@ Subcommands that belong to work not yet landed say so and exit with status 2; no
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
+import os
 import sys
+import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 _NOT_YET = {
     "eval": "evaluation of a checkpoint is not implemented yet",
@@ -163,7 +168,45 @@ def _input_errors() -> tuple[type[Exception], ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command in this process and return its exit status (the in-process API)."""
+    return _dispatch(build_parser().parse_args(argv))
+
+
+def run(argv: Sequence[str] | None = None) -> NoReturn:
+    """The ``megagrpo`` program: run one command, then end the process."""
     args = build_parser().parse_args(argv)
+    code = _dispatch(args)
+    if args.command in _NO_TEARDOWN:
+        exit_without_teardown(code)
+    sys.exit(code)
+
+
+# Commands whose process has nothing left to do when they return: an export's files are written,
+# synced and renamed into place, and what it leaves behind is only memory.
+_NO_TEARDOWN = {"export"}
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End a finished command-line process without the interpreter's teardown.
+
+    After a conversion, that teardown (a full garbage collection over the ~300K objects torch and
+    Megatron create, then every module's objects freed one by one) takes ~0.5 s on two cores, an
+    eighth of a 3 GB conversion, and does nothing its output needs. The ``atexit`` handlers still
+    run and the standard streams are flushed. A process with a non-daemon thread still running
+    exits normally (teardown waits for that thread).
+    """
+    main_thread = threading.main_thread()
+    if any(t is not main_thread and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        # A closed pipe or stream: nothing more can reach it.
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command in _NOT_YET:
         print(f"megagrpo {args.command}: not implemented: {_NOT_YET[args.command]}.", file=sys.stderr)
         return 2
@@ -181,4 +224,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -36,6 +36,7 @@ import torch
 
 from megagrpo.models.builder import GPTShape, build_gpt_model, padded_vocab_size, transformer_config
 from megagrpo.models.dist_files import MappedDistCheckpoint
+from megagrpo.models.durable import writeback_as_written
 from megagrpo.models.hf_io import (
     CheckpointError,
     HFCheckpoint,
@@ -283,10 +284,10 @@ def _lean_torch_dist_writer():
 
 def save_dist_checkpoint(state: dict, path: Path) -> None:
     """``dist_checkpointing.save`` (synchronous, torch_dist) without the costs it only needs for
-    asynchronous saves."""
+    asynchronous saves, its files' writeback started while its writers write them (they fsync)."""
     from megatron.core import dist_checkpointing
 
-    with _lean_torch_dist_writer():
+    with _lean_torch_dist_writer(), writeback_as_written(path, ".distcp"):
         dist_checkpointing.save(state, str(path))
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from megagrpo.models.durable import WRITEBACK_STEP, fsync_dir, fsync_tree, start_writeback
+
 # Files that travel with the weights: what transformers and vLLM read besides the tensors.
 AUX_FILES = (
     "config.json",
@@ -244,7 +246,8 @@ def write_sharded(
     ``tensors`` then yields each tensor in that order, and its bytes go straight to its file (a
     contiguous copy only of a strided view), so the producer may compute each one on demand and
     nothing like a whole shard is ever held. Shards are named ``model-XXXXX-of-YYYYY.safetensors``;
-    a single shard is ``model.safetensors`` with no index.
+    a single shard is ``model.safetensors`` with no index. Writeback to disk is started as the
+    bytes go out (``durable.start_writeback``), so syncing the shards afterwards waits for little.
 
     ``file_range(tensor)``: where a tensor's bytes also lie in an open file, as (descriptor,
     offset), or None. Such bytes are copied file to file by the kernel (``copy_file_range``),
@@ -285,6 +288,7 @@ def write_sharded(
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
         with open(path, "wb", buffering=0) as fh:
             _write_all(fh.fileno(), memoryview(struct.pack("<Q", len(raw)) + raw))
+            written, queued = 8 + len(raw), 0  # bytes in the file; bytes queued for the disk
             for name, shape, dtype in shard:
                 got_name, tensor = next(stream, (None, None))
                 if got_name != name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
@@ -298,6 +302,10 @@ def write_sharded(
                 ):
                     data = tensor.detach().to("cpu").contiguous()
                     _write_all(fh.fileno(), memoryview(data.view(-1).view(torch.uint8).numpy()))
+                written += tensor.numel() * tensor.element_size()
+                if written - queued >= WRITEBACK_STEP:
+                    start_writeback(fh.fileno(), queued, written - queued)
+                    queued = written
         total += offset
     extra = next(stream, None)
     if extra is not None:
@@ -349,7 +357,9 @@ def copy_aux_files(src: Path, dst: Path) -> list[str]:
 def atomic_output_dir(out: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling of ``out``; rename it to ``out`` only if the block completes.
 
-    A crash or kill leaves at most a ``.<name>.tmp-<pid>`` directory, never a directory at ``out``.
+    A crash or kill leaves at most a ``.<name>.tmp-<pid>`` directory, never a directory at ``out``;
+    and what is renamed to ``out`` is on disk first (every file and directory fsync'd), so not even
+    a power loss leaves a directory at ``out`` with missing or zeroed data.
     """
     out = Path(out)
     if out.exists():
@@ -363,4 +373,6 @@ def atomic_output_dir(out: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_tree(tmp)
     os.replace(tmp, out)
+    fsync_dir(out.parent)

@@ -1,6 +1,10 @@
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
-from megagrpo.cli import main
+from megagrpo.cli import main, run
 
 pytestmark = pytest.mark.unit
 
@@ -39,3 +43,51 @@ def test_train_reports_impossible_layout_before_starting(capsys):
     assert main(["train", "parallel.pipeline_model_parallel_size=3"]) == 1
     err = capsys.readouterr().err
     assert "parallel.pipeline_model_parallel_size" in err and "num_layers" in err
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-c", textwrap.dedent(code)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def test_exit_without_teardown_keeps_exit_handlers_output_and_status(tmp_path):
+    marker = tmp_path / "atexit-ran"
+    done = _run_python(
+        f"""
+        import atexit, pathlib, sys
+        from megagrpo.cli import exit_without_teardown
+
+        class Finalized:
+            def __del__(self):
+                print("teardown ran")  # interpreter teardown would print this; it must not run
+
+        keep = Finalized()
+        atexit.register(pathlib.Path({str(marker)!r}).write_text, "yes")
+        print("result line")  # buffered: a pipe is not a terminal
+        sys.stderr.write("note\\n")
+        exit_without_teardown(3)
+        """
+    )
+    assert done.returncode == 3
+    assert done.stdout == "result line\n" and done.stderr == "note\n"
+    assert marker.read_text() == "yes"
+
+
+def test_exit_without_teardown_waits_for_a_running_thread():
+    done = _run_python(
+        """
+        import threading, time
+        from megagrpo.cli import exit_without_teardown
+
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+        exit_without_teardown(0)
+        """
+    )
+    assert done.returncode == 0 and done.stdout == "thread finished\n"
+
+
+def test_the_program_entry_point_exits_with_the_command_status(capsys):
+    with pytest.raises(SystemExit) as exc:
+        run(["eval"])
+    assert exc.value.code == 2
+    assert "not implemented" in capsys.readouterr().err

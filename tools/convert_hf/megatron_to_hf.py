@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from megagrpo.cli import main as megagrpo_main
+from megagrpo.cli import run
 
 if __name__ == "__main__":
-    sys.exit(megagrpo_main(["export", *sys.argv[1:]]))
+    run(["export", *sys.argv[1:]])

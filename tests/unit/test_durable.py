@@ -1,0 +1,66 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megagrpo.models import durable
+from megagrpo.models.hf_io import atomic_output_dir
+
+pytestmark = pytest.mark.unit
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+
+
+@linux_only
+def test_start_writeback_queues_a_written_range(tmp_path):
+    path = tmp_path / "f.bin"
+    with open(path, "wb", buffering=0) as fh:
+        fh.write(os.urandom(1 << 20))
+        assert durable.start_writeback(fh.fileno(), 0, 1 << 20)
+        assert not durable.start_writeback(fh.fileno(), 0, 0)  # nothing to queue
+    with open(path, "rb") as fh:
+        assert durable.start_writeback(fh.fileno(), -1, 10) is False  # the kernel refuses a bad range
+
+
+@linux_only
+def test_writeback_follows_files_another_process_writes(tmp_path):
+    step = 256 * 1024
+    writer = textwrap.dedent(
+        f"""
+        import os, time
+        with open({str(tmp_path / "a.distcp")!r}, "wb", buffering=0) as fh:
+            for _ in range(8):
+                fh.write(os.urandom({step}))
+                time.sleep(0.05)
+        open({str(tmp_path / "b.other")!r}, "wb").write(os.urandom({4 * step}))
+        """
+    )
+    with durable.writeback_as_written(tmp_path, ".distcp", step=step) as queued:
+        subprocess.run([sys.executable, "-c", writer], check=True)
+        import time
+
+        time.sleep(0.2)  # the thread's next look sees the file's last bytes
+    assert set(queued) == {"a.distcp"}  # files of other suffixes are not followed
+    assert queued["a.distcp"] == 8 * step
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names descriptors through /proc")
+def test_atomic_output_dir_syncs_every_file_and_directory_before_the_rename(tmp_path, monkeypatch):
+    synced = []
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(durable.os, "fsync", fsync)
+    with atomic_output_dir(tmp_path / "out") as tmp:
+        (tmp / "d" / "e").mkdir(parents=True)
+        for rel in ("x", "d/y", "d/e/z"):
+            (tmp / rel).write_bytes(b"data")
+    inner = [str(tmp / rel) for rel in ("x", "d/y", "d/e/z", "d/e", "d", "")]
+    # Files, then directories inside out (each after what it holds), then, after the rename, the
+    # parent that holds the new name.
+    assert sorted(synced[:3]) == sorted(inner[:3])
+    assert synced[3:] == [path.rstrip("/") for path in inner[3:]] + [str(tmp_path)]
+    assert (tmp_path / "out" / "d" / "e" / "z").read_bytes() == b"data"
