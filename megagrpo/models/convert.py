@@ -24,11 +24,12 @@ import contextlib
 import functools
 import gc
 import inspect
+import io
 import json
 import math
 import queue
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from megagrpo.models.dist_files import MappedDistCheckpoint
 from megagrpo.models.durable import writeback_as_written
 from megagrpo.models.hf_io import (
     CheckpointError,
+    CopyingFile,
     HFCheckpoint,
     atomic_output_dir,
     copy_aux_files,
@@ -217,16 +219,25 @@ def _gated_factories(state: dict) -> list[str]:
     return [k for k, v in state.items() if isinstance(v, ShardedTensorFactory) and v.flattened_range is None]
 
 
-def save_megatron(model: torch.nn.Module, path: Path, *, mapped: dict[str, Mapped] | None = None) -> None:
+def save_megatron(
+    model: torch.nn.Module,
+    path: Path,
+    *,
+    mapped: dict[str, Mapped] | None = None,
+    file_range: Callable[[torch.Tensor], tuple[int, int] | None] | None = None,
+) -> None:
     """Write ``model`` as a Megatron distributed checkpoint.
 
     ``mapped`` (conversion, from ``load_hf_into_stage``): tensors written in place of the parameters
     they are keyed by, which were never filled. For a fused gate/up weight, the two halves Megatron
     checkpoints it as (its writer would otherwise copy them out of the fused weight).
+    ``file_range``: where a mapped tensor's bytes lie in an open file (``FileMaps.file_range``);
+    Megatron's writers then copy them from there, file to file (``CopyingFile``).
     """
     path.mkdir(parents=True, exist_ok=True)
     state = model.sharded_state_dict()
     gated = set(_gated_factories(state)) if mapped else set()
+    sources: dict[tuple[int, int], tuple[int, int]] = {}  # for CopyingFile
     for key, given in (mapped or {}).items():
         if key not in state:
             # A parameter left unfilled would be written as garbage: refuse rather than guess.
@@ -245,7 +256,10 @@ def save_megatron(model: torch.nn.Module, path: Path, *, mapped: dict[str, Mappe
                     f"{target.data.dtype} {list(target.data.shape)}"
                 )
             target.data = tensor
-    save_dist_checkpoint(state, path)
+            place = file_range(tensor) if file_range is not None else None
+            if place is not None:
+                sources[(tensor.data_ptr(), tensor.numel() * tensor.element_size())] = place
+    save_dist_checkpoint(state, path, sources)
 
 
 @contextlib.contextmanager
@@ -282,13 +296,50 @@ def _lean_torch_dist_writer():
             save_config.compute_crc32 = crc
 
 
-def save_dist_checkpoint(state: dict, path: Path) -> None:
+def save_dist_checkpoint(
+    state: dict, path: Path, sources: dict[tuple[int, int], tuple[int, int]] | None = None
+) -> None:
     """``dist_checkpointing.save`` (synchronous, torch_dist) without the costs it only needs for
-    asynchronous saves, its files' writeback started while its writers write them (they fsync)."""
+    asynchronous saves, its files' writeback started while its writers write them (they fsync).
+
+    ``sources``: tensors whose bytes the writers copy from a file (see ``CopyingFile``).
+    """
     from megatron.core import dist_checkpointing
 
-    with _lean_torch_dist_writer(), writeback_as_written(path, ".distcp"):
+    with (
+        _lean_torch_dist_writer(),
+        _writers_copy_from(sources or {}),
+        writeback_as_written(path, ".distcp"),
+    ):
         dist_checkpointing.save(state, str(path))
+
+
+@contextlib.contextmanager
+def _writers_copy_from(sources: dict[tuple[int, int], tuple[int, int]]):
+    """Megatron's checkpoint writers open their files as ``CopyingFile``s over ``sources``.
+
+    Its writer processes (forked during the save, so they inherit this) open each file with the
+    builtin ``open(name, "wb")`` and ``torch.save`` each tensor into it, which writes a tensor's
+    bytes as one buffer at the tensor's address: exactly what ``CopyingFile`` turns into a kernel
+    copy. The format written is unchanged. Should a Megatron version open its files another way,
+    the bytes are simply written from memory as before.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not sources or "open" in vars(filesystem_async):
+        yield
+        return
+
+    def open_for_writer(file, mode="r", *args, **kwargs):
+        if mode == "wb" and not args and not kwargs:
+            return io.BufferedWriter(CopyingFile(file, sources))
+        return open(file, mode, *args, **kwargs)
+
+    filesystem_async.open = open_for_writer
+    try:
+        yield
+    finally:
+        del filesystem_async.open
 
 
 def load_megatron(model: torch.nn.Module, path: Path, keys: set[str] | None = None) -> None:
@@ -329,7 +380,7 @@ def mapped_checkpoint_tensors(
     """The model's parameters as they are stored in the checkpoint at ``path``, without filling the
     model: views of the mapped checkpoint files where the stored chunks allow, keyed by the
     model's state dict names; a fused gate/up weight as its (gate, up) halves. Returns the mapped
-    files (whose ``file_range`` places a view in them), those tensors, and the names it could not
+    files (whose ``maps.file_range`` places a view in them), those tensors, and the names it could not
     take that way (for ``load_megatron(..., keys=...)``)."""
     files = MappedDistCheckpoint(path)
     state = model.sharded_state_dict()
@@ -503,7 +554,7 @@ def _import_stage(hf_dir: str, out: str, tp: int, pp: int) -> None:
         model = build_stage(ctx, shape, dtype)
         mapped: dict[str, Mapped] = {}
         load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), mapped=mapped)
-        save_megatron(model, Path(out) / "megatron", mapped=mapped)
+        save_megatron(model, Path(out) / "megatron", mapped=mapped, file_range=hf.maps.file_range)
     finally:
         destroy_parallel()
 
@@ -582,7 +633,7 @@ def _export_stage(ckpt: str, out: str, max_shard_bytes: int) -> int:
             (name, tensor.to(source.dtype))
             for name, tensor in hf_tensors_from_full(full, source.shape, rules)
         )
-        write_sharded(Path(out), specs, tensors, max_shard_bytes, file_range=files.file_range)
+        write_sharded(Path(out), specs, tensors, max_shard_bytes, file_range=files.maps.file_range)
         return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
     finally:
         destroy_parallel()

@@ -5,8 +5,8 @@ lists, for every key, the chunks it was saved in (global offsets and sizes) and 
 bytes are (``.distcp`` file, offset, length); each chunk is one ``torch.save`` archive (an
 uncompressed zip) holding one tensor. An export, which only writes the weights out again, can take
 each chunk straight from a read-only mapping of its file: the model is never filled, and the
-bytes are copied once, into the output files (by the kernel, file to file, where ``file_range``
-gives their place).
+bytes are copied once, into the output files (by the kernel, file to file, where
+``maps.file_range`` gives their place).
 
 Only what this module checks is taken this way: uncompressed, untransformed chunks that hold one
 contiguous little-endian tensor of the expected shape, tiling the requested region along one
@@ -22,13 +22,14 @@ import math
 import mmap
 import pickle
 import struct
-import warnings
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from megagrpo.models.hf_io import FileMaps
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, 30 bytes
 _LOCAL_HEADER_SIGNATURE = 0x04034B50
@@ -134,7 +135,7 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class MappedDistCheckpoint:
-    """The chunks of a ``torch_dist`` checkpoint directory, viewed through private mappings."""
+    """The chunks of a ``torch_dist`` checkpoint directory, viewed through read-only mappings."""
 
     def __init__(self, path: str | Path):
         from torch.distributed.checkpoint import FileSystemReader
@@ -146,8 +147,7 @@ class MappedDistCheckpoint:
             for index, info in self.metadata.storage_data.items()
             if index.offset is not None
         }
-        self._maps: dict[str, mmap.mmap] = {}
-        self._spans: list[tuple[int, int, io.BufferedReader]] = []  # (address, length, file)
+        self.maps = FileMaps()
 
     def read(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], axis: int = 0
@@ -189,7 +189,7 @@ class MappedDistCheckpoint:
         info = self._storage.get((key, offsets))
         if info is None or info.transform_descriptors:
             return None
-        mapped = self._map(info.relative_path)
+        mapped = self.maps.map(self.path / info.relative_path)
         if info.offset + info.length > len(mapped):
             return None
         try:
@@ -220,37 +220,7 @@ class MappedDistCheckpoint:
         start = self._data_start(mapped, info.offset, data)
         if start is None or start + data.file_size > info.offset + info.length:
             return None
-        with warnings.catch_warnings():  # read-only on purpose (see ``_map``)
-            warnings.filterwarnings("ignore", message=".*buffer is not writable.*")
-            flat = torch.frombuffer(
-                mapped, dtype=dtype, count=numel, offset=start + storage_offset * dtype.itemsize
-            )
-        return flat.view(sizes)
-
-    def _map(self, relative_path: str) -> mmap.mmap:
-        """The file mapped read-only and shared: a view's bytes are the file's bytes at every
-        moment, which ``file_range`` relies on (writing to a view faults instead)."""
-        if relative_path not in self._maps:
-            fh = open(self.path / relative_path, "rb")  # noqa: SIM115  (kept open for file_range)
-            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*buffer is not writable.*")
-                base = torch.frombuffer(mapped, dtype=torch.uint8, count=1).data_ptr() if len(mapped) else 0
-            self._maps[relative_path] = mapped
-            self._spans.append((base, len(mapped), fh))
-        return self._maps[relative_path]
-
-    def file_range(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        """(descriptor, offset) of the file bytes a contiguous tensor from ``read`` views, or None
-        (a tensor that is not such a view, e.g. chunks stacked into a new tensor)."""
-        if not tensor.is_contiguous():
-            return None
-        start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
-        for base, length, fh in self._spans:
-            if base <= start and end <= base + length:
-                return fh.fileno(), start - base
-        return None
+        return self.maps.view(mapped, dtype, numel, start + storage_offset * dtype.itemsize).view(sizes)
 
     @staticmethod
     def _data_start(mapped: mmap.mmap, base: int, member: zipfile.ZipInfo) -> int | None:

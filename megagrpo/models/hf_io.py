@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import math
 import mmap
 import os
 import shutil
 import struct
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
+import numpy
 import torch
 
 from megagrpo.models.durable import WRITEBACK_STEP, fsync_dir, fsync_tree, start_writeback
@@ -109,12 +113,49 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
+class FileMaps:
+    """Files mapped read-only and shared, each kept open: a tensor viewing one holds the file's
+    bytes at every moment (writing to it faults), so where it lies in its file can stand for it
+    (``file_range``), and a writer may copy those bytes file to file instead."""
+
+    def __init__(self):
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._spans: list[tuple[int, int, BinaryIO]] = []  # (address, length, open file)
+
+    def map(self, path: Path) -> mmap.mmap:
+        if path not in self._maps:
+            fh = open(path, "rb")  # noqa: SIM115  (kept open for file_range)
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[path] = mapped
+            self._spans.append((self.view(mapped, torch.uint8, 1, 0).data_ptr(), len(mapped), fh))
+        return self._maps[path]
+
+    @staticmethod
+    def view(mapped: mmap.mmap, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+        """``count`` elements of ``mapped`` from byte ``offset``; the storage is exactly those bytes."""
+        with warnings.catch_warnings():  # read-only on purpose: see the class docstring
+            warnings.filterwarnings("ignore", message=".*buffer is not writable.*")
+            return torch.frombuffer(mapped, dtype=dtype, count=count, offset=offset)
+
+    def file_range(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """(descriptor, offset) of the file bytes a contiguous tensor viewing a mapped file holds,
+        or None (a tensor that is no such view, e.g. a copy)."""
+        if not tensor.is_contiguous() or not tensor.numel():
+            return None
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        for base, length, fh in self._spans:
+            if base <= start and end <= base + length:
+                return fh.fileno(), start - base
+        return None
+
+
 class HFCheckpoint:
     """The tensors of an HF checkpoint directory, read lazily."""
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
-        self._maps: dict[Path, mmap.mmap] = {}
+        self.maps = FileMaps()
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: not a directory")
         self.tensors: dict[str, TensorInfo] = {}
@@ -189,20 +230,15 @@ class HFCheckpoint:
 
     def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of tensor ``name`` as a view of the file's bytes, read by nobody
-        until used: a private (copy-on-write) mapping, so writing to the tensor never reaches the
-        file. The tensor's storage is exactly these rows (a checkpoint writer that copies out views
-        of larger storages takes it as it is) and keeps the mapping alive."""
+        until used (``FileMaps``: read-only, so ``maps.file_range`` may stand for it). The tensor's
+        storage is exactly these rows (a checkpoint writer that copies out views of larger storages
+        takes it as it is) and keeps the mapping alive."""
         info, first_byte = self._row_range(name, start, stop)
         shape = (stop - start, *info.shape[1:])
         if start == stop:
             return torch.empty(shape, dtype=info.dtype)
-        mapped = self._maps.get(info.file)
-        if mapped is None:
-            with open(info.file, "rb") as fh:
-                mapped = self._maps[info.file] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        return torch.frombuffer(mapped, dtype=info.dtype, count=math.prod(shape), offset=first_byte).view(
-            shape
-        )
+        mapped = self.maps.map(info.file)
+        return self.maps.view(mapped, info.dtype, math.prod(shape), first_byte).view(shape)
 
     def _row_range(self, name: str, start: int, stop: int) -> tuple[TensorInfo, int]:
         """Tensor ``name``'s info and the file offset of its row ``start``, checking ``[start, stop)``."""
@@ -341,6 +377,33 @@ def _copy_range(src_fd: int, src_offset: int, dst_fd: int, nbytes: int) -> bool:
 
 # Errors that mean "this kernel or filesystem pair does not copy ranges": write from memory instead.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+
+# Buffers smaller than this are written as they are (headers, pickles, norms): not worth a lookup.
+_MIN_KERNEL_COPY = 64 * 1024
+
+
+class CopyingFile(io.FileIO):
+    """A file opened for writing in which writing a buffer that views another file's bytes becomes
+    a kernel copy from that file (``copy_file_range``): the bytes never pass through this process.
+
+    ``sources``: (address, byte length) of such buffers -> (descriptor, offset) of the bytes they
+    view (``FileMaps.file_range``). A buffer is copied only when both its start and its length
+    match, i.e. exactly one mapped tensor's bytes; anything else is written from memory, as is
+    everything where the kernel cannot copy between these files.
+    """
+
+    def __init__(self, path: str | os.PathLike, sources: dict[tuple[int, int], tuple[int, int]]):
+        super().__init__(path, "wb")
+        self.sources = sources
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        if view.nbytes >= _MIN_KERNEL_COPY and view.c_contiguous:
+            address = numpy.frombuffer(view.cast("B"), dtype=numpy.uint8).ctypes.data
+            source = self.sources.get((address, view.nbytes))
+            if source is not None and _copy_range(*source, self.fileno(), view.nbytes):
+                return view.nbytes
+        return super().write(view)
 
 
 def copy_aux_files(src: Path, dst: Path) -> list[str]:

@@ -1,12 +1,13 @@
 """The streaming safetensors writer, read back by the safetensors library itself, and our reader."""
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from megagrpo.models.hf_io import INDEX_NAME, HFCheckpoint, write_sharded
+from megagrpo.models.hf_io import INDEX_NAME, CopyingFile, HFCheckpoint, write_sharded
 
 pytestmark = pytest.mark.unit
 
@@ -81,10 +82,9 @@ def test_row_ranges_are_read_into_slices_of_a_destination(tmp_path):
         ckpt.read_rows_into("a.weight", 5, 8, torch.zeros(3, 4, dtype=torch.bfloat16))
 
 
-def test_mapped_rows_view_the_file_without_changing_it(tmp_path):
+def test_mapped_rows_view_the_file_in_place(tmp_path):
     tensors = _tensors()
     paths = write_sharded(tmp_path, _specs(tensors), iter(tensors), max_shard_bytes=50)
-    before = {path: path.read_bytes() for path in paths}
     ckpt = HFCheckpoint(tmp_path)
     rows = ckpt.map_rows("a.weight", 1, 4)
     assert rows.dtype == torch.bfloat16 and torch.equal(rows, tensors[0][1][1:4])
@@ -92,11 +92,33 @@ def test_mapped_rows_view_the_file_without_changing_it(tmp_path):
     assert rows.untyped_storage().size() == rows.numel() * rows.element_size()
     assert ckpt.map_rows("c.bias", 2, 5).tolist() == [2, 3, 4]
     assert ckpt.map_rows("b.weight", 1, 1).shape == (0, 10)
-    rows.fill_(7.0)  # a private mapping: the file keeps its bytes, a new view sees them
-    assert {path: path.read_bytes() for path in paths} == before
-    assert torch.equal(HFCheckpoint(tmp_path).map_rows("a.weight", 0, 6), tensors[0][1])
+    # Where the rows lie in their file: those bytes are the view's.
+    fd, offset = ckpt.maps.file_range(rows)
+    assert os.pread(fd, rows.numel() * 2, offset) == rows.view(torch.uint8).numpy().tobytes()
+    assert os.fstat(fd).st_ino == paths[0].stat().st_ino
+    assert ckpt.maps.file_range(rows.t()) is None  # not contiguous
+    assert ckpt.maps.file_range(rows.clone()) is None  # not in a mapped file
     with pytest.raises(Exception, match=r"rows 4:9 of tensor b.weight \[2, 10\]"):
         ckpt.map_rows("b.weight", 4, 9)
+
+
+def test_a_file_written_from_a_mapped_tensor_gets_the_file_bytes(tmp_path):
+    """``CopyingFile`` copies a buffer known to view a file from that file (here a stand-in
+    that holds other values, so the output shows where its bytes came from); any other buffer,
+    and a known one not written whole, is written from memory."""
+    stored = torch.arange(32768, dtype=torch.float32)  # 128 KiB: above the size worth a lookup
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"\0" * 12 + stored.numpy().tobytes())
+    stand_in = torch.zeros(32768)
+    with open(source, "rb") as fh:
+        sources = {(stand_in.data_ptr(), stand_in.numel() * 4): (fh.fileno(), 12)}
+        with CopyingFile(tmp_path / "out.bin", sources) as copying:
+            assert copying.write(b"head") == 4
+            assert copying.write(memoryview(stand_in.numpy())) == 131072
+            copying.write(memoryview(stand_in.numpy())[:1000])  # part of it: from memory
+    got = (tmp_path / "out.bin").read_bytes()
+    assert got[:4] == b"head" and got[4 : 4 + 131072] == stored.numpy().tobytes()
+    assert got[4 + 131072 :] == bytes(4000)
 
 
 def test_tensors_placed_in_a_file_are_copied_from_it(tmp_path):
