@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import functools
 import os
 import threading
@@ -36,8 +35,7 @@ _POLL_S = 0.02
 @functools.cache
 def _sync_file_range():
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        fn = libc.sync_file_range
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # this process's symbols: libc's
     except (OSError, AttributeError, TypeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]

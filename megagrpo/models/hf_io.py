@@ -1,11 +1,12 @@
 """Reading and writing HF checkpoint directories: safetensors shards, index, config/tokenizer files.
 
 Reads are lazy: one tensor (or row range) at a time, either read into memory of the caller's or,
-for a conversion that only writes the bytes out again, viewed in place through a private mapping of
-the file (no copy; the pages stay the page cache's). Every input is validated from the file
-headers before any tensor is read: a truncated file, an index that points at a missing
+for a conversion that only writes the bytes out again, viewed in place through a read-only mapping
+of the file (no copy; the pages stay the page cache's), whose place in the file a writer may copy
+from instead (``CopyingFile``, ``write_sharded(file_range=...)``). Every input is validated from
+the file headers before any tensor is read: a truncated file, an index that points at a missing
 file or tensor, and tensors that are missing, unexpected or of the wrong shape are reported by
-name. Output directories are built under a temporary name and renamed only when complete.
+name. Output directories are built under a temporary name, synced, and renamed only when complete.
 """
 
 from __future__ import annotations

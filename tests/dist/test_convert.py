@@ -236,3 +236,22 @@ def test_killed_conversion_leaves_no_output_directory(hf_dirs, tmp_path):
     assert set(back.tensors) == set(src.tensors)
     for name in src.tensors:
         assert torch.equal(src.read(name).view(torch.uint8), back.read(name).view(torch.uint8)), name
+
+
+def _groups_left(_rank: int, _world_size: int) -> tuple[bool, bool, bool]:
+    from megagrpo.models.convert import _rank_groups
+
+    left = []
+    for exits_after in (False, True):
+        with _rank_groups(ParallelSizes(), exits_after):
+            pass
+        left.append(torch.distributed.is_initialized())
+    destroy_parallel()
+    with pytest.raises(RuntimeError), _rank_groups(ParallelSizes(), exits_after=True):
+        raise RuntimeError("conversion failed")
+    return left[0], left[1], torch.distributed.is_initialized()
+
+
+def test_a_rank_that_exits_next_leaves_its_groups_only_on_success():
+    (torn_down, exiting, failed) = run_local_ranks(_groups_left, 1, timeout_s=300)[0]
+    assert (torn_down, exiting, failed) == (False, True, False)
