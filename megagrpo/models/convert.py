@@ -29,7 +29,6 @@ import contextlib
 import functools
 import gc
 import inspect
-import io
 import json
 import math
 import queue
@@ -46,7 +45,9 @@ from megagrpo.models.durable import writeback_as_written
 from megagrpo.models.hf_io import (
     CheckpointError,
     CopyingFile,
+    FileCopies,
     HFCheckpoint,
+    Piece,
     atomic_output_dir,
     copy_aux_files,
     write_sharded,
@@ -94,6 +95,7 @@ def load_hf_into_stage(
     rules: list[Rule],
     *,
     mapped: dict[str, Mapped] | None = None,
+    pieces: dict[str, list[Piece]] | None = None,
 ) -> None:
     """Fill every parameter of this rank's model stage from the HF checkpoint (TP slice of each).
 
@@ -107,7 +109,11 @@ def load_hf_into_stage(
     file's bytes (``HFCheckpoint.map_rows``) are stored there by the stage's parameter name (as
     Megatron's checkpoint keys spell it) and the parameter is left unfilled; ``save_megatron``
     writes them in its place, so the checkpoint writer reads those bytes once, from the page cache.
-    Q/K/V (interleaved per query group) and padded vocabularies are still read into the parameter.
+
+    ``pieces`` (with ``mapped``, where the checkpoint writer copies from files: ``FileCopies``): a
+    shard made of several row ranges (Q/K/V, interleaved per query group) is not read either; where
+    its bytes lie in the files, in order, is stored by parameter name, and the parameter is left
+    unfilled. Padded vocabularies are still read into the parameter.
     """
     by_name = {rule.megatron: rule for rule in rules}
     padded = padded_vocab_size(shape.vocab_size, ctx.sizes.tp)
@@ -142,6 +148,9 @@ def load_hf_into_stage(
                 f"{global_name}: HF tensors {list(rule.hf)} give a shard of shape "
                 f"{[plan.rows, *next(iter(row_shape))]}, the Megatron parameter has {list(param.shape)}"
             )
+        if pieces is not None and rule.transform == "qkv" and _tiles_rows(plan.reads, plan.rows):
+            pieces[local] = [hf.row_piece(read.hf, read.start, read.stop) for read in plan.reads]
+            continue
         if mapped is not None and rule.transform in ("copy", "vocab", "gated"):
             views = [hf.map_rows(read.hf, read.start, read.stop) for read in plan.reads]
             if rule.transform == "gated":
@@ -158,6 +167,16 @@ def load_hf_into_stage(
             covered += rows
         if covered < plan.rows:  # vocabulary padding: the reads cover the leading rows
             target[covered:].zero_()
+
+
+def _tiles_rows(reads, rows: int) -> bool:
+    """Whether ``reads``, in order, land on rows 0, 1, ... ``rows`` - 1 of the shard, each once."""
+    end = 0
+    for read in reads:
+        if read.dest != end:
+            return False
+        end += read.stop - read.start
+    return end == rows
 
 
 def _load_transformed(param, rule, hf, shape, padded, ctx, dim: int, global_name: str) -> None:
@@ -229,6 +248,7 @@ def save_megatron(
     path: Path,
     *,
     mapped: dict[str, Mapped] | None = None,
+    pieces: dict[str, list[Piece]] | None = None,
     file_range: Callable[[torch.Tensor], tuple[int, int] | None] | None = None,
 ) -> None:
     """Write ``model`` as a Megatron distributed checkpoint.
@@ -238,11 +258,13 @@ def save_megatron(
     checkpoints it as (its writer would otherwise copy them out of the fused weight).
     ``file_range``: where a mapped tensor's bytes lie in an open file (``FileMaps.file_range``);
     Megatron's writers then copy them from there, file to file (``CopyingFile``).
+    ``pieces``: unfilled parameters, by key, and where their bytes lie in files; the writers copy
+    them from there, and a checkpoint in which any was not is refused (it would hold garbage).
     """
     path.mkdir(parents=True, exist_ok=True)
     state = model.sharded_state_dict()
     gated = set(_gated_factories(state)) if mapped else set()
-    sources: dict[tuple[int, int], tuple[int, int]] = {}  # for CopyingFile
+    copies = FileCopies()
     for key, given in (mapped or {}).items():
         if key not in state:
             # A parameter left unfilled would be written as garbage: refuse rather than guess.
@@ -263,8 +285,21 @@ def save_megatron(
             target.data = tensor
             place = file_range(tensor) if file_range is not None else None
             if place is not None:
-                sources[(tensor.data_ptr(), tensor.numel() * tensor.element_size())] = place
-    save_dist_checkpoint(state, path, sources)
+                copies.add(tensor, [(*place, tensor.numel() * tensor.element_size())])
+    for key, runs in (pieces or {}).items():
+        if key not in state or isinstance(state[key].data, type(None)):
+            raise RuntimeError(
+                f"{key}: file pieces were given for it, the model's checkpoint has no such key"
+            )
+        copies.add(state[key].data, runs)
+    save_dist_checkpoint(state, path, copies)
+    unwritten = [key for key in pieces or {} if not copies.written(state[key].data)]
+    if unwritten:
+        raise RuntimeError(
+            f"{path}: Megatron's checkpoint writer did not take {unwritten[0]} (and {len(unwritten) - 1} "
+            "more) from the HF files as arranged; those tensors were never filled, so the checkpoint "
+            "is refused. Does this Megatron version open its checkpoint files another way?"
+        )
 
 
 @contextlib.contextmanager
@@ -301,43 +336,51 @@ def _lean_torch_dist_writer():
             save_config.compute_crc32 = crc
 
 
-def save_dist_checkpoint(
-    state: dict, path: Path, sources: dict[tuple[int, int], tuple[int, int]] | None = None
-) -> None:
+def save_dist_checkpoint(state: dict, path: Path, copies: FileCopies | None = None) -> None:
     """``dist_checkpointing.save`` (synchronous, torch_dist) without the costs it only needs for
     asynchronous saves, its files' writeback started while its writers write them (they fsync).
 
-    ``sources``: tensors whose bytes the writers copy from a file (see ``CopyingFile``).
+    ``copies``: tensors whose bytes the writers copy from files (see ``CopyingFile``).
     """
     from megatron.core import dist_checkpointing
 
     with (
         _lean_torch_dist_writer(),
-        _writers_copy_from(sources or {}),
+        _writers_copy_from(copies),
         writeback_as_written(path, ".distcp"),
     ):
         dist_checkpointing.save(state, str(path))
 
 
+def _writers_can_copy() -> bool:
+    """Whether Megatron's checkpoint writers can be given ``CopyingFile``s (``_writers_copy_from``)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    return "open" not in vars(filesystem_async)
+
+
 @contextlib.contextmanager
-def _writers_copy_from(sources: dict[tuple[int, int], tuple[int, int]]):
-    """Megatron's checkpoint writers open their files as ``CopyingFile``s over ``sources``.
+def _writers_copy_from(copies: FileCopies | None):
+    """Megatron's checkpoint writers open their files as ``CopyingFile``s over ``copies``.
 
     Its writer processes (forked during the save, so they inherit this) open each file with the
     builtin ``open(name, "wb")`` and ``torch.save`` each tensor into it, which writes a tensor's
     bytes as one buffer at the tensor's address: exactly what ``CopyingFile`` turns into a kernel
     copy. The format written is unchanged. Should a Megatron version open its files another way,
-    the bytes are simply written from memory as before.
+    a mapped tensor's bytes are written from memory as before, and ``save_megatron`` refuses a
+    checkpoint in which an unfilled tensor was (``FileCopies.written``).
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if not sources or "open" in vars(filesystem_async):
+    if not copies or not copies.pieces or not _writers_can_copy():
         yield
         return
+    copies.share()  # before the writers fork
 
     def open_for_writer(file, mode="r", *args, **kwargs):
         if mode == "wb" and not args and not kwargs:
-            return io.BufferedWriter(CopyingFile(file, sources))
+            # Unbuffered: a buffer would gather small tensors' bytes with the records around them.
+            return CopyingFile(file, copies)
         return open(file, mode, *args, **kwargs)
 
     filesystem_async.open = open_for_writer
@@ -574,8 +617,11 @@ def _import_stage(hf_dir: str, out: str, tp: int, pp: int, exits_after: bool) ->
     with _rank_groups(ParallelSizes(tp=tp, pp=pp), exits_after) as ctx:
         model = build_stage(ctx, shape, dtype)
         mapped: dict[str, Mapped] = {}
-        load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), mapped=mapped)
-        save_megatron(model, Path(out) / "megatron", mapped=mapped, file_range=hf.maps.file_range)
+        pieces: dict[str, list[Piece]] | None = {} if _writers_can_copy() else None
+        load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), mapped=mapped, pieces=pieces)
+        save_megatron(
+            model, Path(out) / "megatron", mapped=mapped, pieces=pieces, file_range=hf.maps.file_range
+        )
 
 
 def _run_ranks(fn, world_size: int, in_process: bool, *args) -> None:

@@ -66,6 +66,10 @@ class CheckpointError(ValueError):
     """An input checkpoint is malformed; the message names the file and tensor."""
 
 
+# One run of file bytes: (descriptor, offset, length).
+Piece = tuple[int, int, int]
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     file: Path
@@ -121,13 +125,14 @@ class FileMaps:
 
     def __init__(self):
         self._maps: dict[Path, mmap.mmap] = {}
+        self._files: dict[Path, BinaryIO] = {}
         self._spans: list[tuple[int, int, BinaryIO]] = []  # (address, length, open file)
 
     def map(self, path: Path) -> mmap.mmap:
         if path not in self._maps:
             fh = open(path, "rb")  # noqa: SIM115  (kept open for file_range)
             mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[path] = mapped
+            self._maps[path], self._files[path] = mapped, fh
             self._spans.append((self.view(mapped, torch.uint8, 1, 0).data_ptr(), len(mapped), fh))
         return self._maps[path]
 
@@ -137,6 +142,11 @@ class FileMaps:
         with warnings.catch_warnings():  # read-only on purpose: see the class docstring
             warnings.filterwarnings("ignore", message=".*buffer is not writable.*")
             return torch.frombuffer(mapped, dtype=dtype, count=count, offset=offset)
+
+    def descriptor(self, path: Path) -> int:
+        """The open descriptor of ``path`` (mapped first if it is not yet)."""
+        self.map(path)
+        return self._files[path].fileno()
 
     def file_range(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         """(descriptor, offset) of the file bytes a contiguous tensor viewing a mapped file holds,
@@ -240,6 +250,12 @@ class HFCheckpoint:
             return torch.empty(shape, dtype=info.dtype)
         mapped = self.maps.map(info.file)
         return self.maps.view(mapped, info.dtype, math.prod(shape), first_byte).view(shape)
+
+    def row_piece(self, name: str, start: int, stop: int) -> Piece:
+        """Where rows ``[start, stop)`` of tensor ``name`` lie: (descriptor, offset, length)."""
+        info, first_byte = self._row_range(name, start, stop)
+        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        return self.maps.descriptor(info.file), first_byte, (stop - start) * row_bytes
 
     def _row_range(self, name: str, start: int, stop: int) -> tuple[TensorInfo, int]:
         """Tensor ``name``'s info and the file offset of its row ``start``, checking ``[start, stop)``."""
@@ -379,32 +395,77 @@ def _copy_range(src_fd: int, src_offset: int, dst_fd: int, nbytes: int) -> bool:
 # Errors that mean "this kernel or filesystem pair does not copy ranges": write from memory instead.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
-# Buffers smaller than this are written as they are (headers, pickles, norms): not worth a lookup.
-_MIN_KERNEL_COPY = 64 * 1024
+
+class FileCopies:
+    """Buffers whose bytes lie in files, for ``CopyingFile``s to copy from there.
+
+    Each buffer is known by (address, length) and made of pieces of files, in order: one for a
+    view of a mapped file, several for a tensor laid out from several file ranges and never
+    filled (interleaved Q/K/V). ``share()``, before writer processes fork, puts the record of
+    which buffers were written from their files in memory the writers share, so the parent can
+    check (``written``) that a never-filled buffer was not written as it is.
+    """
+
+    def __init__(self):
+        self.pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}
+        self._slots: dict[tuple[int, int], int] = {}
+        self._written: mmap.mmap | None = None
+
+    def add(self, tensor: torch.Tensor, pieces: Sequence[Piece]) -> None:
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if not tensor.is_contiguous() or sum(n for _, _, n in pieces) != key[1]:
+            raise ValueError(f"pieces of {sum(n for _, _, n in pieces)} bytes for a tensor of {key[1]}")
+        self.pieces[key] = tuple(pieces)
+        self._slots.setdefault(key, len(self._slots))
+
+    def share(self) -> None:
+        self._written = mmap.mmap(-1, max(1, len(self._slots)))  # anonymous, shared across fork
+
+    def mark_written(self, key: tuple[int, int]) -> None:
+        if self._written is not None:
+            self._written[self._slots[key]] = 1
+
+    def written(self, tensor: torch.Tensor) -> bool:
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        return self._written is not None and key in self._slots and self._written[self._slots[key]] == 1
 
 
 class CopyingFile(io.FileIO):
-    """A file opened for writing in which writing a buffer that views another file's bytes becomes
-    a kernel copy from that file (``copy_file_range``): the bytes never pass through this process.
+    """A file opened for writing in which writing a buffer that ``copies`` knows becomes copies
+    from the files its bytes lie in: by the kernel (``copy_file_range``: the bytes never pass
+    through this process), or read and written where the kernel cannot copy between the files.
 
-    ``sources``: (address, byte length) of such buffers -> (descriptor, offset) of the bytes they
-    view (``FileMaps.file_range``). A buffer is copied only when both its start and its length
-    match, i.e. exactly one mapped tensor's bytes; anything else is written from memory, as is
-    everything where the kernel cannot copy between these files.
+    A buffer is taken from its files only when both its start and its length match one known
+    buffer, i.e. exactly one tensor's bytes; anything else is written from memory.
     """
 
-    def __init__(self, path: str | os.PathLike, sources: dict[tuple[int, int], tuple[int, int]]):
+    def __init__(self, path: str | os.PathLike, copies: FileCopies):
         super().__init__(path, "wb")
-        self.sources = sources
+        self.copies = copies
 
     def write(self, data) -> int:
         view = memoryview(data)
-        if view.nbytes >= _MIN_KERNEL_COPY and view.c_contiguous:
-            address = numpy.frombuffer(view.cast("B"), dtype=numpy.uint8).ctypes.data
-            source = self.sources.get((address, view.nbytes))
-            if source is not None and _copy_range(*source, self.fileno(), view.nbytes):
+        if view.nbytes and view.c_contiguous:
+            key = (numpy.frombuffer(view.cast("B"), dtype=numpy.uint8).ctypes.data, view.nbytes)
+            pieces = self.copies.pieces.get(key)
+            if pieces is not None:
+                for fd, offset, nbytes in pieces:
+                    if not _copy_range(fd, offset, self.fileno(), nbytes):
+                        _write_all(self.fileno(), memoryview(_pread_all(fd, nbytes, offset)))
+                self.copies.mark_written(key)
                 return view.nbytes
         return super().write(view)
+
+
+def _pread_all(fd: int, nbytes: int, offset: int) -> bytes:
+    chunks, got = [], 0
+    while got < nbytes:
+        chunk = os.pread(fd, nbytes - got, offset + got)
+        if not chunk:
+            raise OSError(f"source file ended {nbytes - got} bytes early")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
 
 
 def copy_aux_files(src: Path, dst: Path) -> list[str]:

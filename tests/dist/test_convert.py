@@ -255,3 +255,30 @@ def _groups_left(_rank: int, _world_size: int) -> tuple[bool, bool, bool]:
 def test_a_rank_that_exits_next_leaves_its_groups_only_on_success():
     (torn_down, exiting, failed) = run_local_ranks(_groups_left, 1, timeout_s=300)[0]
     assert (torn_down, exiting, failed) == (False, True, False)
+
+
+def _unfilled_qkv_written_without_the_copier(_rank: int, _world_size: int, hf_dir: str, out: str) -> str:
+    from megagrpo.models import convert
+    from megagrpo.models.registry import load_hf_config, shape_from_hf_config
+
+    arch, shape = shape_from_hf_config(load_hf_config(hf_dir), hf_dir)
+    hf = HFCheckpoint(hf_dir)
+    ctx = init_parallel(ParallelSizes(), backend="gloo")
+    try:
+        model = build_stage(ctx, shape, hf.validate(convert.hf_tensor_shapes(shape)))
+        mapped, pieces = {}, {}
+        convert.load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), mapped=mapped, pieces=pieces)
+        assert pieces and all("linear_qkv" in key for key in pieces)  # Q/K/V left unfilled
+        convert._writers_can_copy = lambda: False  # as if Megatron opened its files another way
+        with pytest.raises(RuntimeError) as err:
+            convert.save_megatron(model, Path(out), mapped=mapped, pieces=pieces, file_range=hf.maps.file_range)
+        return str(err.value)
+    finally:
+        destroy_parallel()
+
+
+def test_a_checkpoint_with_unfilled_tensors_the_writer_did_not_copy_is_refused(hf_dirs, tmp_path):
+    (message,) = run_local_ranks(
+        _unfilled_qkv_written_without_the_copier, 1, str(hf_dirs["qwen2"]), str(tmp_path / "ckpt"), timeout_s=300
+    )
+    assert "linear_qkv" in message and "never filled" in message

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megagrpo.models.hf_io import INDEX_NAME, CopyingFile, HFCheckpoint, write_sharded
+from megagrpo.models.hf_io import INDEX_NAME, CopyingFile, FileCopies, HFCheckpoint, write_sharded
 
 pytestmark = pytest.mark.unit
 
@@ -96,29 +96,43 @@ def test_mapped_rows_view_the_file_in_place(tmp_path):
     fd, offset = ckpt.maps.file_range(rows)
     assert os.pread(fd, rows.numel() * 2, offset) == rows.view(torch.uint8).numpy().tobytes()
     assert os.fstat(fd).st_ino == paths[0].stat().st_ino
+    assert ckpt.row_piece("a.weight", 1, 4) == (fd, offset, rows.numel() * 2)
     assert ckpt.maps.file_range(rows.t()) is None  # not contiguous
     assert ckpt.maps.file_range(rows.clone()) is None  # not in a mapped file
     with pytest.raises(Exception, match=r"rows 4:9 of tensor b.weight \[2, 10\]"):
         ckpt.map_rows("b.weight", 4, 9)
 
 
-def test_a_file_written_from_a_mapped_tensor_gets_the_file_bytes(tmp_path):
-    """``CopyingFile`` copies a buffer known to view a file from that file (here a stand-in
-    that holds other values, so the output shows where its bytes came from); any other buffer,
-    and a known one not written whole, is written from memory."""
-    stored = torch.arange(32768, dtype=torch.float32)  # 128 KiB: above the size worth a lookup
+def test_a_buffer_known_to_lie_in_files_is_copied_from_them(tmp_path):
+    """``CopyingFile`` writes a buffer that ``FileCopies`` knows from the file pieces it names
+    (here holding other values than the buffer, so the output shows where its bytes came from),
+    and records that in memory a forked writer shares; any other buffer, and a known one not
+    written whole, is written from memory."""
+    stored = torch.arange(300, dtype=torch.float32)
     source = tmp_path / "source.bin"
     source.write_bytes(b"\0" * 12 + stored.numpy().tobytes())
-    stand_in = torch.zeros(32768)
+    stand_in, other = torch.zeros(300), torch.full((8,), 5.0)
     with open(source, "rb") as fh:
-        sources = {(stand_in.data_ptr(), stand_in.numel() * 4): (fh.fileno(), 12)}
-        with CopyingFile(tmp_path / "out.bin", sources) as copying:
-            assert copying.write(b"head") == 4
-            assert copying.write(memoryview(stand_in.numpy())) == 131072
-            copying.write(memoryview(stand_in.numpy())[:1000])  # part of it: from memory
-    got = (tmp_path / "out.bin").read_bytes()
-    assert got[:4] == b"head" and got[4 : 4 + 131072] == stored.numpy().tobytes()
-    assert got[4 + 131072 :] == bytes(4000)
+        copies = FileCopies()
+        # Two pieces, out of file order: values 100..299, then 0..99.
+        copies.add(stand_in, [(fh.fileno(), 12 + 400, 800), (fh.fileno(), 12, 400)])
+        copies.add(other, [(fh.fileno(), 12, 32)])
+        copies.share()
+        pid = os.fork()
+        if pid == 0:  # a forked writer, as Megatron's are
+            with CopyingFile(tmp_path / "out.bin", copies) as out:
+                out.write(b"head")
+                out.write(memoryview(stand_in.numpy()))
+                out.write(memoryview(other.numpy())[:4])  # part of a known buffer: from memory
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+    got = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()[4:]), dtype=torch.float32)
+    assert (tmp_path / "out.bin").read_bytes()[:4] == b"head"
+    assert torch.equal(got[:300], torch.cat([stored[100:], stored[:100]]))
+    assert torch.equal(got[300:], torch.full((4,), 5.0))
+    assert copies.written(stand_in) and not copies.written(other)
+    with pytest.raises(ValueError, match="pieces of 8 bytes for a tensor of 1200"):
+        copies.add(stand_in, [(0, 0, 8)])
 
 
 def test_tensors_placed_in_a_file_are_copied_from_it(tmp_path):
