@@ -17,6 +17,7 @@ through Megatron instead.
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import mmap
@@ -31,6 +32,8 @@ import torch
 
 from megagrpo.models.hf_io import FileMaps
 
+# A key's chunks: their first-axis starts, the longest first-axis size, (offsets, sizes) in order.
+_ChunkIndex = tuple[list[int], int, list[tuple[tuple[int, ...], tuple[int, ...]]]]
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, 30 bytes
 _LOCAL_HEADER_SIGNATURE = 0x04034B50
 
@@ -148,6 +151,7 @@ class MappedDistCheckpoint:
             if index.offset is not None
         }
         self.maps = FileMaps()
+        self._by_key: dict[str, _ChunkIndex | None] = {}
 
     def read(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], axis: int = 0
@@ -156,13 +160,15 @@ class MappedDistCheckpoint:
         ``sizes``: a view of the files where one chunk holds it, a new tensor where several chunks
         tiling it along ``axis`` do; ``None`` where it cannot be taken from the chunks directly."""
         meta = self.metadata.state_dict_metadata.get(key)
-        chunks = getattr(meta, "chunks", None)
+        chunks = self._chunks_of(key)
         if not chunks or len(offsets) != len(sizes) or len(meta.size) != len(sizes):
             return None
         ends = [o + n for o, n in zip(offsets, sizes, strict=True)]
+        starts, longest, ordered = chunks
+        # Only chunks that start less than the longest chunk before the region can reach into it.
+        first = bisect.bisect_left(starts, offsets[0] - longest + 1)
         pieces = []
-        for chunk in sorted(chunks, key=lambda c: tuple(c.offsets)):
-            c_off, c_size = tuple(chunk.offsets), tuple(chunk.sizes)
+        for c_off, c_size in ordered[first : bisect.bisect_left(starts, ends[0])]:
             if any(o >= e or o + n <= b for o, n, b, e in zip(c_off, c_size, offsets, ends, strict=True)):
                 continue  # no overlap
             others = [d for d in range(len(sizes)) if d != axis]
@@ -184,6 +190,22 @@ class MappedDistCheckpoint:
         if at != hi:
             return None
         return views[0] if len(views) == 1 else torch.cat(views, dim=axis)
+
+    def _chunks_of(
+        self, key: str
+    ) -> tuple[list[int], int, list[tuple[tuple[int, ...], tuple[int, ...]]]] | None:
+        """Tensor ``key``'s stored chunks (offsets, sizes) in order, their first-axis starts, and
+        the longest first-axis size: a layer-stacked key has a chunk per layer, and each layer's
+        read looks only at the chunks near it."""
+        if key not in self._by_key:
+            chunks = getattr(self.metadata.state_dict_metadata.get(key), "chunks", None)
+            if not chunks or not all(len(c.offsets) for c in chunks):
+                self._by_key[key] = None
+            else:
+                ordered = sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks)
+                starts = [c_off[0] for c_off, _ in ordered]
+                self._by_key[key] = (starts, max(c_size[0] for _, c_size in ordered), ordered)
+        return self._by_key[key]
 
     def _chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
         info = self._storage.get((key, offsets))

@@ -29,7 +29,13 @@ from typing import BinaryIO
 import numpy
 import torch
 
-from megagrpo.models.durable import WRITEBACK_STEP, fsync_dir, fsync_tree, start_writeback
+from megagrpo.models.durable import (
+    WRITEBACK_STEP,
+    WritebackThread,
+    background_writeback,
+    fsync_dir,
+    fsync_tree,
+)
 
 # Files that travel with the weights: what transformers and vLLM read besides the tensors.
 AUX_FILES = (
@@ -325,23 +331,44 @@ def write_sharded(
     )
     stream = iter(tensors)
     weight_map, total = {}, 0
-    for path, shard in zip(paths, shards, strict=True):
-        header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, shape, dtype in shard:
-            nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {
-                "dtype": _DTYPE_CODES[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + nbytes],
-            }
-            offset += nbytes
-            weight_map[name] = path.name
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-        with open(path, "wb", buffering=0) as fh:
-            _write_all(fh.fileno(), memoryview(struct.pack("<Q", len(raw)) + raw))
-            written, queued = 8 + len(raw), 0  # bytes in the file; bytes queued for the disk
+    with background_writeback() as writeback:
+        for path, shard in zip(paths, shards, strict=True):
+            total += _write_shard(path, shard, stream, file_range, writeback)
+            weight_map.update(dict.fromkeys((name for name, _, _ in shard), path.name))
+    extra = next(stream, None)
+    if extra is not None:
+        raise ValueError(f"tensor {extra[0]} was not in the plan")
+    if count > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return paths
+
+
+def _write_shard(
+    path: Path,
+    shard: list[tuple[str, tuple[int, ...], torch.dtype]],
+    stream: Iterator[tuple[str, torch.Tensor]],
+    file_range: Callable[[torch.Tensor], tuple[int, int] | None] | None,
+    writeback: WritebackThread,
+) -> int:
+    """Write one safetensors shard holding ``shard``'s tensors, taken in order from ``stream``;
+    return its data bytes."""
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in shard:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _DTYPE_CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb", buffering=0) as fh:
+        _write_all(fh.fileno(), memoryview(struct.pack("<Q", len(raw)) + raw))
+        written, queued = 8 + len(raw), 0  # bytes in the file; bytes queued for the disk
+        try:
             for name, shape, dtype in shard:
                 got_name, tensor = next(stream, (None, None))
                 if got_name != name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
@@ -357,16 +384,11 @@ def write_sharded(
                     _write_all(fh.fileno(), memoryview(data.view(-1).view(torch.uint8).numpy()))
                 written += tensor.numel() * tensor.element_size()
                 if written - queued >= WRITEBACK_STEP:
-                    start_writeback(fh.fileno(), queued, written - queued)
+                    writeback.start(fh.fileno(), queued, written - queued)
                     queued = written
-        total += offset
-    extra = next(stream, None)
-    if extra is not None:
-        raise ValueError(f"tensor {extra[0]} was not in the plan")
-    if count > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    return paths
+        finally:
+            writeback.wait()  # its requests name this file's descriptor
+    return offset
 
 
 def _write_all(fd: int, view: memoryview) -> None:
