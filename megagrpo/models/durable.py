@@ -67,23 +67,19 @@ class WritebackThread:
     def _serve(self) -> None:
         while True:
             request = self._requests.get()
-            try:
-                if request is None:
-                    return
-                start_writeback(*request)
-            finally:
-                self._requests.task_done()
+            if request is None:
+                return
+            start_writeback(*request)
+            os.close(request[0])
 
     def start(self, fd: int, offset: int, nbytes: int) -> None:
-        """Queue ``start_writeback(fd, offset, nbytes)``; ``fd`` must stay open until ``wait``."""
+        """Queue ``start_writeback(fd, offset, nbytes)``. The request holds a duplicate of ``fd``:
+        the writer may close its file at once and go on to the next."""
         if _sync_file_range() is not None:
-            self._requests.put((fd, offset, nbytes))
-
-    def wait(self) -> None:
-        """Return once every queued request has been made (before closing their files)."""
-        self._requests.join()
+            self._requests.put((os.dup(fd), offset, nbytes))
 
     def close(self) -> None:
+        """Make every queued request, then end the thread."""
         self._requests.put(None)
         self._thread.join()
 

@@ -368,26 +368,24 @@ def _write_shard(
     with open(path, "wb", buffering=0) as fh:
         _write_all(fh.fileno(), memoryview(struct.pack("<Q", len(raw)) + raw))
         written, queued = 8 + len(raw), 0  # bytes in the file; bytes queued for the disk
-        try:
-            for name, shape, dtype in shard:
-                got_name, tensor = next(stream, (None, None))
-                if got_name != name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                    got = "nothing" if got_name is None else f"{got_name} {list(tensor.shape)} {tensor.dtype}"
-                    raise ValueError(f"{path.name}: expected tensor {name} {list(shape)} {dtype}, got {got}")
-                if not tensor.numel():
-                    continue
-                source = file_range(tensor) if file_range is not None and tensor.is_contiguous() else None
-                if source is None or not _copy_range(
-                    *source, fh.fileno(), tensor.numel() * tensor.element_size()
-                ):
-                    data = tensor.detach().to("cpu").contiguous()
-                    _write_all(fh.fileno(), memoryview(data.view(-1).view(torch.uint8).numpy()))
-                written += tensor.numel() * tensor.element_size()
-                if written - queued >= WRITEBACK_STEP:
-                    writeback.start(fh.fileno(), queued, written - queued)
-                    queued = written
-        finally:
-            writeback.wait()  # its requests name this file's descriptor
+        for name, shape, dtype in shard:
+            got_name, tensor = next(stream, (None, None))
+            if got_name != name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                got = "nothing" if got_name is None else f"{got_name} {list(tensor.shape)} {tensor.dtype}"
+                raise ValueError(f"{path.name}: expected tensor {name} {list(shape)} {dtype}, got {got}")
+            if not tensor.numel():
+                continue
+            source = file_range(tensor) if file_range is not None and tensor.is_contiguous() else None
+            if source is None or not _copy_range(
+                *source, fh.fileno(), tensor.numel() * tensor.element_size()
+            ):
+                data = tensor.detach().to("cpu").contiguous()
+                _write_all(fh.fileno(), memoryview(data.view(-1).view(torch.uint8).numpy()))
+            written += tensor.numel() * tensor.element_size()
+            if written - queued >= WRITEBACK_STEP:
+                writeback.start(fh.fileno(), queued, written - queued)
+                queued = written
+        writeback.start(fh.fileno(), queued, written - queued)  # the tail, as the file is done
     return offset
 
 

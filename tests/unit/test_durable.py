@@ -64,3 +64,15 @@ def test_atomic_output_dir_syncs_every_file_and_directory_before_the_rename(tmp_
     assert sorted(synced[:3]) == sorted(inner[:3])
     assert synced[3:] == [path.rstrip("/") for path in inner[3:]] + [str(tmp_path)]
     assert (tmp_path / "out" / "d" / "e" / "z").read_bytes() == b"data"
+
+
+@linux_only
+def test_background_writeback_outlives_the_writers_descriptor(tmp_path):
+    open_before = len(os.listdir("/proc/self/fd"))
+    with durable.background_writeback() as writeback:
+        for i in range(3):
+            with open(tmp_path / f"{i}.bin", "wb", buffering=0) as fh:
+                fh.write(os.urandom(1 << 20))
+                writeback.start(fh.fileno(), 0, 1 << 20)  # the file is closed right after
+    # Every request was made on a descriptor of its own, and each was closed once made.
+    assert len(os.listdir("/proc/self/fd")) == open_before
