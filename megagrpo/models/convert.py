@@ -287,10 +287,8 @@ def save_megatron(
             if place is not None:
                 copies.add(tensor, [(*place, tensor.numel() * tensor.element_size())])
     for key, runs in (pieces or {}).items():
-        if key not in state or isinstance(state[key].data, type(None)):
-            raise RuntimeError(
-                f"{key}: file pieces were given for it, the model's checkpoint has no such key"
-            )
+        if key not in state:
+            raise RuntimeError(f"{key}: file pieces were given for it; the checkpoint has no such key")
         copies.add(state[key].data, runs)
     save_dist_checkpoint(state, path, copies)
     unwritten = [key for key in pieces or {} if not copies.written(state[key].data)]
