@@ -33,7 +33,7 @@ import json
 import math
 import queue
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +46,7 @@ from megagrpo.models.hf_io import (
     CheckpointError,
     CopyingFile,
     FileCopies,
+    FileMaps,
     HFCheckpoint,
     Piece,
     atomic_output_dir,
@@ -249,22 +250,22 @@ def save_megatron(
     *,
     mapped: dict[str, Mapped] | None = None,
     pieces: dict[str, list[Piece]] | None = None,
-    file_range: Callable[[torch.Tensor], tuple[int, int] | None] | None = None,
+    maps: FileMaps | None = None,
 ) -> None:
     """Write ``model`` as a Megatron distributed checkpoint.
 
     ``mapped`` (conversion, from ``load_hf_into_stage``): tensors written in place of the parameters
     they are keyed by, which were never filled. For a fused gate/up weight, the two halves Megatron
     checkpoints it as (its writer would otherwise copy them out of the fused weight).
-    ``file_range``: where a mapped tensor's bytes lie in an open file (``FileMaps.file_range``);
-    Megatron's writers then copy them from there, file to file (``CopyingFile``).
+    ``maps``: the files mapped tensors view; Megatron's writers copy their bytes from there, file to
+    file (``CopyingFile``).
     ``pieces``: unfilled parameters, by key, and where their bytes lie in files; the writers copy
     them from there, and a checkpoint in which any was not is refused (it would hold garbage).
     """
     path.mkdir(parents=True, exist_ok=True)
     state = model.sharded_state_dict()
     gated = set(_gated_factories(state)) if mapped else set()
-    copies = FileCopies()
+    copies = FileCopies(maps)
     for key, given in (mapped or {}).items():
         if key not in state:
             # A parameter left unfilled would be written as garbage: refuse rather than guess.
@@ -283,9 +284,6 @@ def save_megatron(
                     f"{target.data.dtype} {list(target.data.shape)}"
                 )
             target.data = tensor
-            place = file_range(tensor) if file_range is not None else None
-            if place is not None:
-                copies.add(tensor, [(*place, tensor.numel() * tensor.element_size())])
     for key, runs in (pieces or {}).items():
         if key not in state:
             raise RuntimeError(f"{key}: file pieces were given for it; the checkpoint has no such key")
@@ -370,7 +368,7 @@ def _writers_copy_from(copies: FileCopies | None):
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if not copies or not copies.pieces or not _writers_can_copy():
+    if copies is None or not _writers_can_copy():
         yield
         return
     copies.share()  # before the writers fork
@@ -426,7 +424,7 @@ def mapped_checkpoint_tensors(
     """The model's parameters as they are stored in the checkpoint at ``path``, without filling the
     model: views of the mapped checkpoint files where the stored chunks allow, keyed by the
     model's state dict names; a fused gate/up weight as its (gate, up) halves. Returns the mapped
-    files (whose ``maps.file_range`` places a view in them), those tensors, and the names it could not
+    files (whose ``maps.locate`` places a view in them), those tensors, and the names it could not
     take that way (for ``load_megatron(..., keys=...)``)."""
     files = MappedDistCheckpoint(path)
     state = model.sharded_state_dict()
@@ -617,9 +615,7 @@ def _import_stage(hf_dir: str, out: str, tp: int, pp: int, exits_after: bool) ->
         mapped: dict[str, Mapped] = {}
         pieces: dict[str, list[Piece]] | None = {} if _writers_can_copy() else None
         load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), mapped=mapped, pieces=pieces)
-        save_megatron(
-            model, Path(out) / "megatron", mapped=mapped, pieces=pieces, file_range=hf.maps.file_range
-        )
+        save_megatron(model, Path(out) / "megatron", mapped=mapped, pieces=pieces, maps=hf.maps)
 
 
 def _run_ranks(fn, world_size: int, in_process: bool, *args) -> None:
@@ -698,7 +694,7 @@ def _export_stage(ckpt: str, out: str, max_shard_bytes: int, exits_after: bool) 
             (name, tensor.to(source.dtype))
             for name, tensor in hf_tensors_from_full(full, source.shape, rules)
         )
-        write_sharded(Path(out), specs, tensors, max_shard_bytes, file_range=files.maps.file_range)
+        write_sharded(Path(out), specs, tensors, max_shard_bytes, copies=FileCopies(files.maps))
         return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
 
 

@@ -6,7 +6,7 @@ bytes are (``.distcp`` file, offset, length); each chunk is one ``torch.save`` a
 uncompressed zip) holding one tensor. An export, which only writes the weights out again, can take
 each chunk straight from a read-only mapping of its file: the model is never filled, and the
 bytes are copied once, into the output files (by the kernel, file to file, where
-``maps.file_range`` gives their place).
+``maps.locate`` gives their place).
 
 Only what this module checks is taken this way: uncompressed, untransformed chunks that hold one
 contiguous little-endian tensor of the expected shape, tiling the requested region along one

@@ -3,7 +3,7 @@
 Reads are lazy: one tensor (or row range) at a time, either read into memory of the caller's or,
 for a conversion that only writes the bytes out again, viewed in place through a read-only mapping
 of the file (no copy; the pages stay the page cache's), whose place in the file a writer may copy
-from instead (``CopyingFile``, ``write_sharded(file_range=...)``). Every input is validated from
+from instead (``CopyingFile``). Every input is validated from
 the file headers before any tensor is read: a truncated file, an index that points at a missing
 file or tensor, and tensors that are missing, unexpected or of the wrong shape are reported by
 name. Output directories are built under a temporary name, synced, and renamed only when complete.
@@ -21,7 +21,7 @@ import os
 import shutil
 import struct
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -127,7 +127,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
 class FileMaps:
     """Files mapped read-only and shared, each kept open: a tensor viewing one holds the file's
     bytes at every moment (writing to it faults), so where it lies in its file can stand for it
-    (``file_range``), and a writer may copy those bytes file to file instead."""
+    (``locate``), and a writer may copy those bytes file to file instead."""
 
     def __init__(self):
         self._maps: dict[Path, mmap.mmap] = {}
@@ -136,7 +136,7 @@ class FileMaps:
 
     def map(self, path: Path) -> mmap.mmap:
         if path not in self._maps:
-            fh = open(path, "rb")  # noqa: SIM115  (kept open for file_range)
+            fh = open(path, "rb")  # noqa: SIM115  (kept open for locate)
             mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[path], self._files[path] = mapped, fh
             self._spans.append((self.view(mapped, torch.uint8, 1, 0).data_ptr(), len(mapped), fh))
@@ -154,16 +154,11 @@ class FileMaps:
         self.map(path)
         return self._files[path].fileno()
 
-    def file_range(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        """(descriptor, offset) of the file bytes a contiguous tensor viewing a mapped file holds,
-        or None (a tensor that is no such view, e.g. a copy)."""
-        if not tensor.is_contiguous() or not tensor.numel():
-            return None
-        start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
+    def locate(self, address: int, nbytes: int) -> Piece | None:
+        """Where the ``nbytes`` at ``address`` lie in a file, if a mapping of it holds them."""
         for base, length, fh in self._spans:
-            if base <= start and end <= base + length:
-                return fh.fileno(), start - base
+            if base <= address and address + nbytes <= base + length:
+                return fh.fileno(), address - base, nbytes
         return None
 
 
@@ -247,7 +242,7 @@ class HFCheckpoint:
 
     def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of tensor ``name`` as a view of the file's bytes, read by nobody
-        until used (``FileMaps``: read-only, so ``maps.file_range`` may stand for it). The tensor's
+        until used (``FileMaps``: read-only, so ``maps.locate`` may stand for it). The tensor's
         storage is exactly these rows (a checkpoint writer that copies out views of larger storages
         takes it as it is) and keeps the mapping alive."""
         info, first_byte = self._row_range(name, start, stop)
@@ -297,7 +292,7 @@ def write_sharded(
     tensors: Iterable[tuple[str, torch.Tensor]],
     max_shard_bytes: int,
     *,
-    file_range: Callable[[torch.Tensor], tuple[int, int] | None] | None = None,
+    copies: FileCopies | None = None,
 ) -> list[Path]:
     """Write safetensors shards of at most ``max_shard_bytes`` plus an index, streaming.
 
@@ -308,9 +303,9 @@ def write_sharded(
     a single shard is ``model.safetensors`` with no index. Writeback to disk is started as the
     bytes go out (``durable.start_writeback``), so syncing the shards afterwards waits for little.
 
-    ``file_range(tensor)``: where a tensor's bytes also lie in an open file, as (descriptor,
-    offset), or None. Such bytes are copied file to file by the kernel (``copy_file_range``),
-    never passing through this process: 1.5x the speed of writing them from a mapping here.
+    ``copies``: tensors whose bytes also lie in files; the shards are ``CopyingFile``s over them, so
+    those bytes are copied file to file by the kernel, never passing through this process (1.5x the
+    speed of writing them from a mapping here).
     """
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     size = 0
@@ -333,7 +328,7 @@ def write_sharded(
     weight_map, total = {}, 0
     with background_writeback() as writeback:
         for path, shard in zip(paths, shards, strict=True):
-            total += _write_shard(path, shard, stream, file_range, writeback)
+            total += _write_shard(path, shard, stream, copies or FileCopies(), writeback)
             weight_map.update(dict.fromkeys((name for name, _, _ in shard), path.name))
     extra = next(stream, None)
     if extra is not None:
@@ -348,7 +343,7 @@ def _write_shard(
     path: Path,
     shard: list[tuple[str, tuple[int, ...], torch.dtype]],
     stream: Iterator[tuple[str, torch.Tensor]],
-    file_range: Callable[[torch.Tensor], tuple[int, int] | None] | None,
+    copies: FileCopies,
     writeback: WritebackThread,
 ) -> int:
     """Write one safetensors shard holding ``shard``'s tensors, taken in order from ``stream``;
@@ -365,8 +360,8 @@ def _write_shard(
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-    with open(path, "wb", buffering=0) as fh:
-        _write_all(fh.fileno(), memoryview(struct.pack("<Q", len(raw)) + raw))
+    with CopyingFile(path, copies) as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
         written, queued = 8 + len(raw), 0  # bytes in the file; bytes queued for the disk
         for name, shape, dtype in shard:
             got_name, tensor = next(stream, (None, None))
@@ -375,12 +370,8 @@ def _write_shard(
                 raise ValueError(f"{path.name}: expected tensor {name} {list(shape)} {dtype}, got {got}")
             if not tensor.numel():
                 continue
-            source = file_range(tensor) if file_range is not None and tensor.is_contiguous() else None
-            if source is None or not _copy_range(
-                *source, fh.fileno(), tensor.numel() * tensor.element_size()
-            ):
-                data = tensor.detach().to("cpu").contiguous()
-                _write_all(fh.fileno(), memoryview(data.view(-1).view(torch.uint8).numpy()))
+            data = tensor.detach().to("cpu").contiguous()  # a copy only of a strided view
+            fh.write(memoryview(data.view(-1).view(torch.uint8).numpy()))
             written += tensor.numel() * tensor.element_size()
             if written - queued >= WRITEBACK_STEP:
                 writeback.start(fh.fileno(), queued, written - queued)
@@ -419,14 +410,16 @@ _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 class FileCopies:
     """Buffers whose bytes lie in files, for ``CopyingFile``s to copy from there.
 
-    Each buffer is known by (address, length) and made of pieces of files, in order: one for a
-    view of a mapped file, several for a tensor laid out from several file ranges and never
-    filled (interleaved Q/K/V). ``share()``, before writer processes fork, puts the record of
-    which buffers were written from their files in memory the writers share, so the parent can
-    check (``written``) that a never-filled buffer was not written as it is.
+    A buffer is known by (address, length): any that lies in a mapping of ``maps`` (one piece of
+    its file), and those ``add``ed, made of pieces of files in order (a tensor laid out from
+    several file ranges and never filled: interleaved Q/K/V). ``share()``, before writer processes
+    fork, puts the record of which added buffers were written from their files in memory the
+    writers share, so the parent can check (``written``) that no never-filled buffer was written
+    as it is.
     """
 
-    def __init__(self):
+    def __init__(self, maps: FileMaps | None = None):
+        self.maps = maps
         self.pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}
         self._slots: dict[tuple[int, int], int] = {}
         self._written: mmap.mmap | None = None
@@ -438,11 +431,19 @@ class FileCopies:
         self.pieces[key] = tuple(pieces)
         self._slots.setdefault(key, len(self._slots))
 
+    def find(self, address: int, nbytes: int) -> tuple[Piece, ...] | None:
+        """The file pieces that the ``nbytes`` at ``address`` are, or None."""
+        pieces = self.pieces.get((address, nbytes))
+        if pieces is None and self.maps is not None:
+            piece = self.maps.locate(address, nbytes)
+            pieces = None if piece is None else (piece,)
+        return pieces
+
     def share(self) -> None:
         self._written = mmap.mmap(-1, max(1, len(self._slots)))  # anonymous, shared across fork
 
     def mark_written(self, key: tuple[int, int]) -> None:
-        if self._written is not None:
+        if self._written is not None and key in self._slots:
             self._written[self._slots[key]] = 1
 
     def written(self, tensor: torch.Tensor) -> bool:
@@ -455,8 +456,9 @@ class CopyingFile(io.FileIO):
     from the files its bytes lie in: by the kernel (``copy_file_range``: the bytes never pass
     through this process), or read and written where the kernel cannot copy between the files.
 
-    A buffer is taken from its files only when both its start and its length match one known
-    buffer, i.e. exactly one tensor's bytes; anything else is written from memory.
+    A buffer is taken from its files only when ``copies`` knows exactly its bytes (an added
+    tensor's, or bytes that a mapped file holds); anything else is written from memory. Every
+    write is whole (a writer such as ``torch.save`` ignores a short count).
     """
 
     def __init__(self, path: str | os.PathLike, copies: FileCopies):
@@ -464,17 +466,18 @@ class CopyingFile(io.FileIO):
         self.copies = copies
 
     def write(self, data) -> int:
-        view = memoryview(data)
-        if view.nbytes and view.c_contiguous:
-            key = (numpy.frombuffer(view.cast("B"), dtype=numpy.uint8).ctypes.data, view.nbytes)
-            pieces = self.copies.pieces.get(key)
+        view = memoryview(data).cast("B")
+        if view.nbytes:
+            key = (numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data, view.nbytes)
+            pieces = self.copies.find(*key)
             if pieces is not None:
                 for fd, offset, nbytes in pieces:
                     if not _copy_range(fd, offset, self.fileno(), nbytes):
                         _write_all(self.fileno(), memoryview(_pread_all(fd, nbytes, offset)))
                 self.copies.mark_written(key)
                 return view.nbytes
-        return super().write(view)
+        _write_all(self.fileno(), view)
+        return view.nbytes
 
 
 def _pread_all(fd: int, nbytes: int, offset: int) -> bytes:

@@ -271,7 +271,7 @@ def _unfilled_qkv_written_without_the_copier(_rank: int, _world_size: int, hf_di
         assert pieces and all("linear_qkv" in key for key in pieces)  # Q/K/V left unfilled
         convert._writers_can_copy = lambda: False  # as if Megatron opened its files another way
         with pytest.raises(RuntimeError) as err:
-            convert.save_megatron(model, Path(out), mapped=mapped, pieces=pieces, file_range=hf.maps.file_range)
+            convert.save_megatron(model, Path(out), mapped=mapped, pieces=pieces, maps=hf.maps)
         return str(err.value)
     finally:
         destroy_parallel()

@@ -37,10 +37,9 @@ def test_regions_are_views_of_the_files(saved):
     assert files.read("b", (0,), (5,)).tolist() == list(range(5))
     assert torch.equal(files.read("n", (0,), (3,)), state["n"])
     # Each view is a place in a file: the bytes there are the tensor's, and the files are unchanged.
-    fd, offset = files.maps.file_range(w)
-    assert os.pread(fd, w.numel() * 2, offset) == w.view(torch.uint8).numpy().tobytes()
-    assert files.maps.file_range(w[:, :2]) is None  # not contiguous
-    assert files.maps.file_range(state["w"]) is None  # not from the files
+    fd, offset, nbytes = files.maps.locate(w.data_ptr(), w.numel() * 2)
+    assert os.pread(fd, nbytes, offset) == w.view(torch.uint8).numpy().tobytes()
+    assert files.maps.locate(state["w"].data_ptr(), nbytes) is None  # not from the files
     assert {name: (path / name).read_bytes() for name in os.listdir(path)} == before
 
 

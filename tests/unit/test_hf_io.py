@@ -93,12 +93,11 @@ def test_mapped_rows_view_the_file_in_place(tmp_path):
     assert ckpt.map_rows("c.bias", 2, 5).tolist() == [2, 3, 4]
     assert ckpt.map_rows("b.weight", 1, 1).shape == (0, 10)
     # Where the rows lie in their file: those bytes are the view's.
-    fd, offset = ckpt.maps.file_range(rows)
-    assert os.pread(fd, rows.numel() * 2, offset) == rows.view(torch.uint8).numpy().tobytes()
+    fd, offset, nbytes = ckpt.maps.locate(rows.data_ptr(), rows.numel() * 2)
+    assert os.pread(fd, nbytes, offset) == rows.view(torch.uint8).numpy().tobytes()
     assert os.fstat(fd).st_ino == paths[0].stat().st_ino
-    assert ckpt.row_piece("a.weight", 1, 4) == (fd, offset, rows.numel() * 2)
-    assert ckpt.maps.file_range(rows.t()) is None  # not contiguous
-    assert ckpt.maps.file_range(rows.clone()) is None  # not in a mapped file
+    assert ckpt.row_piece("a.weight", 1, 4) == (fd, offset, nbytes)
+    assert ckpt.maps.locate(rows.clone().data_ptr(), nbytes) is None  # not in a mapped file
     with pytest.raises(Exception, match=r"rows 4:9 of tensor b.weight \[2, 10\]"):
         ckpt.map_rows("b.weight", 4, 9)
 
@@ -136,17 +135,18 @@ def test_a_buffer_known_to_lie_in_files_is_copied_from_them(tmp_path):
 
 
 def test_tensors_placed_in_a_file_are_copied_from_it(tmp_path):
-    """With ``file_range``, a tensor's bytes come from the file place it names (the kernel copies
-    them file to file): here that place holds other values, which the output must then hold."""
+    """With ``copies``, a tensor's bytes come from the file place they are known at (the kernel
+    copies them file to file): here that place holds other values, which the output must then hold."""
     stored = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     source = tmp_path / "source.bin"
     source.write_bytes(b"\0" * 12 + stored.numpy().tobytes())
     stand_in = torch.zeros(6, 4)  # what would be written from memory
     tensors = [("a.weight", stand_in), ("b.bias", torch.ones(3))]
     with open(source, "rb") as fh:
-        places = {id(stand_in): (fh.fileno(), 12)}
+        copies = FileCopies()
+        copies.add(stand_in, [(fh.fileno(), 12, 96)])
         out = tmp_path / "out"
         out.mkdir()
-        write_sharded(out, _specs(tensors), iter(tensors), 10**9, file_range=lambda t: places.get(id(t)))
+        write_sharded(out, _specs(tensors), iter(tensors), 10**9, copies=copies)
     back = HFCheckpoint(out)
     assert torch.equal(back.read("a.weight"), stored) and torch.equal(back.read("b.bias"), torch.ones(3))
