@@ -425,7 +425,7 @@ class FileCopies:
         self._written: mmap.mmap | None = None
 
     def add(self, tensor: torch.Tensor, pieces: Sequence[Piece]) -> None:
-        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        key = _buffer_key(tensor)
         if not tensor.is_contiguous() or sum(n for _, _, n in pieces) != key[1]:
             raise ValueError(f"pieces of {sum(n for _, _, n in pieces)} bytes for a tensor of {key[1]}")
         self.pieces[key] = tuple(pieces)
@@ -447,8 +447,13 @@ class FileCopies:
             self._written[self._slots[key]] = 1
 
     def written(self, tensor: torch.Tensor) -> bool:
-        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        key = _buffer_key(tensor)
         return self._written is not None and key in self._slots and self._written[self._slots[key]] == 1
+
+
+def _buffer_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """(address, byte length) of a tensor's bytes, as ``CopyingFile`` sees them written."""
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
 
 
 class CopyingFile(io.FileIO):
@@ -473,22 +478,26 @@ class CopyingFile(io.FileIO):
             if pieces is not None:
                 for fd, offset, nbytes in pieces:
                     if not _copy_range(fd, offset, self.fileno(), nbytes):
-                        _write_all(self.fileno(), memoryview(_pread_all(fd, nbytes, offset)))
+                        _copy_by_reading(fd, offset, self.fileno(), nbytes)
                 self.copies.mark_written(key)
                 return view.nbytes
         _write_all(self.fileno(), view)
         return view.nbytes
 
 
-def _pread_all(fd: int, nbytes: int, offset: int) -> bytes:
-    chunks, got = [], 0
-    while got < nbytes:
-        chunk = os.pread(fd, nbytes - got, offset + got)
+def _copy_by_reading(src_fd: int, src_offset: int, dst_fd: int, nbytes: int) -> None:
+    """Append ``nbytes`` of ``src_fd`` from ``src_offset`` to ``dst_fd`` through this process, a
+    bounded chunk at a time (where the kernel cannot copy between the files)."""
+    copied = 0
+    while copied < nbytes:
+        chunk = os.pread(src_fd, min(nbytes - copied, _READ_CHUNK), src_offset + copied)
         if not chunk:
-            raise OSError(f"source file ended {nbytes - got} bytes early")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+            raise OSError(f"source file ended {nbytes - copied} bytes early")
+        _write_all(dst_fd, memoryview(chunk))
+        copied += len(chunk)
+
+
+_READ_CHUNK = 64 * 1024**2
 
 
 def copy_aux_files(src: Path, dst: Path) -> list[str]:

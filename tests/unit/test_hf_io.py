@@ -1,5 +1,6 @@
 """The streaming safetensors writer, read back by the safetensors library itself, and our reader."""
 
+import errno
 import json
 import os
 
@@ -150,3 +151,21 @@ def test_tensors_placed_in_a_file_are_copied_from_it(tmp_path):
         write_sharded(out, _specs(tensors), iter(tensors), 10**9, copies=copies)
     back = HFCheckpoint(out)
     assert torch.equal(back.read("a.weight"), stored) and torch.equal(back.read("b.bias"), torch.ones(3))
+
+
+def test_where_the_kernel_cannot_copy_the_pieces_are_read_and_written(tmp_path, monkeypatch):
+    def refuse(*args):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    stored = torch.arange(64, dtype=torch.float32)
+    source = tmp_path / "source.bin"
+    source.write_bytes(stored.numpy().tobytes())
+    stand_in = torch.zeros(64)
+    with open(source, "rb") as fh:
+        copies = FileCopies()
+        copies.add(stand_in, [(fh.fileno(), 128, 128), (fh.fileno(), 0, 128)])
+        with CopyingFile(tmp_path / "out.bin", copies) as out:
+            assert out.write(memoryview(stand_in.numpy())) == 256
+    got = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.float32)
+    assert torch.equal(got, torch.cat([stored[32:], stored[:32]]))
