@@ -8,7 +8,7 @@ Builds a random Qwen2-shaped bf16 HF checkpoint of ``--size-mb`` MB (cached unde
 benchmarks/results/tmp/), then runs each command below as its own process tree and records wall
 time, GB/s (model bytes / wall seconds) and peak memory:
 
-- ``idle``: python importing megagrpo.models.convert and megatron.core (as a converter rank
+- ``idle``: python importing megagrpo.ckpt.convert and megatron.core (as a converter rank
   does), then exiting; its RSS is the per-process constant in the memory bound;
 - ``io_bound``: read every source shard with safetensors ``load_file`` and write it back with
   ``save_file`` (same sharding): the time to simply move the bytes. Its GB/s is measured inside
@@ -69,7 +69,10 @@ PSS_POLL_S = 1.0  # smaps_rollup walks page tables: ~34 ms for a 3 GB process
 # when an undisturbed repeat exists.
 CONTENDED_CPUS = 0.3
 # A converter rank imports Megatron the way it does (torch.compile decorations deferred, GC paused).
-IDLE_SCRIPT = "from megagrpo.models import convert\nwith convert._weights_only_process(): pass"
+IDLE_SCRIPT = (
+    "import megagrpo.ckpt.convert\nfrom megagrpo.compat.startup import weights_only_process\n"
+    "with weights_only_process(): pass"
+)
 # A fork inherits its parent's RSS as the start of its ru_maxrss, so the command is started by a
 # bare interpreter (~10 MB) rather than by this process (torch imported); it reports the
 # command's rusage (which covers the rank processes the command joined) on its stdout.

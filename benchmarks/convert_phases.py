@@ -5,7 +5,7 @@
     python benchmarks/convert_phases.py export --ckpt DIR --out DIR [--max-shard-bytes N]
 
 A diagnostic, not a second converter: it calls the same rank function the CLI spawns
-(``megagrpo.models.convert._import_rank`` / ``_export_rank``, so it follows their private names)
+(``megagrpo.ckpt.convert._import_rank`` / ``_export_rank``, so it follows their private names)
 at TP=PP=1 in this process, with timing wrappers around the converter's helpers and the Megatron
 checkpoint internals they reach. Every wrapped call appends one JSON line (pid, name, seconds,
 RssAnon/RssFile/VmHWM after the call) to an event file; the forked checkpoint writers write
@@ -77,7 +77,7 @@ def instrument(events: Events) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megagrpo.models import convert, hf_io
+    from megagrpo.ckpt import convert, hf_files
 
     for attr in (
         "init_parallel",
@@ -87,15 +87,15 @@ def instrument(events: Events) -> None:
         "load_megatron",
         "mapped_checkpoint_tensors",
         "destroy_parallel",
-        "read_source",
+        "read_model",
         "to_megatron",
         "to_hf",
         "tp_shard",
     ):
         events.wrap(convert, attr, f"convert.{attr}")
-    events.wrap(hf_io.HFCheckpoint, "__init__", "HFCheckpoint.__init__ (headers)")
-    events.wrap(hf_io.HFCheckpoint, "validate")
-    events.wrap(hf_io.HFCheckpoint, "read")
+    events.wrap(hf_files.HFCheckpoint, "__init__", "HFCheckpoint.__init__ (headers)")
+    events.wrap(hf_files.HFCheckpoint, "validate")
+    events.wrap(hf_files.HFCheckpoint, "read")
     events.wrap(convert, "write_sharded", "convert.write_sharded (streaming safetensors)")
     events.wrap(dist_checkpointing, "save", "dist_checkpointing.save")
     events.wrap(dist_checkpointing, "load", "dist_checkpointing.load")
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3)
     args = parser.parse_args(argv)
 
-    from megagrpo.models import convert
+    from megagrpo.ckpt import convert
+    from megagrpo.compat.startup import weights_only_process
     from megagrpo.parallel.local import free_port
 
     t_imported = time.perf_counter()
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         events = Events(Path(tmp) / "events.jsonl")
         events.emit("imports (torch, megatron, megagrpo)", t_imported - T_START)
         start = time.perf_counter()
-        with convert._weights_only_process():  # as the rank imports Megatron
+        with weights_only_process():  # as the rank imports Megatron
             instrument(events)
         events.emit("imports (megatron.core.dist_checkpointing)", time.perf_counter() - start)
         out = Path(args.out)

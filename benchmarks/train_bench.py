@@ -340,7 +340,7 @@ def time_weight_sender(worker, args) -> dict:
 
 def model_params(shape: dict, tied: bool = True) -> int:
     """Parameters of the Qwen2-shaped model (Megatron pads the vocabulary to a multiple of 128)."""
-    from megagrpo.models.builder import padded_vocab_size
+    from megagrpo.models.shape import padded_vocab_size
 
     h, f, layers = shape["hidden_size"], shape["ffn_hidden_size"], shape["num_layers"]
     head = h // shape["num_attention_heads"]

@@ -12,3 +12,9 @@ warnings.filterwarnings("ignore", message=r".*Please use DTensor instead.*")
 warnings.filterwarnings("ignore", message=r".*`load_state_dict` is deprecated.*")
 
 __version__ = "0.1.0"
+
+# One warning when megatron-core, torch or vLLM is not the version the patches in megagrpo.compat
+# were verified with.
+from megagrpo.compat import warn_unverified as _warn_unverified  # noqa: E402
+
+_warn_unverified()

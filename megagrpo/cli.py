@@ -148,7 +148,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from megagrpo.models.convert import megatron_to_hf
+    from megagrpo.ckpt.convert import megatron_to_hf
 
     try:
         out = megatron_to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, in_process=True)
@@ -160,8 +160,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _input_errors() -> tuple[type[Exception], ...]:
+    from megagrpo.ckpt import CheckpointError
     from megagrpo.data.prompts import DataError
-    from megagrpo.models.hf_io import CheckpointError
     from megagrpo.models.registry import UnsupportedModelError
 
     return (DataError, CheckpointError, UnsupportedModelError, FileExistsError, FileNotFoundError)

@@ -23,15 +23,16 @@ import ray
 import torch
 import yaml
 
-from megagrpo import checkpoint as ckpt_io
 from megagrpo.algorithms.grpo import group_advantages, overlong_penalty, zero_variance_groups
+from megagrpo.ckpt import run as ckpt_io
+from megagrpo.ckpt.convert import megatron_to_hf
+from megagrpo.ckpt.durable import atomic_write, publish
 from megagrpo.cluster import RankGroup, start_engines, start_ray
 from megagrpo.config import Config, config_to_dict, save_config
 from megagrpo.data.prompts import Prompt, PromptSource, build_source
 from megagrpo.generation.worker import Completion, SamplingSettings
 from megagrpo.metrics import MetricsLogger
-from megagrpo.models.convert import megatron_to_hf
-from megagrpo.models.source import run_model
+from megagrpo.models.description import describe_model
 from megagrpo.rewards import RewardScorer
 from megagrpo.types import TrainBatch
 from megagrpo.weight_sync.sync import WeightSync
@@ -60,7 +61,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     start_ray(cfg.cluster, cfg=cfg)
     policy = RankGroup(cfg, POLICY)
     engines = start_engines(cfg, model_dir, policy=policy)
-    sync = WeightSync(cfg, policy, engines, vocab_size=run_model(cfg).shape.vocab_size)
+    sync = WeightSync(cfg, policy, engines, vocab_size=describe_model(cfg).shape.vocab_size)
     step, position = restore(cfg, policy, resume)
     timings = {"sync_s": sync.sync()}
     sync.probe()
@@ -143,7 +144,7 @@ def prepare_initial_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
             print(f"warm-up: greedy accuracy {res.accuracy_before:.1%} -> {res.accuracy_after:.1%}")
         else:
             run_warmup(dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, steps=1)), ckpt=ckpt)
-        stamp.write_text(wanted)
+        atomic_write(stamp, wanted)
     else:
         print(f"warm-up: reusing {ckpt}")
     model = dataclasses.replace(cfg.model, tiny=None, hf_dir=str(ckpt / "hf"), megatron_ckpt=str(ckpt))
@@ -170,9 +171,7 @@ def export_final(ckpt: Path, out: Path) -> Path:
     staging = out.with_name(out.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
     megatron_to_hf(ckpt, staging)
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
-    return out
+    return publish(staging, out)
 
 
 def restore(cfg: Config, policy: RankGroup, resume: bool) -> tuple[int, int]:

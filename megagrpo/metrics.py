@@ -21,6 +21,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from megagrpo.ckpt.durable import atomic_file, atomic_write
+
 __all__ = ["CURVE_PANELS", "STEP_TIME_KEY", "SUMMARY_KEYS", "MetricsLogger", "read_metrics"]
 
 SUMMARY_KEYS: tuple[tuple[str, str, str], ...] = (
@@ -72,18 +74,6 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def _write_atomic(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)`` then move the result over ``path``: readers never see a half-written file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:  # durable before the rename, else a crash can leave an empty file
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 class MetricsLogger:
     """Writes one record per GRPO step to ``run_dir/metrics.jsonl``, TensorBoard and the terminal.
 
@@ -113,7 +103,7 @@ class MetricsLogger:
         if resume:
             kept = [r for r in read_metrics(self.path) if r["step"] <= start_step]
             # Rewritten even when nothing is dropped: this also removes a line torn by the crash.
-            _write_atomic(self.path, lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in kept)))
+            atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(self.path, "a" if resume else "w")  # noqa: SIM115 - closed in close()
 
         self._tb = None
@@ -225,7 +215,8 @@ class MetricsLogger:
             if ax.has_data():
                 ax.legend(loc="best", fontsize="small")
         axes[-1].set_xlabel("step")
-        _write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+        with atomic_file(path, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=100)
         return path
 
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
+from megagrpo.ckpt.durable import publish
+from megagrpo.ckpt.megatron import save_megatron, write_checkpoint_meta
 from megagrpo.config import Config
 from megagrpo.data.arithmetic import EOS_ID, PAD_ID, ArithmeticTask, CharTokenizer, Problem
-from megagrpo.models.convert import save_megatron, write_checkpoint_meta
-from megagrpo.models.source import run_model
+from megagrpo.models.description import describe_model
 from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
 from megagrpo.parallel.local import run_local_ranks
 from megagrpo.policy.engine import (
@@ -152,7 +153,7 @@ def _warmup_rank(rank: int, world_size: int, cfg: Config, metrics_path: str, ckp
 def _train(ctx, cfg: Config, metrics_path: str, ckpt: Path | None) -> dict | None:
     wu, tok = cfg.warmup, CharTokenizer()
     task = ArithmeticTask(max_operand=cfg.data.arithmetic_max_operand, ops=cfg.data.arithmetic_ops)
-    shape = run_model(cfg).shape
+    shape = describe_model(cfg).shape
     if tok.vocab_size > shape.vocab_size:
         raise ValueError(
             f"model.tiny.vocab_size={shape.vocab_size} is smaller than the task's {tok.vocab_size}"
@@ -232,7 +233,7 @@ def _save(ctx, engine, cfg: Config, ckpt: Path) -> None:
     written under a temporary name and renamed by rank 0 once every rank has written its part."""
     import torch.distributed as dist
 
-    info = run_model(cfg)
+    info = describe_model(cfg)
     tmp = ckpt.parent / f".{ckpt.name}.tmp"
     if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -241,8 +242,7 @@ def _save(ctx, engine, cfg: Config, ckpt: Path) -> None:
     if ctx.rank == 0:
         sizes = ctx.sizes
         write_checkpoint_meta(tmp, info.arch, info.shape, info.dtype, tp=sizes.tp, pp=sizes.pp, hf_files=None)
-        shutil.rmtree(ckpt, ignore_errors=True)
-        os.replace(tmp, ckpt)
+        publish(tmp, ckpt)
     dist.barrier()
 
 
@@ -276,5 +276,5 @@ def run_warmup(cfg: Config, *, ckpt: Path | None = None) -> WarmupResult | None:
     else:
         results = run_local_ranks(_warmup_rank, world, cfg, str(tmp_path), ckpt and str(ckpt), timeout_s=3600)
         (result,) = [r for r in results if r is not None]
-    os.replace(tmp_path, metrics_path)
+    publish(tmp_path, metrics_path)
     return WarmupResult(**result, metrics_path=str(metrics_path))

@@ -8,9 +8,16 @@ embedding, the last the output layer.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from megagrpo.models.layout import tp_partition_dim
+from megagrpo.models.mapping import canonical_name
+from megagrpo.models.shape import GPTShape, padded_vocab_size
+
+if TYPE_CHECKING:
+    from megagrpo.parallel import ParallelContext
 
 
 def transformer_engine_available() -> bool:
@@ -28,48 +35,6 @@ def resolve_transformer_impl(impl: str = "auto") -> str:
     if impl not in ("local", "transformer_engine"):
         raise ValueError(f"parallel.transformer_impl must be auto, local or transformer_engine; got {impl!r}")
     return impl
-
-
-@dataclass(frozen=True)
-class GPTShape:
-    """The HF-independent shape of a decoder-only model (what Megatron needs to build it)."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    vocab_size: int
-    """The tokenizer's vocabulary (HF ``vocab_size``); Megatron's embedding is padded beyond it."""
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    norm_epsilon: float = 1e-6
-    qkv_bias: bool = True
-    qk_layernorm: bool = False
-    tie_word_embeddings: bool = False
-    kv_channels: int | None = None
-    """Per-head width; None means hidden_size // num_attention_heads."""
-    rope_scaling_factor: float | None = None
-    """Llama 3.x RoPE scaling factor (low/high frequency factors 1/4, original context 8192)."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-
-VOCAB_DIVISIBLE_BY = 128
-
-
-def padded_vocab_size(vocab_size: int, tp: int = 1) -> int:
-    """Rows of Megatron's embedding/output layer: the vocabulary rounded up to a multiple of 128.
-
-    The padding deliberately does not depend on TP (Megatron-LM pads to 128 x TP), so one
-    checkpoint loads at every TP that divides the padded size (every power of two up to 128).
-    """
-    padded = -(-vocab_size // VOCAB_DIVISIBLE_BY) * VOCAB_DIVISIBLE_BY
-    if padded % tp:
-        raise ValueError(f"padded vocabulary {padded} (from {vocab_size}) is not divisible by TP={tp}")
-    return padded
 
 
 def transformer_config(
@@ -207,11 +172,29 @@ def _mark_tensor_parallel(model: torch.nn.Module) -> None:
         set_tensor_model_parallel_attributes,
     )
 
-    from megagrpo.models.layout import tp_partition_dim
-    from megagrpo.models.mapping import canonical_name
-
     for name, param in model.named_parameters():
         dim = tp_partition_dim(canonical_name(name))
         if dim >= 0 and not getattr(param, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+
+
+def build_stage(ctx: ParallelContext, shape: GPTShape, dtype: torch.dtype, *, initialize: bool = False):
+    """This rank's stage of a model for moving weights (conversion, export): the layout of ``ctx``,
+    no recompute, Megatron's local layers on CPU and the best available ones otherwise."""
+    config = transformer_config(
+        shape,
+        tp=ctx.sizes.tp,
+        pp=ctx.sizes.pp,
+        dtype=dtype,
+        on_cpu=ctx.device.type == "cpu",
+        initialize=initialize,
+    )
+    return build_gpt_model(
+        shape,
+        config,
+        ctx.pgs,
+        transformer_impl="local" if ctx.device.type == "cpu" else "auto",
+        pre_process=ctx.is_first_stage,
+        post_process=ctx.is_last_stage,
+    )

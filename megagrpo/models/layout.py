@@ -13,8 +13,14 @@ Pure functions, shared by the converters, weight sync and the equivalence tests:
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
+
+from megagrpo.models.mapping import canonical_name
+
+if TYPE_CHECKING:
+    from megagrpo.parallel import ParallelContext
 
 _LAYER_RE = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
 
@@ -32,6 +38,14 @@ def shift_layer_index(name: str, delta: int) -> str:
     if match is None:
         return name
     return f"{match.group(1)}{int(match.group(2)) + delta}{match.group(3)}"
+
+
+def stage_param_names(model: torch.nn.Module, ctx: ParallelContext, num_layers: int) -> dict[str, str]:
+    """This stage's parameter names -> canonical global names (layer index offset by the stage).
+
+    Weight sync and the converters address a stage's parameters by these names."""
+    offset = layer_offset(num_layers, ctx.sizes.pp, ctx.pp_rank)
+    return {name: shift_layer_index(canonical_name(name), offset) for name, _ in model.named_parameters()}
 
 
 def is_gated_fc1(name: str) -> bool:

@@ -18,12 +18,10 @@ Wildcards: ``*`` in a name stands for the layer index on both sides.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from megagrpo.models.builder import GPTShape
+from megagrpo.models.shape import GPTShape
 
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer;
 # its parameter names map onto the local spec's canonical ones.

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megagrpo.models.builder import GPTShape
+import torch
+
 from megagrpo.models.mapping import Rule, decoder_rules
+from megagrpo.models.shape import DTYPE_NAMES, GPTShape
 
 
 class UnsupportedModelError(ValueError):
@@ -144,3 +146,27 @@ def load_hf_config(hf_dir: str | Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err})") from err
+
+
+def hf_config_for(arch: Architecture, shape: GPTShape, dtype: torch.dtype) -> dict[str, Any]:
+    """An HF config.json for a model built from ``shape`` (so vLLM and transformers can load it)."""
+    config = {
+        "architectures": list(arch.hf_classes),
+        "model_type": arch.name,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_query_groups,
+        "head_dim": shape.head_dim,
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.norm_epsilon,
+        "rope_theta": shape.rope_theta,
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": DTYPE_NAMES[dtype],
+    }
+    if shape.rope_scaling_factor is not None:
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": shape.rope_scaling_factor, **_LLAMA3_FIXED}
+    return config

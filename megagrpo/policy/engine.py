@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megagrpo.models.builder import GPTShape, build_gpt_model, transformer_config
+from megagrpo.models.builder import build_gpt_model, transformer_config
+from megagrpo.models.shape import GPTShape
 from megagrpo.parallel import ParallelContext
 
 # (output_tensor of the last stage, micro-batch) -> (summed loss, token count, metrics to report)

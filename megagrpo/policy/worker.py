@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megagrpo.algorithms.grpo import METRIC_REDUCTIONS, LossConfig, combine_metrics, grpo_loss, reduce_metrics
+from megagrpo.ckpt.convert import load_hf_into_stage
+from megagrpo.ckpt.durable import atomic_write
+from megagrpo.ckpt.hf_files import HFCheckpoint
+from megagrpo.ckpt.megatron import load_megatron, save_dist_checkpoint, save_megatron, write_checkpoint_meta
+from megagrpo.compat.megatron_optimizer import adam_step_kept_on_load
 from megagrpo.config import Config
-from megagrpo.models.builder import padded_vocab_size
-from megagrpo.models.convert import (
-    load_hf_into_stage,
-    load_megatron,
-    save_dist_checkpoint,
-    save_megatron,
-    write_checkpoint_meta,
-)
-from megagrpo.models.hf_io import HFCheckpoint
-from megagrpo.models.source import run_model
+from megagrpo.models.description import describe_model
+from megagrpo.models.shape import padded_vocab_size
 from megagrpo.parallel import ParallelSizes, init_parallel
 from megagrpo.parallel.local import free_port, node_ip
 from megagrpo.policy.engine import (
@@ -90,7 +86,7 @@ class HostWeights:
 class PolicyWorker:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.model_info = run_model(cfg)
+        self.model_info = describe_model(cfg)
         self.ctx = init_parallel(
             ParallelSizes.from_config(cfg.parallel), backend=cfg.parallel.backend, seed=cfg.grpo.seed + 1234
         )
@@ -436,7 +432,7 @@ class PolicyWorker:
         save_dist_checkpoint(opt_sd, path / "optimizer")
         if self.ctx.rank == 0:
             state = {"steps_done": self.steps_done, "scheduler": self.scheduler.state_dict()}
-            _write_json(path / "trainer_state.json", state)
+            atomic_write(path / "trainer_state.json", json.dumps(state, indent=2) + "\n")
             info = self.model_info
             write_checkpoint_meta(
                 path,
@@ -456,12 +452,12 @@ class PolicyWorker:
         path = Path(path)
         load_megatron(self.engine.module, path / "megatron")
         self._materialize_optimizer_state()
-        _keep_adam_step_on_reshardable_load()
         model_sd = self.engine.module.sharded_state_dict()
         opt_sd = self.engine.optimizer.sharded_state_dict(
             model_sd, is_loading=True, metadata=_OPTIMIZER_CKPT_FORMAT
         )
-        self.engine.optimizer.load_state_dict(dist_checkpointing.load(opt_sd, str(path / "optimizer")))
+        with adam_step_kept_on_load():
+            self.engine.optimizer.load_state_dict(dist_checkpointing.load(opt_sd, str(path / "optimizer")))
         state = json.loads((path / "trainer_state.json").read_text())
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps_done = state["steps_done"]
@@ -482,35 +478,3 @@ class PolicyWorker:
                         state["step"] = torch.tensor(0.0)
                         state["exp_avg"] = torch.zeros_like(p.data)
                         state["exp_avg_sq"] = torch.zeros_like(p.data)
-
-
-def _keep_adam_step_on_reshardable_load() -> None:
-    """Work around Megatron-Core 0.16 loading "fully_reshardable" state into torch's Adam.
-
-    With torch Adam (no Apex/TE FusedAdam, e.g. on CPU), the distributed optimizer's loader copies
-    every state entry of a parameter from the checkpoint, including Adam's ``step``, which the
-    checkpoint does not carry per parameter (it restores it from the param groups just before):
-    a KeyError. Supplying the already-restored step makes that copy a no-op.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(original, "_keeps_adam_step", False):
-        return
-
-    def set_states(self, model_param, tensors):
-        if "step" not in tensors:
-            group, order = self.model_param_group_index_map[model_param]
-            state = self.optimizer.state.get(self.optimizer.param_groups[group]["params"][order], {})
-            if "step" in state:
-                tensors = {**tensors, "step": state["step"]}
-        return original(self, model_param, tensors)
-
-    set_states._keeps_adam_step = True
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)

@@ -10,14 +10,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 import torch
 
-from megagrpo.cluster import RankGroup
 from megagrpo.config import Config
 from megagrpo.types import TrainBatch
 from megagrpo.weight_sync.transport import GroupAddress
+
+if TYPE_CHECKING:
+    from megagrpo.cluster import RankGroup
 
 
 class WeightSyncError(RuntimeError):

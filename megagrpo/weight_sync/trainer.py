@@ -16,8 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from megagrpo.models.convert import stage_param_names
-from megagrpo.models.layout import is_gated_fc1, tp_merge, tp_partition_dim
+from megagrpo.models.layout import is_gated_fc1, stage_param_names, tp_merge, tp_partition_dim
 from megagrpo.models.mapping import hf_tensor_shapes, to_hf
 from megagrpo.weight_sync.buckets import Bucket, checksum, pack, plan_buckets
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress

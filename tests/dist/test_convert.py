@@ -13,15 +13,10 @@ import pytest
 import torch
 from hf_models import ARCHS, make_tiny_hf
 
-from megagrpo.models.convert import (
-    build_stage,
-    hf_to_megatron,
-    load_megatron,
-    mapped_checkpoint_tensors,
-    megatron_to_hf,
-    read_source,
-)
-from megagrpo.models.hf_io import HFCheckpoint
+from megagrpo.ckpt.convert import hf_to_megatron, megatron_to_hf
+from megagrpo.ckpt.hf_files import HFCheckpoint
+from megagrpo.ckpt.megatron import load_megatron, mapped_checkpoint_tensors, read_model
+from megagrpo.models.builder import build_stage
 from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
 from megagrpo.parallel.local import run_local_ranks
 
@@ -71,7 +66,7 @@ def test_round_trip_is_bit_identical(arch, tp, pp, hf_dirs, converted, tmp_path)
 
 def _mapped_and_loaded(rank: int, world_size: int, ckpt: str) -> tuple[list[str], dict[str, bool], int]:
     """What an export maps from the checkpoint files, compared with what Megatron loads."""
-    source = read_source(Path(ckpt))
+    source = read_model(Path(ckpt))
     ctx = init_parallel(ParallelSizes(), backend="gloo")
     try:
         model = build_stage(ctx, source.shape, source.dtype)
@@ -99,14 +94,14 @@ def test_export_maps_the_stored_chunks(arch, tp, pp, converted):
     assert len(same) + len(rest) == count
     row_parallel = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
     assert all(name.endswith(row_parallel) for name in rest)
-    assert len(rest) == (0 if tp == 1 else 2 * read_source(ckpt).shape.num_layers)
+    assert len(rest) == (0 if tp == 1 else 2 * read_model(ckpt).shape.num_layers)
 
 
 def _one_chunk_refused(rank: int, world_size: int, ckpt: str) -> tuple[list[str], bool]:
     """An export where the reader cannot map layer 1's QKV weight: Megatron loads that key whole."""
     from unittest import mock
 
-    from megagrpo.models.dist_files import MappedDistCheckpoint
+    from megagrpo.ckpt.dist_files import MappedDistCheckpoint
 
     real_read = MappedDistCheckpoint.read
 
@@ -115,7 +110,7 @@ def _one_chunk_refused(rank: int, world_size: int, ckpt: str) -> tuple[list[str]
             return None
         return real_read(self, key, offsets, sizes, axis)
 
-    source = read_source(Path(ckpt))
+    source = read_model(Path(ckpt))
     ctx = init_parallel(ParallelSizes(), backend="gloo")
     try:
         model = build_stage(ctx, source.shape, source.dtype)
@@ -134,13 +129,13 @@ def _one_chunk_refused(rank: int, world_size: int, ckpt: str) -> tuple[list[str]
 def test_an_unmapped_chunk_sends_its_whole_key_to_megatron(converted):
     ckpt = converted("qwen2", 1, 1)
     ((rest, same),) = run_local_ranks(_one_chunk_refused, 1, str(ckpt), timeout_s=300)
-    layers = read_source(ckpt).shape.num_layers
+    layers = read_model(ckpt).shape.num_layers
     assert rest == sorted(f"decoder.layers.{i}.self_attention.linear_qkv.weight" for i in range(layers))
     assert same
 
 
 def _stage_param_dtypes(rank: int, world_size: int, ckpt: str) -> dict:
-    source = read_source(Path(ckpt))
+    source = read_model(Path(ckpt))
     ctx = init_parallel(ParallelSizes(), backend="gloo")
     try:
         model = build_stage(ctx, source.shape, source.dtype)
@@ -171,7 +166,7 @@ def test_bf16_round_trip_keeps_every_dtype(tp, tmp_path):
 def _megatron_logits(rank: int, world_size: int, ckpt: str, tokens: torch.Tensor) -> dict:
     import torch.distributed as dist
 
-    source = read_source(Path(ckpt))
+    source = read_model(Path(ckpt))
     out = {}
     for tp in (1, 2):
         ctx = init_parallel(ParallelSizes(tp=tp), backend="gloo")
@@ -239,7 +234,7 @@ def test_killed_conversion_leaves_no_output_directory(hf_dirs, tmp_path):
 
 
 def _groups_left(_rank: int, _world_size: int) -> tuple[bool, bool, bool]:
-    from megagrpo.models.convert import _rank_groups
+    from megagrpo.ckpt.convert import _rank_groups
 
     left = []
     for exits_after in (False, True):
@@ -258,7 +253,7 @@ def test_a_rank_that_exits_next_leaves_its_groups_only_on_success():
 
 
 def _unfilled_qkv_written_without_the_copier(_rank: int, _world_size: int, hf_dir: str, out: str) -> str:
-    from megagrpo.models import convert
+    from megagrpo.ckpt import convert, megatron
     from megagrpo.models.registry import load_hf_config, shape_from_hf_config
 
     arch, shape = shape_from_hf_config(load_hf_config(hf_dir), hf_dir)
@@ -269,9 +264,9 @@ def _unfilled_qkv_written_without_the_copier(_rank: int, _world_size: int, hf_di
         mapped, pieces = {}, {}
         convert.load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), mapped=mapped, pieces=pieces)
         assert pieces and all("linear_qkv" in key for key in pieces)  # Q/K/V left unfilled
-        convert._writers_can_copy = lambda: False  # as if Megatron opened its files another way
+        megatron.writers_can_copy = lambda: False  # as if Megatron opened its files another way
         with pytest.raises(RuntimeError) as err:
-            convert.save_megatron(model, Path(out), mapped=mapped, pieces=pieces, maps=hf.maps)
+            megatron.save_megatron(model, Path(out), mapped=mapped, pieces=pieces, maps=hf.maps)
         return str(err.value)
     finally:
         destroy_parallel()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megagrpo.models.builder import GPTShape
+from megagrpo.models.shape import GPTShape
 from megagrpo.models.layout import (
     is_gated_fc1,
     layer_offset,

@@ -111,7 +111,7 @@ def test_save_load_restores_logprobs_and_optimizer_at_any_layout(hf_dir, tmp_pat
             assert _rel(got["loss"], want["loss"]) <= 1e-5
             assert _rel(got["grad_norm"], want["grad_norm"]) <= 1e-4
     # The model part is a regular megagrpo checkpoint: it exports to HF.
-    from megagrpo.models.convert import megatron_to_hf
+    from megagrpo.ckpt.convert import megatron_to_hf
 
     out = megatron_to_hf(ckpt, tmp_path / "hf")
     assert (Path(out) / "model.safetensors").is_file()

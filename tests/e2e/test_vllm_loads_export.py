@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megagrpo.models.convert import hf_to_megatron, megatron_to_hf
+from megagrpo.ckpt.convert import hf_to_megatron, megatron_to_hf
 
 pytestmark = pytest.mark.e2e
 

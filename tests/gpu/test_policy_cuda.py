@@ -56,7 +56,7 @@ def test_train_save_load_export_on_cuda(tmp_path):
     assert abs(got["loss"] - want["loss"]) <= 1e-5 * max(abs(want["loss"]), 1e-12)
     assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-4 * max(abs(want["grad_norm"]), 1e-12)
 
-    from megagrpo.models.convert import megatron_to_hf
+    from megagrpo.ckpt.convert import megatron_to_hf
 
     out = megatron_to_hf(ckpt, tmp_path / "hf")
     assert (Path(out) / "model.safetensors").is_file()

@@ -10,8 +10,8 @@ import torch
 from hf_models import make_tiny_hf
 from safetensors.torch import load_file, save_file
 
-from megagrpo.models.convert import hf_to_megatron, megatron_to_hf
-from megagrpo.models.hf_io import CheckpointError
+from megagrpo.ckpt import CheckpointError
+from megagrpo.ckpt.convert import hf_to_megatron, megatron_to_hf
 from megagrpo.models.registry import UnsupportedModelError
 
 pytestmark = pytest.mark.unit

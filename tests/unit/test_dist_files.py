@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megagrpo.models.dist_files import MappedDistCheckpoint, _TensorRecord
+from megagrpo.ckpt.dist_files import MappedDistCheckpoint, _TensorRecord
 
 pytestmark = pytest.mark.unit
 

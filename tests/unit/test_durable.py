@@ -5,8 +5,8 @@ import textwrap
 
 import pytest
 
-from megagrpo.models import durable
-from megagrpo.models.hf_io import atomic_output_dir
+from megagrpo.ckpt import durable
+from megagrpo.ckpt.durable import atomic_output_dir
 
 pytestmark = pytest.mark.unit
 
@@ -76,3 +76,37 @@ def test_background_writeback_outlives_the_writers_descriptor(tmp_path):
                 writeback.start(fh.fileno(), 0, 1 << 20)  # the file is closed right after
     # Every request was made on a descriptor of its own, and each was closed once made.
     assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+def test_atomic_write_replaces_the_file_whole_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "sub" / "state.json"
+    durable.atomic_write(path, "first\n")
+    durable.atomic_write(path, b"second\n")
+    assert path.read_bytes() == b"second\n"
+    assert oct(path.stat().st_mode & 0o777) == oct(0o644)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["state.json"]
+
+
+def test_a_failed_atomic_write_keeps_the_previous_version(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    durable.atomic_write(path, "kept\n")
+    with pytest.raises(RuntimeError), durable.atomic_file(path) as fh:
+        fh.write("half a line")
+        raise RuntimeError("killed while writing")
+    assert path.read_text() == "kept\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_publish_replaces_a_directory_and_syncs_it_first(tmp_path, monkeypatch):
+    final = tmp_path / "step_3"
+    (final / "old").mkdir(parents=True)
+    tmp = tmp_path / ".step_3.tmp"
+    (tmp / "megatron").mkdir(parents=True)
+    (tmp / "megatron" / "a.distcp").write_bytes(b"x")
+    synced = []
+    real_fsync = durable.os.fsync
+    monkeypatch.setattr(durable.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    assert durable.publish(tmp, final) == final
+    assert not tmp.exists() and not (final / "old").exists()
+    assert (final / "megatron" / "a.distcp").read_bytes() == b"x"
+    assert len(synced) == 4  # the file, its two directories, then the parent after the rename

@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from megagrpo.models.builder import padded_vocab_size
 from megagrpo.models.layout import (
     is_gated_fc1,
     layer_offset,
@@ -9,6 +8,7 @@ from megagrpo.models.layout import (
     tp_merge,
     tp_shard,
 )
+from megagrpo.models.shape import padded_vocab_size
 
 pytestmark = pytest.mark.unit
 

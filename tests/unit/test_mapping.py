@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from megagrpo.models.builder import GPTShape, padded_vocab_size
 from megagrpo.models.layout import is_gated_fc1, tp_partition_dim, tp_shard
 from megagrpo.models.mapping import (
     Rule,
@@ -13,6 +12,7 @@ from megagrpo.models.mapping import (
     to_megatron,
 )
 from megagrpo.models.registry import UnsupportedModelError, shape_from_hf_config
+from megagrpo.models.shape import GPTShape, padded_vocab_size
 
 pytestmark = pytest.mark.unit
 

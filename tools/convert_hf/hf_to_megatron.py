@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks doing the conversion")
     args = parser.parse_args(argv)
 
-    from megagrpo.models.convert import hf_to_megatron
+    from megagrpo.ckpt.convert import hf_to_megatron
 
     try:
         out = hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, in_process=True)

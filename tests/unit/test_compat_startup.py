@@ -5,7 +5,7 @@ import gc
 import pytest
 import torch
 
-from megagrpo.models.convert import _compile_on_first_call, _weights_only_process
+from megagrpo.compat.startup import compile_on_first_call, weights_only_process
 
 pytestmark = pytest.mark.unit
 
@@ -17,7 +17,7 @@ def test_compiling_waits_for_the_first_call():
         compiled.append((model.__name__, options))
         return lambda *args: ("compiled", model(*args))
 
-    deferred = _compile_on_first_call(compile_fn)
+    deferred = compile_on_first_call(compile_fn)
 
     @deferred
     def double(x):
@@ -40,16 +40,16 @@ def test_compiling_waits_for_the_first_call():
 
 def test_the_collector_is_paused_and_restored():
     assert gc.isenabled()
-    with _weights_only_process():
+    with weights_only_process():
         assert not gc.isenabled()
     assert gc.isenabled()
     gc.disable()
     try:
-        with _weights_only_process():
+        with weights_only_process():
             pass
         assert not gc.isenabled()  # left as it was found
     finally:
         gc.enable()
-    with pytest.raises(KeyError), _weights_only_process():
+    with pytest.raises(KeyError), weights_only_process():
         raise KeyError("conversion failed")
     assert gc.isenabled()

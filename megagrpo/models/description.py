@@ -1,31 +1,38 @@
-"""Which model a run trains: architecture, shape, dtype and where its initial weights come from."""
+"""What model a job builds: architecture, shape, dtype, and where its config and initial weights are.
+
+One description serves every consumer: the policy and the warm-up build from it
+(:func:`describe_model`, from a run config), the converters and ``megagrpo export`` read it back
+from a checkpoint (``megagrpo.ckpt.megatron.read_model``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from megagrpo.config import Config
-from megagrpo.models.builder import GPTShape
 from megagrpo.models.registry import ARCHITECTURES, Architecture, load_hf_config, shape_from_hf_config
+from megagrpo.models.shape import DTYPES, GPTShape
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    from megagrpo.config import Config
 
 
 @dataclass(frozen=True)
-class RunModel:
+class ModelDescription:
     arch: Architecture
     shape: GPTShape
     dtype: torch.dtype
     hf_dir: Path | None
-    """HF directory (config + tokenizer; also the weights unless megatron_ckpt is set)."""
+    """config.json and tokenizer files (also the weights unless ``megatron_ckpt`` is set); None for
+    a tiny model built in-process."""
     megatron_ckpt: Path | None
-    """A megagrpo checkpoint (hf_to_megatron output) to load the weights from."""
+    """A megagrpo checkpoint (``hf_to_megatron`` output, a run's ``step_N/``) holding the weights."""
 
 
-def run_model(cfg: Config) -> RunModel:
+def describe_model(cfg: Config) -> ModelDescription:
     """Resolve ``cfg.model`` into the model to build (reads config.json, no weights)."""
     m = cfg.model
     dtype = DTYPES[m.dtype]
@@ -44,8 +51,8 @@ def run_model(cfg: Config) -> RunModel:
             qkv_bias=t.qkv_bias,
             tie_word_embeddings=t.tie_word_embeddings,
         )
-        return RunModel(ARCHITECTURES[m.arch], shape, dtype, None, None)
+        return ModelDescription(ARCHITECTURES[m.arch], shape, dtype, None, None)
     hf_dir = Path(m.hf_dir)
     arch, shape = shape_from_hf_config(load_hf_config(hf_dir), str(hf_dir / "config.json"))
     ckpt = Path(m.megatron_ckpt) if m.megatron_ckpt else None
-    return RunModel(arch, shape, dtype, hf_dir, ckpt)
+    return ModelDescription(arch, shape, dtype, hf_dir, ckpt)

@@ -10,7 +10,12 @@ returns), and the final fsync only waits for the tail:
   own (``background_writeback``) so that queuing the pages overlaps the writing;
 - ``writeback_as_written``: for files other processes write (Megatron's forked checkpoint
   writers), a thread that follows them as they grow;
-- ``fsync_tree``: the commit, every file and directory of an output before it is renamed into place.
+- ``publish``: the commit, every file and directory of an output synced before it is renamed into
+  place. Every writer of the project commits through it: ``atomic_write`` / ``atomic_file`` for a
+  file (configs, JSON states, metrics), ``atomic_output_dir`` for a directory built under a
+  temporary name (HF exports, conversions), or ``publish`` directly for a directory that several
+  ranks write (run and warm-up checkpoints). A crash or kill leaves the previous version or
+  nothing at the destination, never a torn file, and a power loss after the commit loses nothing.
 
 Where the system has no ``sync_file_range`` (not Linux) writeback is left to the kernel; the result
 is just as durable, only the final fsync waits longer.
@@ -23,9 +28,12 @@ import ctypes
 import functools
 import os
 import queue
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 # Dirty bytes written before their writeback is started: large enough that the syscalls cost
 # nothing, small enough that the last fsync waits for little.
@@ -162,3 +170,69 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def publish(tmp: Path, final: Path) -> Path:
+    """Sync ``tmp`` (a file, or a directory and everything under it) and rename it to ``final``,
+    replacing what is there, then sync the rename. The one commit of every writer here."""
+    tmp, final = Path(tmp), Path(final)
+    if tmp.is_dir():
+        fsync_tree(tmp)
+        if final.is_dir():  # os.replace does not replace a non-empty directory
+            shutil.rmtree(final)
+    else:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    return final
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO]:
+    """A file opened for writing under a temporary name beside ``path`` and published there
+    (``publish``) when the block completes; removed if it raises."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; outputs are read like any other file
+        with os.fdopen(fd, mode) as fh:
+            yield fh
+        publish(Path(tmp), path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` atomically and durably (``atomic_file``)."""
+    with atomic_file(path, "wb" if isinstance(data, bytes) else "w") as fh:
+        fh.write(data)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out``; publish it as ``out`` only if the block completes.
+
+    A crash or kill leaves at most a ``.<name>.tmp-<pid>`` directory, never a directory at ``out``;
+    and what is renamed to ``out`` is on disk first (every file and directory fsync'd), so not even
+    a power loss leaves a directory at ``out`` with missing or zeroed data.
+    """
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out}: output directory already exists; remove it or choose another path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish(tmp, out)

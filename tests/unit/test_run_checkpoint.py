@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megagrpo import checkpoint as ckpt
+from megagrpo.ckpt import run as ckpt
 
 pytestmark = pytest.mark.unit
 
@@ -29,7 +29,7 @@ def test_killed_write_leaves_previous_checkpoint_latest(tmp_path):
         f"""
         import time
         from pathlib import Path
-        from megagrpo import checkpoint as ckpt
+        from megagrpo.ckpt import run as ckpt
         tmp = ckpt.begin(Path({str(root)!r}), 4)
         with open(tmp / "weights.bin", "wb") as fh:
             while True:  # a long write, killed from outside

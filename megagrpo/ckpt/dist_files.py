@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from megagrpo.models.hf_io import FileMaps
+from megagrpo.ckpt.files import FileMaps
 
 # A key's chunks: their first-axis starts, the longest first-axis size, (offsets, sizes) in order.
 _ChunkIndex = tuple[list[int], int, list[tuple[tuple[int, ...], tuple[int, ...]]]]

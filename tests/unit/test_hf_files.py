@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megagrpo.models.hf_io import INDEX_NAME, CopyingFile, FileCopies, HFCheckpoint, write_sharded
+from megagrpo.ckpt.files import CopyingFile, FileCopies
+from megagrpo.ckpt.hf_files import INDEX_NAME, HFCheckpoint, write_sharded
 
 pytestmark = pytest.mark.unit
 

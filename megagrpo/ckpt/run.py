@@ -1,8 +1,8 @@
 """Run checkpoints: atomic ``step_N/`` directories, retention, and finding the one to resume.
 
-A checkpoint is written under a temporary name (``.step_N.tmp``) and renamed to ``step_N`` only
-once every part is on disk, so a process killed mid-write leaves the previous checkpoint as the
-latest complete one. Layout::
+A checkpoint is written under a temporary name (``.step_N.tmp``) and published as ``step_N``
+(``durable.publish``) only once every part is on disk, so a process killed mid-write leaves the
+previous checkpoint as the latest complete one. Layout::
 
     step_N/megatron/          policy weights (Megatron distributed checkpoint; exportable to HF)
     step_N/optimizer/         optimizer state
@@ -18,7 +18,6 @@ filesystem every node sees.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from megagrpo.ckpt.durable import publish
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -89,15 +90,8 @@ def commit(tmp: Path, state: DriverState, config_yaml: str, keep_last: int) -> P
     """Write the driver's part, rename ``tmp`` to ``step_N`` and drop all but the newest ``keep_last``."""
     (tmp / "driver_state.json").write_text(json.dumps(state.__dict__) + "\n")
     (tmp / "config.yaml").write_text(config_yaml)
-    final = tmp.parent / f"step_{state.step}"
-    if final.exists():  # re-running a step after a resume replaces that step's checkpoint
-        shutil.rmtree(final)
-    # fsync the directory entries we are about to publish (the rename is the commit point).
-    for path in tmp.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    os.replace(tmp, final)
+    # Re-running a step after a resume replaces that step's checkpoint; the rename is the commit.
+    final = publish(tmp, tmp.parent / f"step_{state.step}")
     for _, old in step_dirs(tmp.parent)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final

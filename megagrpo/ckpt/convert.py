@@ -1,0 +1,323 @@
+"""HF <-> Megatron conversion over the declarative map, one tensor at a time.
+
+Import: every rank of a TP x PP layout builds its own model stage (no random init) for its
+checkpoint layout, and Megatron's ``dist_checkpointing`` writes a checkpoint that loads at any
+TP/PP. What it writes for each parameter is, where the shard is a contiguous row range of the HF
+files, a view of the file's mapped bytes, which Megatron's writers copy file to file in the kernel
+(never read into a process); otherwise the parameter, filled from the HF tensors the map names (its
+own rows read straight into it where the layout allows, whole tensors transformed otherwise).
+
+Export: one rank builds the model at TP=PP=1 and streams HF tensors into size-capped safetensors
+shards, taking each weight as a view of the mapped checkpoint files where the stored chunks allow (a
+checkpoint this converter wrote, or any saved at TP=1) and loading the rest through Megatron into the
+model.
+
+Neither holds the model twice: peak memory is at most the model (or the rank's stage) plus the
+tensor in hand. Both outputs are on disk (fsync'd, with writeback started while writing:
+``durable``) before they are renamed into place. The checkpoint layout is ``megatron.py``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from megagrpo.ckpt import CheckpointError
+from megagrpo.ckpt.durable import atomic_output_dir
+from megagrpo.ckpt.files import FileCopies, Piece
+from megagrpo.ckpt.hf_files import HFCheckpoint, copy_aux_files, write_sharded
+from megagrpo.ckpt.megatron import (
+    Mapped,
+    load_megatron,
+    mapped_checkpoint_tensors,
+    read_model,
+    save_megatron,
+    write_checkpoint_meta,
+    writers_can_copy,
+)
+from megagrpo.compat.startup import paused_gc, weights_only_process
+from megagrpo.models.builder import build_stage
+from megagrpo.models.layout import is_gated_fc1, stage_param_names, tp_partition_dim, tp_shard
+from megagrpo.models.mapping import Rule, hf_tensor_shapes, shard_rows, to_hf, to_megatron
+from megagrpo.models.registry import load_hf_config, shape_from_hf_config
+from megagrpo.models.shape import DTYPE_NAMES, GPTShape, padded_vocab_size
+from megagrpo.parallel import ParallelContext, ParallelSizes, destroy_parallel, init_parallel
+from megagrpo.parallel.local import run_in_this_process, run_local_ranks
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def load_hf_into_stage(
+    model: torch.nn.Module,
+    ctx: ParallelContext,
+    hf: HFCheckpoint,
+    shape: GPTShape,
+    rules: list[Rule],
+    *,
+    mapped: dict[str, Mapped] | None = None,
+    pieces: dict[str, list[Piece]] | None = None,
+) -> None:
+    """Fill every parameter of this rank's model stage from the HF checkpoint (TP slice of each).
+
+    Where a shard is whole rows of its HF tensors (everything but row-parallel weights at TP > 1)
+    and the parameter is a CPU tensor of the file's dtype, the rows are read from the file straight
+    into the parameter: no HF tensor is materialized and nothing is read that another rank owns.
+    Otherwise the HF tensors are read whole and transformed.
+
+    ``mapped`` (conversion, where the stage is written once and discarded): a shard that is one
+    contiguous row range of a file tensor, or two for gate/up, is not read at all. Views of the
+    file's bytes (``HFCheckpoint.map_rows``) are stored there by the stage's parameter name (as
+    Megatron's checkpoint keys spell it) and the parameter is left unfilled; ``save_megatron``
+    writes them in its place, so the checkpoint writer reads those bytes once, from the page cache.
+
+    ``pieces`` (with ``mapped``, where the checkpoint writer copies from files: ``FileCopies``): a
+    shard made of several row ranges (Q/K/V, interleaved per query group) is not read either; where
+    its bytes lie in the files, in order, is stored by parameter name, and the parameter is left
+    unfilled. Padded vocabularies are still read into the parameter.
+    """
+    by_name = {rule.megatron: rule for rule in rules}
+    padded = padded_vocab_size(shape.vocab_size, ctx.sizes.tp)
+    params = dict(model.named_parameters())
+    for local, global_name in stage_param_names(model, ctx, shape.num_layers).items():
+        rule = by_name.get(global_name)
+        if rule is None:
+            raise CheckpointError(f"Megatron parameter {global_name} has no rule in the HF map")
+        param = params[local]
+        dim = tp_partition_dim(global_name)
+        plan = shard_rows(
+            rule,
+            {n: hf.tensors[n].shape[0] for n in rule.hf},
+            shape,
+            padded,
+            partition_dim=dim,
+            tp_rank=ctx.tp_rank,
+            tp_size=ctx.sizes.tp,
+        )
+        direct = (
+            plan is not None
+            and param.device.type == "cpu"
+            and param.is_contiguous()
+            and all(hf.tensors[n].dtype == param.dtype for n in rule.hf)
+        )
+        if not direct:
+            _load_transformed(param, rule, hf, shape, padded, ctx, dim, global_name)
+            continue
+        row_shape = {tuple(hf.tensors[n].shape[1:]) for n in rule.hf}
+        if row_shape != {tuple(param.shape[1:])} or plan.rows != param.shape[0]:
+            raise CheckpointError(
+                f"{global_name}: HF tensors {list(rule.hf)} give a shard of shape "
+                f"{[plan.rows, *next(iter(row_shape))]}, the Megatron parameter has {list(param.shape)}"
+            )
+        if pieces is not None and rule.transform == "qkv" and _tiles_rows(plan.reads, plan.rows):
+            pieces[local] = [hf.row_piece(read.hf, read.start, read.stop) for read in plan.reads]
+            continue
+        if mapped is not None and rule.transform in ("copy", "vocab", "gated"):
+            views = [hf.map_rows(read.hf, read.start, read.stop) for read in plan.reads]
+            if rule.transform == "gated":
+                mapped[local] = (views[0], views[1])
+                continue
+            if len(views) == 1 and views[0].shape[0] == plan.rows:  # not a padded vocabulary
+                mapped[local] = views[0]
+                continue
+        covered = 0
+        target = param.detach()
+        for read in plan.reads:
+            rows = read.stop - read.start
+            hf.read_rows_into(read.hf, read.start, read.stop, target[read.dest : read.dest + rows])
+            covered += rows
+        if covered < plan.rows:  # vocabulary padding: the reads cover the leading rows
+            target[covered:].zero_()
+
+
+def _tiles_rows(reads, rows: int) -> bool:
+    """Whether ``reads``, in order, land on rows 0, 1, ... ``rows`` - 1 of the shard, each once."""
+    end = 0
+    for read in reads:
+        if read.dest != end:
+            return False
+        end += read.stop - read.start
+    return end == rows
+
+
+def _load_transformed(param, rule, hf, shape, padded, ctx, dim: int, global_name: str) -> None:
+    """The general path: whole HF tensors, transformed to the Megatron tensor, then sliced."""
+    full = to_megatron(rule, [hf.read(n) for n in rule.hf], shape, padded)
+    shard = tp_shard(
+        full,
+        partition_dim=dim,
+        tp_rank=ctx.tp_rank,
+        tp_size=ctx.sizes.tp,
+        gated=is_gated_fc1(global_name),
+    )
+    if shard.shape != param.shape:
+        raise CheckpointError(
+            f"{global_name}: HF tensors {list(rule.hf)} give a shard of shape {list(shard.shape)}, "
+            f"the Megatron parameter has {list(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(shard)
+
+
+def hf_tensors_from_full(
+    full: dict[str, Mapped], shape: GPTShape, rules: list[Rule]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs from full canonical Megatron tensors (TP-merged, global names); a
+    fused gate/up weight may be given as its two halves.
+
+    A generator in rule order (embedding, layer 0, layer 1, ...): callers stream the result.
+    """
+    for rule in rules:
+        if rule.export and rule.megatron in full:
+            tensor = full[rule.megatron]
+            if isinstance(tensor, tuple):
+                if rule.transform != "gated":
+                    raise ValueError(f"{rule.megatron}: two halves given for a {rule.transform} rule")
+                yield from zip(rule.hf, tensor, strict=True)
+            else:
+                yield from zip(rule.hf, to_hf(rule, tensor, shape), strict=True)
+
+
+# --- HF -> Megatron -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _rank_groups(sizes: ParallelSizes, exits_after: bool) -> Iterator[ParallelContext]:
+    """The process groups of one conversion rank, torn down after it, or on success left to the
+    process's exit where that comes next (``exits_after``): freeing Megatron's ~18 gloo groups
+    joins their ~50 threads (~0.1 s on two cores)."""
+    ctx = init_parallel(sizes, backend="gloo")
+    try:
+        yield ctx
+    except BaseException:
+        destroy_parallel()
+        raise
+    if not exits_after:
+        destroy_parallel()
+
+
+def _import_rank(
+    rank: int, world_size: int, hf_dir: str, out: str, tp: int, pp: int, exits_after: bool = False
+) -> None:
+    with weights_only_process():
+        _import_stage(hf_dir, out, tp, pp, exits_after)
+
+
+def _import_stage(hf_dir: str, out: str, tp: int, pp: int, exits_after: bool) -> None:
+    arch, shape = shape_from_hf_config(load_hf_config(hf_dir), f"{hf_dir}/config.json")
+    hf = HFCheckpoint(hf_dir)
+    dtype = hf.validate(hf_tensor_shapes(shape))
+    with _rank_groups(ParallelSizes(tp=tp, pp=pp), exits_after) as ctx:
+        model = build_stage(ctx, shape, dtype)
+        mapped: dict[str, Mapped] = {}
+        pieces: dict[str, list[Piece]] | None = {} if writers_can_copy() else None
+        load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), mapped=mapped, pieces=pieces)
+        save_megatron(model, Path(out) / "megatron", mapped=mapped, pieces=pieces, maps=hf.maps)
+
+
+def _run_ranks(fn, world_size: int, in_process: bool, *args) -> None:
+    if in_process and world_size == 1:
+        # The command-line tool exits next: the rank's process groups are left for the exit.
+        run_in_this_process(functools.partial(fn, exits_after=True), *args)
+    else:
+        run_local_ranks(fn, world_size, *args, timeout_s=24 * 3600)
+
+
+def _conversion(in_process: bool) -> contextlib.AbstractContextManager:
+    """In a command-line tool's own process (which exits next), the cyclic garbage collector is
+    off for the whole conversion, not only inside the rank (``compat.startup.paused_gc``)."""
+    return paused_gc() if in_process else contextlib.nullcontext()
+
+
+def hf_to_megatron(
+    hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, in_process: bool = False
+) -> Path:
+    """Convert an HF directory into a megagrpo Megatron checkpoint at ``out`` (written atomically).
+
+    ``in_process``: with TP = PP = 1, convert in this process instead of a spawned rank (for
+    command-line tools, which exit afterwards; it leaves Megatron's global state behind).
+    """
+    hf_dir, out = Path(hf_dir), Path(out)
+    # Everything that can be wrong with the input is reported here, before any rank starts.
+    arch, shape = shape_from_hf_config(load_hf_config(hf_dir), str(hf_dir / "config.json"))
+    dtype = HFCheckpoint(hf_dir).validate(hf_tensor_shapes(shape))
+    if dtype not in DTYPE_NAMES:
+        raise CheckpointError(f"{hf_dir}: weights are {dtype}; supported: float32, bfloat16, float16")
+    if shape.num_layers % pp:
+        raise ValueError(f"--pp {pp} does not divide the model's {shape.num_layers} layers")
+    if shape.num_attention_heads % tp or shape.num_query_groups % tp:
+        raise ValueError(
+            f"--tp {tp} must divide num_attention_heads {shape.num_attention_heads} "
+            f"and num_key_value_heads {shape.num_query_groups}"
+        )
+    padded_vocab_size(shape.vocab_size, tp)  # raises if this TP cannot split the padded vocabulary
+    with _conversion(in_process), atomic_output_dir(out) as tmp:
+        _run_ranks(_import_rank, tp * pp, in_process, str(hf_dir), str(tmp), tp, pp)
+        write_checkpoint_meta(tmp, arch, shape, dtype, tp=tp, pp=pp, hf_files=hf_dir)
+    return out
+
+
+# --- Megatron -> HF -------------------------------------------------------------------------------
+
+
+def _export_rank(
+    rank: int, world_size: int, ckpt: str, out: str, max_shard_bytes: int, exits_after: bool = False
+) -> int:
+    with weights_only_process():
+        return _export_stage(ckpt, out, max_shard_bytes, exits_after)
+
+
+def _export_stage(ckpt: str, out: str, max_shard_bytes: int, exits_after: bool) -> int:
+    source = read_model(Path(ckpt))
+    with _rank_groups(ParallelSizes(), exits_after) as ctx:
+        model = build_stage(ctx, source.shape, source.dtype)
+        # The stored chunks, viewed in the mapped checkpoint files where they allow (the model is
+        # never filled); Megatron loads the rest into the model's parameters.
+        files, mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
+        if rest:
+            load_megatron(model, Path(ckpt) / "megatron", keys=set(rest))
+        names = stage_param_names(model, ctx, source.shape.num_layers)
+        params = dict(model.named_parameters())
+        full = {names[local]: mapped.get(local, params[local].detach()) for local in params}
+        rules = source.arch.rules(source.shape)
+        shapes = hf_tensor_shapes(source.shape)
+        specs = [
+            (name, shapes[name], source.dtype)
+            for rule in rules
+            if rule.export and rule.megatron in full
+            for name in rule.hf
+        ]
+        # Made one at a time as the writer asks (views where the layout allows: gate/up halves, the
+        # unpadded vocabulary; Q/K/V come out of the interleaved weight as copies). Megatron keeps
+        # norm weights in fp32 whatever the model's dtype: they go back in the checkpoint's.
+        tensors = (
+            (name, tensor.to(source.dtype))
+            for name, tensor in hf_tensors_from_full(full, source.shape, rules)
+        )
+        write_sharded(Path(out), specs, tensors, max_shard_bytes, copies=FileCopies(files.maps))
+        return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
+
+
+def megatron_to_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    in_process: bool = False,
+) -> Path:
+    """Write an HF directory (safetensors shards + index, config, tokenizer) from a megagrpo checkpoint.
+
+    ``in_process`` as for ``hf_to_megatron``.
+    """
+    ckpt, out = Path(ckpt), Path(out)
+    source = read_model(ckpt)  # validates before any rank starts
+    if not (ckpt / "megatron" / "metadata.json").is_file():
+        raise CheckpointError(f"{ckpt / 'megatron'}: missing or incomplete Megatron checkpoint")
+    with _conversion(in_process), atomic_output_dir(out) as tmp:
+        _run_ranks(_export_rank, 1, in_process, str(ckpt), str(tmp), max_shard_bytes)
+        copy_aux_files(source.hf_dir, tmp)
+    return out

