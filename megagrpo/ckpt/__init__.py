@@ -4,6 +4,8 @@
 - ``megatron``: Megatron distributed checkpoints of a model (save, load, read in place) and the
   ``megagrpo.json`` that describes one;
 - ``hf_files``: HF directories: safetensors reader (lazy, validated) and sharded streaming writer;
+- ``hf_weights``: HF tensors into a model stage (policy start, import) and out of full Megatron
+  tensors (export);
 - ``convert``: HF <-> Megatron conversion (``hf_to_megatron``, ``megatron_to_hf``);
 - ``files``, ``dist_files``, ``durable``: the zero-copy file layer (mapped reads, kernel copies),
   views of a torch_dist checkpoint's chunks, and the one durable commit (``durable.publish``) that

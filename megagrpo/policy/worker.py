@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.algorithms.grpo import METRIC_REDUCTIONS, LossConfig, combine_metrics, grpo_loss, reduce_metrics
-from megagrpo.ckpt.convert import load_hf_into_stage
 from megagrpo.ckpt.durable import atomic_write
 from megagrpo.ckpt.hf_files import HFCheckpoint
+from megagrpo.ckpt.hf_weights import load_hf_into_stage
 from megagrpo.ckpt.megatron import load_megatron, save_dist_checkpoint, save_megatron, write_checkpoint_meta
 from megagrpo.compat.megatron_optimizer import adam_step_kept_on_load
 from megagrpo.config import Config

@@ -1,0 +1,151 @@
+"""HF tensors <-> a Megatron model stage, over the declarative map.
+
+- ``load_hf_into_stage``: fill a rank's stage from an HF checkpoint (the policy's initial weights,
+  and the import converter, which may leave parameters to be copied file to file instead);
+- ``hf_tensors_from_full``: HF (name, tensor) pairs from full Megatron tensors, streamed (export).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from megagrpo.ckpt import CheckpointError
+from megagrpo.ckpt.files import Piece
+from megagrpo.ckpt.hf_files import HFCheckpoint
+from megagrpo.ckpt.megatron import Mapped
+from megagrpo.models.layout import is_gated_fc1, stage_param_names, tp_partition_dim, tp_shard
+from megagrpo.models.mapping import Rule, shard_rows, to_hf, to_megatron
+from megagrpo.models.shape import GPTShape, padded_vocab_size
+from megagrpo.parallel import ParallelContext
+
+
+def load_hf_into_stage(
+    model: torch.nn.Module,
+    ctx: ParallelContext,
+    hf: HFCheckpoint,
+    shape: GPTShape,
+    rules: list[Rule],
+    *,
+    mapped: dict[str, Mapped] | None = None,
+    pieces: dict[str, list[Piece]] | None = None,
+) -> None:
+    """Fill every parameter of this rank's model stage from the HF checkpoint (TP slice of each).
+
+    Where a shard is whole rows of its HF tensors (everything but row-parallel weights at TP > 1)
+    and the parameter is a CPU tensor of the file's dtype, the rows are read from the file straight
+    into the parameter: no HF tensor is materialized and nothing is read that another rank owns.
+    Otherwise the HF tensors are read whole and transformed.
+
+    ``mapped`` (conversion, where the stage is written once and discarded): a shard that is one
+    contiguous row range of a file tensor, or two for gate/up, is not read at all. Views of the
+    file's bytes (``HFCheckpoint.map_rows``) are stored there by the stage's parameter name (as
+    Megatron's checkpoint keys spell it) and the parameter is left unfilled; ``save_megatron``
+    writes them in its place, so the checkpoint writer reads those bytes once, from the page cache.
+
+    ``pieces`` (with ``mapped``, where the checkpoint writer copies from files: ``FileCopies``): a
+    shard made of several row ranges (Q/K/V, interleaved per query group) is not read either; where
+    its bytes lie in the files, in order, is stored by parameter name, and the parameter is left
+    unfilled. Padded vocabularies are still read into the parameter.
+    """
+    by_name = {rule.megatron: rule for rule in rules}
+    padded = padded_vocab_size(shape.vocab_size, ctx.sizes.tp)
+    params = dict(model.named_parameters())
+    for local, global_name in stage_param_names(model, ctx, shape.num_layers).items():
+        rule = by_name.get(global_name)
+        if rule is None:
+            raise CheckpointError(f"Megatron parameter {global_name} has no rule in the HF map")
+        param = params[local]
+        dim = tp_partition_dim(global_name)
+        plan = shard_rows(
+            rule,
+            {n: hf.tensors[n].shape[0] for n in rule.hf},
+            shape,
+            padded,
+            partition_dim=dim,
+            tp_rank=ctx.tp_rank,
+            tp_size=ctx.sizes.tp,
+        )
+        direct = (
+            plan is not None
+            and param.device.type == "cpu"
+            and param.is_contiguous()
+            and all(hf.tensors[n].dtype == param.dtype for n in rule.hf)
+        )
+        if not direct:
+            _load_transformed(param, rule, hf, shape, padded, ctx, dim, global_name)
+            continue
+        row_shape = {tuple(hf.tensors[n].shape[1:]) for n in rule.hf}
+        if row_shape != {tuple(param.shape[1:])} or plan.rows != param.shape[0]:
+            raise CheckpointError(
+                f"{global_name}: HF tensors {list(rule.hf)} give a shard of shape "
+                f"{[plan.rows, *next(iter(row_shape))]}, the Megatron parameter has {list(param.shape)}"
+            )
+        if pieces is not None and rule.transform == "qkv" and _tiles_rows(plan.reads, plan.rows):
+            pieces[local] = [hf.row_piece(read.hf, read.start, read.stop) for read in plan.reads]
+            continue
+        if mapped is not None and rule.transform in ("copy", "vocab", "gated"):
+            views = [hf.map_rows(read.hf, read.start, read.stop) for read in plan.reads]
+            if rule.transform == "gated":
+                mapped[local] = (views[0], views[1])
+                continue
+            if len(views) == 1 and views[0].shape[0] == plan.rows:  # not a padded vocabulary
+                mapped[local] = views[0]
+                continue
+        covered = 0
+        target = param.detach()
+        for read in plan.reads:
+            rows = read.stop - read.start
+            hf.read_rows_into(read.hf, read.start, read.stop, target[read.dest : read.dest + rows])
+            covered += rows
+        if covered < plan.rows:  # vocabulary padding: the reads cover the leading rows
+            target[covered:].zero_()
+
+
+def _tiles_rows(reads, rows: int) -> bool:
+    """Whether ``reads``, in order, land on rows 0, 1, ... ``rows`` - 1 of the shard, each once."""
+    end = 0
+    for read in reads:
+        if read.dest != end:
+            return False
+        end += read.stop - read.start
+    return end == rows
+
+
+def _load_transformed(param, rule, hf, shape, padded, ctx, dim: int, global_name: str) -> None:
+    """The general path: whole HF tensors, transformed to the Megatron tensor, then sliced."""
+    full = to_megatron(rule, [hf.read(n) for n in rule.hf], shape, padded)
+    shard = tp_shard(
+        full,
+        partition_dim=dim,
+        tp_rank=ctx.tp_rank,
+        tp_size=ctx.sizes.tp,
+        gated=is_gated_fc1(global_name),
+    )
+    if shard.shape != param.shape:
+        raise CheckpointError(
+            f"{global_name}: HF tensors {list(rule.hf)} give a shard of shape {list(shard.shape)}, "
+            f"the Megatron parameter has {list(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(shard)
+
+
+def hf_tensors_from_full(
+    full: dict[str, Mapped], shape: GPTShape, rules: list[Rule]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs from full canonical Megatron tensors (TP-merged, global names); a
+    fused gate/up weight may be given as its two halves.
+
+    A generator in rule order (embedding, layer 0, layer 1, ...): callers stream the result.
+    """
+    for rule in rules:
+        if rule.export and rule.megatron in full:
+            tensor = full[rule.megatron]
+            if isinstance(tensor, tuple):
+                if rule.transform != "gated":
+                    raise ValueError(f"{rule.megatron}: two halves given for a {rule.transform} rule")
+                yield from zip(rule.hf, tensor, strict=True)
+            else:
+                yield from zip(rule.hf, to_hf(rule, tensor, shape), strict=True)
