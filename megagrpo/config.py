@@ -860,7 +860,10 @@ def _apply_override(data: dict, override: str) -> str:
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config (None: the tiny CPU default), apply `section.key=value` overrides, validate."""
-    path, text = config_files.read_config_file(path)
+    try:
+        path, text = config_files.read_config_file(path)
+    except config_files.ConfigFileError as e:
+        raise ConfigError((), e.message, e.source) from None
     source = str(path)
     try:
         data = yaml.load(text, Loader=_Loader)

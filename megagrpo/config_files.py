@@ -6,7 +6,10 @@ finds them without a checkout. ``--config`` takes either a path or the name of a
 
 - a path that exists is that file (``configs/deepscaler/8k.yaml``, ``my_run.yaml``);
 - otherwise a packaged name, with or without ``.yaml`` (``tiny_cpu``, ``deepscaler/8k``);
-- otherwise a :class:`~megagrpo.config.ConfigError` naming what was asked for and the packaged names.
+- otherwise a :class:`ConfigFileError` naming what was asked for and the packaged names
+  (:func:`megagrpo.config.load_config` raises it as a ``ConfigError``).
+
+Nothing of megagrpo is imported here, so ``megagrpo.config`` can import this module.
 """
 
 from __future__ import annotations
@@ -14,15 +17,12 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from megagrpo.config import ConfigError
 
 __all__ = [
     "DEFAULT_CONFIG_NAME",
     "DEFAULT_CONFIG_PATH",
     "PACKAGED_CONFIG_DIR",
+    "ConfigFileError",
     "packaged_config_names",
     "read_config_file",
     "resolve_config_path",
@@ -39,11 +39,16 @@ DEFAULT_CONFIG_NAME = "tiny_cpu"
 DEFAULT_CONFIG_PATH = PACKAGED_CONFIG_DIR / f"{DEFAULT_CONFIG_NAME}{_SUFFIX}"
 
 
-def _config_error(message: str, source: str | None = None) -> ConfigError:
-    # Imported here: megagrpo.config imports this module.
-    from megagrpo.config import ConfigError
+class ConfigFileError(ValueError):
+    """No config file where one was asked for, or an unreadable one; `source` is the file, if known."""
 
-    return ConfigError((), message, source)
+    def __init__(self, message: str, source: str | None = None):
+        self.message = message
+        self.source = source
+        super().__init__(f"{source}: {message}" if source else message)
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.source))
 
 
 def packaged_config_names() -> list[str]:
@@ -65,7 +70,7 @@ def resolve_config_path(spec: str | os.PathLike[str] | None) -> Path:
     if path.is_file():
         return path
     if path.is_dir():
-        raise _config_error(f"config {os.fspath(spec)!r} is a directory, not a YAML file")
+        raise ConfigFileError(f"config {os.fspath(spec)!r} is a directory, not a YAML file")
     name = path.as_posix()
     name = name.removesuffix(_SUFFIX)
     names = packaged_config_names()
@@ -73,7 +78,7 @@ def resolve_config_path(spec: str | os.PathLike[str] | None) -> Path:
         return PACKAGED_CONFIG_DIR / f"{name}{_SUFFIX}"
     where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
     shipped = ", ".join(names) if names else "none found"
-    raise _config_error(
+    raise ConfigFileError(
         f"config {os.fspath(spec)!r} not found: no such file{where}, and not the name of a packaged "
         f"config ({shipped})"
     )
@@ -86,4 +91,4 @@ def read_config_file(spec: str | os.PathLike[str] | None) -> tuple[Path, str]:
         return path, path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise _config_error(f"cannot read the file: {reason}", str(path)) from None
+        raise ConfigFileError(f"cannot read the file: {reason}", str(path)) from None

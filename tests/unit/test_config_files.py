@@ -9,6 +9,7 @@ from megagrpo.cli import main
 from megagrpo.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
 from megagrpo.config_files import (
     PACKAGED_CONFIG_DIR,
+    ConfigFileError,
     packaged_config_names,
     read_config_file,
     resolve_config_path,
@@ -75,7 +76,7 @@ def test_the_documented_paths_still_work_from_the_checkout(monkeypatch):
 )
 def test_unknown_config_is_one_clear_error(spec, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigFileError) as info:
         resolve_config_path(spec)
     msg = str(info.value)
     assert repr(spec) in msg
@@ -84,17 +85,21 @@ def test_unknown_config_is_one_clear_error(spec, tmp_path, monkeypatch):
 
 
 def test_a_directory_is_not_a_config(tmp_path):
-    with pytest.raises(ConfigError, match="is a directory"):
+    with pytest.raises(ConfigFileError, match="is a directory"):
         resolve_config_path(tmp_path)
 
 
 def test_an_unreadable_file_names_the_file(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes(b"run_name: caf\xe9\n")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigFileError) as info:
         read_config_file(path)
     assert info.value.source == str(path)
     assert "cannot read" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # what load_config and the CLI report
+        load_config(path)
+    assert info.value.source == str(path)
+    assert str(info.value).startswith(f"{path}: cannot read the file")
 
 
 def test_load_config_takes_a_packaged_name(tmp_path, monkeypatch):
@@ -120,5 +125,5 @@ def test_cli_plan_with_a_packaged_name_and_a_missing_config(tmp_path, monkeypatc
 def test_no_packaged_configs_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(config_files, "PACKAGED_CONFIG_DIR", tmp_path / "absent")
     assert packaged_config_names() == []
-    with pytest.raises(ConfigError, match="none found"):
+    with pytest.raises(ConfigFileError, match="none found"):
         resolve_config_path(tmp_path / "x")
