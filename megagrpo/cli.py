@@ -20,10 +20,15 @@ _NOT_YET = {
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    from megagrpo.config_files import DEFAULT_CONFIG_NAME, packaged_config_names
+
+    shipped = ", ".join(packaged_config_names())
     parser.add_argument(
         "--config",
         default=None,
-        help="YAML config (default: configs/tiny_cpu.yaml, the embedded tiny CPU job)",
+        metavar="FILE|NAME",
+        help=f"YAML file, or the name of a config shipped with megagrpo ({shipped}); default: "
+        f"{DEFAULT_CONFIG_NAME}, the embedded tiny CPU job (configs/{DEFAULT_CONFIG_NAME}.yaml)",
     )
     parser.add_argument(
         "overrides",

@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import yaml
 
+from megagrpo import config_files
+
 __all__ = [
     "DEFAULT_CONFIG_PATH",
     "CheckpointConfig",
@@ -43,7 +45,8 @@ __all__ = [
     "save_config",
 ]
 
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
+# The default file and --config's names are found by megagrpo.config_files (package data, not the checkout).
+DEFAULT_CONFIG_PATH = config_files.DEFAULT_CONFIG_PATH
 
 
 class ConfigError(ValueError):
@@ -857,10 +860,13 @@ def _apply_override(data: dict, override: str) -> str:
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config (None: the tiny CPU default), apply `section.key=value` overrides, validate."""
-    path = DEFAULT_CONFIG_PATH if path is None else Path(path)
+    try:
+        path, text = config_files.read_config_file(path)
+    except config_files.ConfigFileError as e:
+        raise ConfigError((), e.message, e.source) from None
     source = str(path)
     try:
-        data = yaml.load(path.read_text(), Loader=_Loader)
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
         raise ConfigError((), f"invalid YAML: {e}", source) from None
     if data is None:
