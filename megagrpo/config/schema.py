@@ -261,7 +261,9 @@ class GenerationConfig:
     probe_max_error: float = 1.001
     """Largest trainer/engine probability ratio the post-sync probe tolerates (>= 1); catches broken syncs."""
     sync_timeout_s: float = 600.0
-    """Seconds to wait for a weight sync before failing the run."""
+    """Seconds to wait for a weight sync (or a colocated engine's sleep/wake-up) before failing the run."""
+    timeout_s: float = 6000.0
+    """Seconds to wait for one engine's completions of a generate call before failing the run."""
 
     def __post_init__(self) -> None:
         positive(self, "num_engines", "engine_tensor_parallel_size", "max_new_tokens")
@@ -278,6 +280,7 @@ class GenerationConfig:
         )
         check(self, "probe_max_error", self.probe_max_error >= 1, ">= 1")
         check(self, "sync_timeout_s", self.sync_timeout_s > 0, "> 0")
+        check(self, "timeout_s", self.timeout_s > 0, "> 0")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -446,7 +449,8 @@ class LoggingConfig:
     tensorboard: bool = False
     """Also write TensorBoard event files."""
     log_every: int = 1
-    """Print and record metrics every this many steps."""
+    """Print the step's summary line every this many steps (and the last step); metrics.jsonl, TensorBoard
+    and the progress bar get every step."""
     val_every: int = 0
     """Validate every this many steps; 0 disables validation."""
     progress_bar: bool = True

@@ -450,6 +450,17 @@ def test_loading_without_auto_does_not_import_torch():
     assert done.stdout.strip() == "False"
 
 
+def test_generation_timeout_has_its_own_key():
+    default = config_module.GenerationConfig()
+    assert default.timeout_s == 10 * default.sync_timeout_s == 6000.0  # what the driver waited before
+    for path in SHIPPED:  # the shipped files keep their 10 x sync_timeout_s
+        gen = load_config(path).generation
+        assert gen.timeout_s == 10 * gen.sync_timeout_s
+    assert load_config(None, ["generation.timeout_s=30"]).generation.timeout_s == 30.0
+    msg = _error(["generation.timeout_s=0"])
+    assert "generation.timeout_s" in msg and "> 0" in msg
+
+
 def test_direct_construction_validates_too():
     with pytest.raises(ValueError, match="tensor_model_parallel_size"):
         ParallelConfig(tensor_model_parallel_size=0)
