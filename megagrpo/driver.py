@@ -69,6 +69,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
         run_dir,
         tensorboard=cfg.logging.tensorboard,
         progress=cfg.logging.progress_bar,
+        print_every=cfg.logging.log_every,
         total_steps=cfg.grpo.num_steps,
         start_step=step,
         resume=step > 0,
@@ -217,7 +218,7 @@ def generate(cfg: Config, engines: list, prompts: list[Prompt], settings: Sampli
             )
     out = []
     for offset, ref in refs:
-        for comp in ray.get(ref, timeout=cfg.generation.sync_timeout_s * 10):
+        for comp in ray.get(ref, timeout=cfg.generation.timeout_s):
             out.append(dataclasses.replace(comp, prompt_index=comp.prompt_index + offset))
     return out
 

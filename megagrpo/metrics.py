@@ -79,7 +79,9 @@ class MetricsLogger:
 
     ``resume=True`` (continuing from a checkpoint taken after ``start_step``) keeps the records of steps
     <= start_step and drops later ones, which the resumed run will log again; TensorBoard events of those
-    steps are purged likewise. ``resume=False`` starts a fresh file.
+    steps are purged likewise. ``resume=False`` starts a fresh file. Without a progress bar, the summary
+    line is printed every ``print_every`` steps and for the last step (``logging.log_every``); the files
+    get every step.
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class MetricsLogger:
         *,
         tensorboard: bool = True,
         progress: bool = True,
+        print_every: int = 1,
         total_steps: int,
         start_step: int = 0,
         resume: bool = False,
@@ -96,10 +99,13 @@ class MetricsLogger:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         if not 0 <= start_step <= total_steps:
             raise ValueError(f"start_step must be in [0, total_steps={total_steps}], got {start_step}")
+        if print_every < 1:
+            raise ValueError(f"print_every must be >= 1, got {print_every}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self.total_steps = total_steps
+        self.print_every = print_every
         if resume:
             kept = [r for r in read_metrics(self.path) if r["step"] <= start_step]
             # Rewritten even when nothing is dropped: this also removes a line torn by the crash.
@@ -164,7 +170,7 @@ class MetricsLogger:
             self._latest.update({k: v for k, v in values.items() if v is not None})
             summary = _summary(self._latest, step_s)
             self._progress.update(self._task, completed=step, summary=summary)
-        else:
+        elif step % self.print_every == 0 or step == self.total_steps:
             print(f"step {step}/{self.total_steps}  {_summary(values, step_s)}", flush=True)
 
     def close(self) -> None:

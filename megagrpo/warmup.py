@@ -142,7 +142,9 @@ def _accuracy(engine: TrainEngine, problems: list[Problem], tok: CharTokenizer) 
 
 def _warmup_rank(rank: int, world_size: int, cfg: Config, metrics_path: str, ckpt: str | None) -> dict | None:
     ctx = init_parallel(
-        ParallelSizes.from_config(cfg.parallel), backend=cfg.parallel.backend, seed=cfg.warmup.seed + 1234
+        ParallelSizes.from_config(cfg.parallel),
+        backend=cfg.parallel.resolved_backend,
+        seed=cfg.warmup.seed + 1234,
     )
     try:
         return _train(ctx, cfg, metrics_path, Path(ckpt) if ckpt else None)
@@ -162,7 +164,7 @@ def _train(ctx, cfg: Config, metrics_path: str, ckpt: Path | None) -> dict | Non
         ctx,
         shape,
         OptimizerSettings(lr=wu.lr, clip_grad=cfg.policy.clip_grad, weight_decay=cfg.policy.weight_decay),
-        transformer_impl=cfg.parallel.transformer_impl,
+        transformer_impl=cfg.parallel.resolved_transformer_impl,
     )
     scheduler = build_lr_scheduler(
         engine, lr=wu.lr, warmup_steps=max(1, wu.steps // 10), total_steps=wu.steps

@@ -68,16 +68,25 @@ def _cpu_scheduler_args(max_model_len: int) -> dict:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
 
 
+def vllm_env(cfg: Config) -> dict[str, str]:
+    """Environment variables vLLM reads at start-up, as this config wants them (applied only where the
+    process environment does not set them already)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if cfg.generation.cpu_kvcache_space_gib is not None:  # null: vLLM's own default
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.generation.cpu_kvcache_space_gib)
+    # vLLM logs every weight reload at INFO/WARNING; the driver reports what matters per step.
+    env["VLLM_LOGGING_LEVEL"] = "ERROR"
+    if cfg.generation.engine_tensor_parallel_size > 1:
+        # vLLM's CPU build otherwise pins each TP worker's threads to a NUMA node of its own and
+        # refuses machines with fewer nodes than workers (ignored by the CUDA build).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
+
+
 class GenerationWorker:
     def __init__(self, cfg: Config, model_dir: str, engine_index: int = 0, *, dummy_weights: bool = True):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generation.cpu_kvcache_space_gib))
-        # vLLM logs every weight reload at INFO/WARNING; the driver reports what matters per step.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        if cfg.generation.engine_tensor_parallel_size > 1:
-            # vLLM's CPU build otherwise pins each TP worker's threads to a NUMA node of its own and
-            # refuses machines with fewer nodes than workers (ignored by the CUDA build).
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        for name, value in vllm_env(cfg).items():
+            os.environ.setdefault(name, value)
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 

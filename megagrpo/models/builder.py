@@ -1,13 +1,12 @@
 """Build Megatron ``GPTModel`` stages from a ``TransformerConfig``.
 
-The layer spec is chosen once here: Transformer Engine's when it is importable (GPU), Megatron's
-local spec otherwise. Each pipeline stage builds only its own layers; the first stage owns the
-embedding, the last the output layer.
+The layer spec is Transformer Engine's or Megatron's local one, as ``transformer_impl`` says ("auto",
+for callers without a config, is resolved by ``megagrpo.parallel.backends``). Each pipeline stage
+builds only its own layers; the first stage owns the embedding, the last the output layer.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,26 +14,10 @@ import torch
 from megagrpo.models.layout import tp_partition_dim
 from megagrpo.models.mapping import canonical_name
 from megagrpo.models.shape import GPTShape, padded_vocab_size
+from megagrpo.parallel.backends import resolve_transformer_impl
 
 if TYPE_CHECKING:
     from megagrpo.parallel import ParallelContext
-
-
-def transformer_engine_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-def resolve_transformer_impl(impl: str = "auto") -> str:
-    """``auto`` means Transformer Engine when it is installed, Megatron's local modules otherwise."""
-    if impl == "auto":
-        return "transformer_engine" if transformer_engine_available() else "local"
-    if impl == "transformer_engine" and not transformer_engine_available():
-        raise ValueError(
-            "parallel.transformer_impl='transformer_engine' but transformer_engine is not installed"
-        )
-    if impl not in ("local", "transformer_engine"):
-        raise ValueError(f"parallel.transformer_impl must be auto, local or transformer_engine; got {impl!r}")
-    return impl
 
 
 def transformer_config(
@@ -112,7 +95,7 @@ def layer_spec(config, transformer_impl: str = "auto"):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if resolve_transformer_impl(transformer_impl) == "transformer_engine":
+    if resolve_transformer_impl(transformer_impl, check_available=True) == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
 

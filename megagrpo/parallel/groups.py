@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.parallel import cpu
+from megagrpo.parallel.backends import resolve_backend
 
 
 @dataclass(frozen=True)
@@ -81,17 +82,6 @@ class ParallelContext:
         return self.pp_rank == self.sizes.pp - 1
 
 
-def resolve_backend(backend: str = "auto") -> str:
-    """``auto`` means NCCL with CUDA, gloo without; an explicit NCCL request without CUDA is an error."""
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("parallel.backend='nccl' needs CUDA, and none is available; use 'gloo' or 'auto'")
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"parallel.backend must be one of auto, nccl, gloo; got {backend!r}")
-    return backend
-
-
 def init_parallel(
     sizes: ParallelSizes,
     *,
@@ -106,12 +96,14 @@ def init_parallel(
 
     Rank, world size and rendezvous default to the torchrun environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT, LOCAL_RANK). Seeds Megatron's RNG tracker so TP ranks draw
-    different dropout masks and identical everything else.
+    different dropout masks and identical everything else. ``backend``: "gloo" or "nccl" (a loaded
+    config's ``parallel.resolved_backend``), or "auto" for callers without a config, resolved by
+    :mod:`megagrpo.parallel.backends`.
     """
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, check_available=True)
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     dp_size = sizes.data_parallel_size(world_size)

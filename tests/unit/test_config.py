@@ -2,6 +2,8 @@
 
 import dataclasses
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from megagrpo.config import (
     load_config,
     save_config,
 )
+from megagrpo.parallel import backends
 
 pytestmark = pytest.mark.unit
 
@@ -364,11 +367,11 @@ def test_invalid_values(overrides, keys, expected):
 
 def test_context_parallel_auto_depends_on_transformer_engine(monkeypatch):
     overrides = ["parallel.context_parallel_size=2", "parallel.transformer_impl=auto"]
-    monkeypatch.setattr(config_module, "_transformer_engine_available", lambda: False)
+    monkeypatch.setattr(backends, "transformer_engine_available", lambda: False)
     msg = _error(overrides)
     assert "parallel.context_parallel_size" in msg
     assert "transformer_engine is not importable" in msg
-    monkeypatch.setattr(config_module, "_transformer_engine_available", lambda: True)
+    monkeypatch.setattr(backends, "transformer_engine_available", lambda: True)
     cfg = load_config(None, overrides)
     assert cfg.parallel.context_parallel_size == 2
     assert cfg.parallel.resolved_transformer_impl == "transformer_engine"
@@ -381,6 +384,81 @@ def test_context_parallel_needs_seq_length_divisible_by_2cp():
     assert "parallel.context_parallel_size" in msg
     assert "model.seq_length" in msg
     assert "2 * context" in msg
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("clip_eps_low", "0.0"),
+        ("clip_eps_high", "1.5"),
+        ("dual_clip", "1.0"),
+        ("kl_coef", "-0.1"),
+        ("kl_coef", ".inf"),
+        ("kl_estimator", "k4"),
+        ("tis_cap", "0.5"),
+        ("tis_mode", "drop"),
+        ("loss_agg", "batch"),
+    ],
+)
+def test_loss_knobs_are_checked_at_load(field, value):
+    # Moved from test_grpo_loss.py: the loss takes these as given, the config checks them once.
+    with pytest.raises(ValueError, match=rf"grpo\.{field}: (must be|expected)"):
+        load_config(None, [f"grpo.{field}={value}"])
+
+
+def test_auto_backend_and_layers_are_decided_once_at_load(monkeypatch):
+    overrides = ["parallel.backend=auto", "parallel.transformer_impl=auto"]
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
+    monkeypatch.setattr(backends, "transformer_engine_available", lambda: False)
+    cfg = load_config(None, overrides)
+    assert (cfg.parallel.resolved_backend, cfg.parallel.resolved_transformer_impl) == ("nccl", "local")
+    # What another process (a rank) would probe does not change the loaded config, which travels pickled.
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    monkeypatch.setattr(backends, "transformer_engine_available", lambda: True)
+    back = pickle.loads(pickle.dumps(cfg))
+    assert (back.parallel.resolved_backend, back.parallel.resolved_transformer_impl) == ("nccl", "local")
+    # Not keys: a saved config keeps "auto", and loading it decides again.
+    saved = config_to_dict(cfg)["parallel"]
+    assert (saved["backend"], saved["transformer_impl"]) == ("auto", "auto")
+    assert not any(key.startswith("resolved") for key in saved)
+    again = load_config(None, overrides)
+    assert (again.parallel.resolved_backend, again.parallel.resolved_transformer_impl) == (
+        "gloo",
+        "transformer_engine",
+    )
+    assert again == cfg  # the decision is not part of the config's value
+    assert "unknown key" in _error(["parallel.resolved_backend=nccl"])
+
+
+def test_explicit_backend_and_layers_are_taken_as_given(monkeypatch):
+    # A config may name what only the trainer's machines have; the ranks check it when they use it.
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    monkeypatch.setattr(backends, "transformer_engine_available", lambda: False)
+    cfg = load_config(SHIPPED[1], ["parallel.transformer_impl=transformer_engine"])
+    assert (cfg.parallel.resolved_backend, cfg.parallel.resolved_transformer_impl) == (
+        "nccl",
+        "transformer_engine",
+    )
+    cfg = load_config(None)
+    assert (cfg.parallel.resolved_backend, cfg.parallel.resolved_transformer_impl) == ("gloo", "local")
+
+
+def test_loading_without_auto_does_not_import_torch():
+    code = "import sys; import megagrpo.config as c; c.load_config(None); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+def test_generation_timeout_has_its_own_key():
+    default = config_module.GenerationConfig()
+    assert default.timeout_s == 10 * default.sync_timeout_s == 6000.0  # what the driver waited before
+    for path in SHIPPED:  # the shipped files keep their 10 x sync_timeout_s
+        gen = load_config(path).generation
+        assert gen.timeout_s == 10 * gen.sync_timeout_s
+    assert load_config(None, ["generation.timeout_s=30"]).generation.timeout_s == 30.0
+    msg = _error(["generation.timeout_s=0"])
+    assert "generation.timeout_s" in msg and "> 0" in msg
 
 
 def test_direct_construction_validates_too():

@@ -171,3 +171,17 @@ def test_tty_shows_progress_bar_instead(tmp_path, monkeypatch):
     text = out.getvalue()
     assert "2/5" in text and "reward 0.41" in text and "1.5s" in text
     assert "step 2/5" not in text
+
+
+def test_print_every_thins_the_printed_line_not_the_records(tmp_path, capsys):
+    with quiet(tmp_path, progress=True, total_steps=7, print_every=3) as log:
+        for step in range(1, 8):
+            log.log(step, {"reward/mean": step / 10, "timing/step_s": 1.0})
+    printed = [line.split()[1] for line in capsys.readouterr().out.splitlines()]
+    assert printed == ["3/7", "6/7", "7/7"]  # every third step, and the last
+    assert [r["step"] for r in strict_lines(tmp_path / "metrics.jsonl")] == list(range(1, 8))
+
+
+def test_print_every_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="print_every must be >= 1"):
+        quiet(tmp_path, print_every=0)

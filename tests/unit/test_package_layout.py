@@ -81,3 +81,12 @@ def test_checkpoint_io_lives_in_ckpt():
         assert (ROOT / "ckpt" / f"{name}.py").is_file()
     architecture = {"__init__", "registry", "shape", "mapping", "layout", "builder", "description"}
     assert {p.stem for p in (ROOT / "models").glob("*.py")} == architecture
+
+
+def test_no_module_over_800_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in ROOT.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 800
+    }
+    assert long == {}

@@ -1,0 +1,183 @@
+"""Rules that span fields or components, and the one decision of ``parallel``'s ``"auto"`` values.
+
+Everything here runs once, while a config is built (at load, or by direct construction): the schema's
+``__post_init__`` methods call :func:`resolve_parallel` and :func:`check_run`. Errors are
+:class:`~megagrpo.config.errors.ConfigError`; keys are relative to the section in
+:func:`resolve_parallel` (the loader adds ``parallel.``) and fully dotted in :func:`check_run`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megagrpo.config.errors import require
+from megagrpo.parallel import backends
+
+if TYPE_CHECKING:
+    from megagrpo.config.schema import Config, ParallelConfig
+
+__all__ = ["check_run", "resolve_parallel"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# parallel: "auto" resolved once
+# ----------------------------------------------------------------------------------------------------------
+
+
+def resolve_parallel(par: ParallelConfig) -> tuple[backends.Backend, backends.TransformerImpl]:
+    """(backend, transformer_impl) with "auto" decided by this process, after the layer-dependent checks.
+
+    Explicit values are taken as they are: a config may name NCCL or Transformer Engine for the trainer's
+    machines while it is loaded elsewhere; the ranks check availability when they use them.
+    """
+    require(
+        not par.sequence_parallel or par.transformer_impl != "local",
+        ("sequence_parallel", "transformer_impl"),
+        "sequence_parallel needs transformer_impl 'transformer_engine' (Megatron's local norms refuse it)",
+    )
+    transformer_impl = backends.resolve_transformer_impl(par.transformer_impl)
+    if par.context_parallel_size > 1:
+        # Megatron's local attention has no context-parallel path; only TE's ring attention does.
+        require(
+            par.transformer_impl != "local",
+            ("context_parallel_size", "transformer_impl"),
+            "context_parallel_size > 1 needs transformer_impl 'transformer_engine', not 'local'",
+        )
+        require(
+            transformer_impl != "local",
+            ("context_parallel_size", "transformer_impl"),
+            "context_parallel_size > 1 needs Transformer Engine, but transformer_impl 'auto' "
+            "resolves to 'local' here (transformer_engine is not importable)",
+        )
+    return backends.resolve_backend(par.backend), transformer_impl
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The whole run
+# ----------------------------------------------------------------------------------------------------------
+
+
+def check_run(cfg: Config) -> None:
+    """Checks across components; each raises ConfigError naming every dotted key involved."""
+    check_model_split(cfg)
+    check_batching(cfg)
+    check_lengths(cfg)
+    check_resources(cfg)
+    require(
+        cfg.logging.val_every == 0 or cfg.data.num_val_prompts > 0,
+        ("logging.val_every", "data.num_val_prompts"),
+        "validation is scheduled but data.num_val_prompts is 0",
+    )
+
+
+def check_model_split(cfg: Config) -> None:
+    """TP/PP/CP (and the engines' TP) against the model's shape and the loss aggregation."""
+    par, tiny = cfg.parallel, cfg.model.tiny
+    tp, pp, cp = (
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        par.context_parallel_size,
+    )
+    if cp > 1:
+        # Megatron's load-balanced CP splits every sequence into 2 * CP chunks.
+        require(
+            cfg.model.seq_length % (2 * cp) == 0,
+            ("parallel.context_parallel_size", "model.seq_length"),
+            f"seq_length {cfg.model.seq_length} must be divisible by 2 * context_parallel_size",
+        )
+        # Each CP rank scores only its chunks of a sequence; a per-sequence mean would need the
+        # sequence's token count from every CP rank.
+        require(
+            cfg.grpo.loss_agg == "token",
+            ("parallel.context_parallel_size", "grpo.loss_agg"),
+            "context_parallel_size > 1 needs loss_agg 'token'",
+        )
+    if tiny is None:
+        return  # An HF model's shape is known only once its config is read.
+    for name in ("num_attention_heads", "num_query_groups"):
+        require(
+            getattr(tiny, name) % tp == 0,
+            ("parallel.tensor_model_parallel_size", f"model.tiny.{name}"),
+            f"tensor_model_parallel_size {tp} must divide {name} {getattr(tiny, name)}",
+        )
+    require(
+        tiny.num_layers % pp == 0,
+        ("parallel.pipeline_model_parallel_size", "model.tiny.num_layers"),
+        f"pipeline_model_parallel_size {pp} must divide num_layers {tiny.num_layers}",
+    )
+    etp = cfg.generation.engine_tensor_parallel_size
+    require(
+        tiny.num_attention_heads % etp == 0,
+        ("generation.engine_tensor_parallel_size", "model.tiny.num_attention_heads"),
+        f"engine_tensor_parallel_size {etp} must divide num_attention_heads {tiny.num_attention_heads}",
+    )
+
+
+def check_batching(cfg: Config) -> None:
+    """Mini-batches tile a step's rollouts and split evenly over data-parallel ranks."""
+    mbs, dp = cfg.policy.mini_batch_size, cfg.parallel.data_parallel_size
+    require(
+        cfg.rollouts_per_step % mbs == 0,
+        ("policy.mini_batch_size", "grpo.num_prompts_per_step", "grpo.num_generations"),
+        f"mini_batch_size {mbs} must divide num_prompts_per_step * num_generations = {cfg.rollouts_per_step}",
+    )
+    require(
+        mbs % dp == 0,
+        ("policy.mini_batch_size", "parallel.data_parallel_size"),
+        f"mini_batch_size {mbs} must be divisible by data_parallel_size {dp}",
+    )
+
+
+def check_lengths(cfg: Config) -> None:
+    """Room for a prompt, the micro-batch token budget and the overlong buffer against the lengths."""
+    seq, new = cfg.model.seq_length, cfg.generation.max_new_tokens
+    require(
+        new < seq,
+        ("generation.max_new_tokens", "model.seq_length"),
+        f"max_new_tokens {new} leaves no room for a prompt in seq_length {seq}",
+    )
+    require(
+        cfg.policy.micro_batch_max_tokens >= seq,
+        ("policy.micro_batch_max_tokens", "model.seq_length"),
+        f"micro_batch_max_tokens {cfg.policy.micro_batch_max_tokens} cannot hold one sequence of "
+        f"seq_length {seq}",
+    )
+    if cfg.grpo.overlong_policy == "soft_penalty":
+        require(
+            cfg.grpo.overlong_buffer_tokens < new,
+            ("grpo.overlong_buffer_tokens", "generation.max_new_tokens"),
+            f"overlong_buffer_tokens {cfg.grpo.overlong_buffer_tokens} must be < max_new_tokens {new}",
+        )
+
+
+def check_resources(cfg: Config) -> None:
+    """Backend and placement against the cluster's GPUs."""
+    cluster, gen = cfg.cluster, cfg.generation
+    require(
+        cfg.parallel.backend != "nccl" or cluster.gpus_per_node > 0,
+        ("parallel.backend", "cluster.gpus_per_node"),
+        "backend 'nccl' needs GPUs (gpus_per_node > 0)",
+    )
+    require(
+        gen.placement != "colocated" or cluster.gpus_per_node > 0,
+        ("generation.placement", "cluster.gpus_per_node"),
+        "colocated placement needs GPUs (engines sleep during training with vLLM's CUDA-only sleep "
+        "mode); use 'disaggregated' on CPU",
+    )
+    require(
+        gen.placement != "colocated" or gen.engine_tensor_parallel_size == 1,
+        ("generation.placement", "generation.engine_tensor_parallel_size"),
+        "colocated placement shares one GPU per engine with a trainer rank: engine_tensor_parallel_size "
+        "must be 1 (use 'disaggregated' for multi-GPU engines)",
+    )
+    if cluster.gpus_per_node == 0:
+        return
+    total = cluster.num_nodes * cluster.gpus_per_node
+    trainer, engines = cfg.parallel.world_size, gen.num_engines * gen.engine_tensor_parallel_size
+    need = max(trainer, engines) if gen.placement == "colocated" else trainer + engines
+    require(
+        need <= total,
+        ("parallel.data_parallel_size", "generation.num_engines", "cluster.gpus_per_node"),
+        f"{gen.placement} placement needs {need} GPUs (trainer {trainer}, engines {engines}) but the "
+        f"cluster has {total}",
+    )

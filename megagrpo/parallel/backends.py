@@ -1,0 +1,78 @@
+"""The one place that turns ``"auto"`` into a torch.distributed backend or a Megatron layer implementation.
+
+``megagrpo.config`` calls :func:`resolve_backend` and :func:`resolve_transformer_impl` once, when a
+config is loaded, and the loaded config carries the result (``cfg.parallel.resolved_backend``,
+``cfg.parallel.resolved_transformer_impl``). ``init_parallel`` and the model builder accept ``"auto"``
+too, for callers that are not config-driven (the converters, tests), and resolve it here as well; they
+also ask for ``check_available``: the machine that is about to use a backend or a layer implementation
+must have it, while a config may name one that only the trainer's machines have.
+
+No torch import at module level: loading a config stays cheap unless ``"auto"`` needs the CUDA probe.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+__all__ = [
+    "BACKENDS",
+    "TRANSFORMER_IMPLS",
+    "cuda_available",
+    "resolve_backend",
+    "resolve_transformer_impl",
+    "transformer_engine_available",
+]
+
+Backend = Literal["gloo", "nccl"]
+TransformerImpl = Literal["local", "transformer_engine"]
+
+BACKENDS: tuple[Backend, ...] = ("gloo", "nccl")
+"""Concrete torch.distributed backends ``parallel.backend`` may name besides ``"auto"``."""
+TRANSFORMER_IMPLS: tuple[TransformerImpl, ...] = ("local", "transformer_engine")
+"""Concrete Megatron layer implementations ``parallel.transformer_impl`` may name besides ``"auto"``."""
+
+
+def cuda_available() -> bool:
+    """Whether this process sees a CUDA device."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine is installed (found, not imported: importing it is slow)."""
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def resolve_backend(name: str = "auto", *, check_available: bool = False) -> Backend:
+    """``auto`` means NCCL when CUDA is available, gloo otherwise; other names are returned as they are.
+
+    With ``check_available``, NCCL without CUDA is an error (the caller is about to use it here).
+    """
+    if name == "auto":
+        return "nccl" if cuda_available() else "gloo"
+    if name not in BACKENDS:
+        raise ValueError(f"parallel.backend must be one of auto, nccl, gloo; got {name!r}")
+    if check_available and name == "nccl" and not cuda_available():
+        raise ValueError("parallel.backend='nccl' needs CUDA, and none is available; use 'gloo' or 'auto'")
+    return name
+
+
+def resolve_transformer_impl(name: str = "auto", *, check_available: bool = False) -> TransformerImpl:
+    """``auto`` means Transformer Engine when it is installed, Megatron's local modules otherwise.
+
+    With ``check_available``, ``transformer_engine`` without Transformer Engine installed is an error.
+    """
+    if name == "auto":
+        return "transformer_engine" if transformer_engine_available() else "local"
+    if name not in TRANSFORMER_IMPLS:
+        raise ValueError(f"parallel.transformer_impl must be auto, local or transformer_engine; got {name!r}")
+    if check_available and name == "transformer_engine" and not transformer_engine_available():
+        raise ValueError(
+            "parallel.transformer_impl='transformer_engine' but transformer_engine is not installed"
+        )
+    return name
