@@ -5,7 +5,7 @@
     python benchmarks/convert_phases.py export --ckpt DIR --out DIR [--max-shard-bytes N]
 
 A diagnostic, not a second converter: it calls the same rank function the CLI spawns
-(``megagrpo.ckpt.convert._import_rank`` / ``_export_rank``, so it follows their private names)
+(``megagrpo.ckpt.convert.import_rank`` / ``export_rank``)
 at TP=PP=1 in this process, with timing wrappers around the converter's helpers and the Megatron
 checkpoint internals they reach. Every wrapped call appends one JSON line (pid, name, seconds,
 RssAnon/RssFile/VmHWM after the call) to an event file; the forked checkpoint writers write
@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True)
         if args.direction == "import":
-            convert._import_rank(0, 1, args.hf_dir, str(out), 1, 1)
+            convert.import_rank(0, 1, args.hf_dir, str(out), 1, 1)
         else:
-            convert._export_rank(0, 1, args.ckpt, str(out), args.max_shard_bytes)
+            convert.export_rank(0, 1, args.ckpt, str(out), args.max_shard_bytes)
         summary = summarize(events.path, t_imported, time.perf_counter())
     print(json.dumps(summary))
     return 0

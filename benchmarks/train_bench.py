@@ -210,7 +210,7 @@ def rank_main(rank: int, world_size: int, args) -> dict:
         shard = balanced_shards(batch.lengths.tolist(), worker.ctx.dp_size)[worker.ctx.dp_rank]
         micro = packed_micro_batches(batch, shard, cfg.policy.micro_batch_max_tokens)
         # The baseline must see exactly the worker's micro-batches (checked against its own packing).
-        theirs = [m["tokens"] for _, m in worker._micro_batches(batch, shard)]
+        theirs = [m["tokens"] for _, m in worker.micro_batches(batch, shard)]
         if len(theirs) != len(micro) or not all(map(torch.equal, theirs, (m["tokens"] for m in micro))):
             raise RuntimeError("the baseline's micro-batches differ from PolicyWorker's packing")
 
@@ -300,7 +300,7 @@ def time_weight_sender(worker, args) -> dict:
         return times
 
     def reshard():
-        for _ in worker._sender()._hf_tensors():
+        for _ in worker.sender.hf_tensors():  # the sender that send_weights made
             pass
 
     try:
