@@ -52,7 +52,7 @@ from pathlib import Path
 from common import RESULTS, TMP
 from common.configs import cpu_engine_overrides, make_config
 from common.models import cached_model, save_random_model
-from common.sampling import Contention, machine_info
+from common.sampling import machine_info, timed_call
 from common.tables import md_table, read_results, results_json, write_results
 
 # ------------------------------------------------------------------------------------ the model
@@ -166,10 +166,7 @@ class RawEngine:
 
 def timed(fn, pids: list[int]) -> dict:
     """Wall seconds of ``fn()`` and the CPUs used by ``pids`` and by everything else meanwhile."""
-    with Contention(pids) as c:
-        start = time.perf_counter()
-        value = fn()
-        wall = time.perf_counter() - start
+    value, wall, c = timed_call(fn, pids)
     return {
         "seconds": wall,
         "value": value,

@@ -66,7 +66,7 @@ from pathlib import Path
 from common import GB, MB, REPO, TMP
 from common.configs import cpu_engine_overrides, make_config
 from common.models import QWEN2_SHAPE, cached_model, layers_for, qwen2_params, save_random_model
-from common.sampling import Contention, child_pids, machine_info, mem_available, proc_status
+from common.sampling import child_pids, machine_info, mem_available, proc_status, timed_call
 from sync_report import render, write_report
 
 from megagrpo.generation.worker import GenerationWorker
@@ -364,10 +364,7 @@ class BoundPeer:
 
 def run_timed(what: str, fn, pids: list[int]) -> dict:
     """``fn()`` timed, with the CPU seconds of ``pids``, of the Ray daemons and of this process."""
-    with Contention([*pids, *child_pids(), os.getpid()]) as c:
-        start = time.perf_counter()
-        inner = fn()
-        seconds = time.perf_counter() - start
+    inner, seconds, c = timed_call(fn, [*pids, *child_pids(), os.getpid()])
     return {
         "what": what,
         "seconds": seconds,

@@ -131,6 +131,15 @@ class Contention:
         return False
 
 
+def timed_call(fn, pids: list[int]):
+    """``fn()``'s value, its wall seconds, and the ``Contention`` of ``pids`` around the call."""
+    with Contention(pids) as contention:
+        start = time.perf_counter()
+        value = fn()
+        seconds = time.perf_counter() - start
+    return value, seconds, contention
+
+
 # --------------------------------------------------------------------------------------- memory
 
 
