@@ -43,9 +43,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -54,17 +52,23 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from _common import machine_info
+from common import GB, MB, REPO, TMP
+from common.models import (
+    QWEN2_SHAPE,
+    cached_model,
+    layers_for,
+    qwen2_params,
+    qwen2_tensor_shapes,
+    write_random_shards,
+)
+from common.sampling import children_cpu_s, machine_busy_s, machine_info, proc_pss, proc_status
+from common.tables import md_table, results_json, write_results
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
-TMP = RESULTS / "tmp"
-MB = 10**6
-GB = 10**9
 # The plain-I/O commands each conversion is compared with: page cache only, and synced to disk.
 BOUNDS = ("io_bound", "io_bound_durable")
 POLL_S = 0.02
 PSS_POLL_S = 1.0  # smaps_rollup walks page tables: ~34 ms for a 3 GB process
+STATUS_KEYS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
 # A run during which other processes kept this many CPUs busy is "disturbed": its time is not used
 # when an undisturbed repeat exists.
 CONTENDED_CPUS = 0.3
@@ -86,14 +90,7 @@ LAUNCHER = (
 )
 
 # Qwen2-style shape; the layer count is chosen to reach --size-mb.
-SHAPE = {
-    "vocab_size": 32000,
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 4096,
-}
+SHAPE = {**QWEN2_SHAPE, "max_position_embeddings": 4096}
 SOURCE_SHARDS = 5
 
 
@@ -112,91 +109,23 @@ def qwen2_config(num_layers: int):
     )
 
 
-def hf_tensor_shapes(num_layers: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a Qwen2 checkpoint in HF order: embedding, layers, final norm, lm_head."""
-    h, ffn, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
-    head_dim = h // SHAPE["num_attention_heads"]
-    q_rows, kv_rows = h, SHAPE["num_key_value_heads"] * head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q_rows, h),
-                p + "self_attn.q_proj.bias": (q_rows,),
-                p + "self_attn.k_proj.weight": (kv_rows, h),
-                p + "self_attn.k_proj.bias": (kv_rows,),
-                p + "self_attn.v_proj.weight": (kv_rows, h),
-                p + "self_attn.v_proj.bias": (kv_rows,),
-                p + "self_attn.o_proj.weight": (h, q_rows),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "mlp.gate_proj.weight": (ffn, h),
-                p + "mlp.up_proj.weight": (ffn, h),
-                p + "mlp.down_proj.weight": (h, ffn),
-            }
-        )
-    shapes["model.norm.weight"] = (h,)
-    shapes["lm_head.weight"] = (v, h)
-    return shapes
-
-
 def model_bytes(num_layers: int) -> int:
-    return sum(2 * math.prod(s) for s in hf_tensor_shapes(num_layers).values())  # bf16
-
-
-def layers_for(size_mb: float) -> int:
-    """Fewest layers whose checkpoint is at least ``size_mb`` MB."""
-    layers = 1
-    while model_bytes(layers) < size_mb * MB:
-        layers += 1
-    return layers
-
-
-def make_source_model(out: Path, num_layers: int) -> None:
-    """Random bf16 weights written shard by shard: at most one shard is in memory at a time."""
-    import torch
-    from safetensors.torch import save_file
-
-    shapes = hf_tensor_shapes(num_layers)
-    cap = -(-model_bytes(num_layers) // SOURCE_SHARDS)
-    groups: list[list[str]] = [[]]
-    group_bytes = 0
-    for name, shape in shapes.items():
-        nbytes = 2 * math.prod(shape)
-        if groups[-1] and group_bytes + nbytes > cap:
-            groups.append([])
-            group_bytes = 0
-        groups[-1].append(name)
-        group_bytes += nbytes
-    tmp = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(0)
-    weight_map = {}
-    for i, names in enumerate(groups):
-        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard = {n: (0.02 * torch.randn(shapes[n], generator=gen)).to(torch.bfloat16) for n in names}
-        save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, fname))
-        del shard
-    index = {"metadata": {"total_size": model_bytes(num_layers)}, "weight_map": weight_map}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    qwen2_config(num_layers).to_json_file(str(tmp / "config.json"))
-    (tmp / "bench-source.json").write_text(json.dumps({"shape": SHAPE, "num_layers": num_layers}) + "\n")
-    os.replace(tmp, out)
+    return 2 * qwen2_params(SHAPE, num_layers, tied=False)  # bf16
 
 
 def source_model(num_layers: int) -> Path:
-    out = TMP / f"qwen2-L{num_layers}-bf16"
-    marker = out / "bench-source.json"
-    if marker.is_file() and json.loads(marker.read_text()) == {"shape": SHAPE, "num_layers": num_layers}:
-        print(f"reusing source model {out}")
-        return out
-    shutil.rmtree(out, ignore_errors=True)
-    print(f"writing source model {out} ({model_bytes(num_layers) / MB:.0f} MB)")
-    make_source_model(out, num_layers)
-    return out
+    """Random bf16 weights in ``SOURCE_SHARDS`` shards, with transformers' ``Qwen2Config``."""
+
+    def write(out: Path) -> None:
+        import torch
+
+        shapes = qwen2_tensor_shapes(SHAPE, num_layers, tied=False)
+        write_random_shards(out, shapes, SOURCE_SHARDS, torch.bfloat16)
+        qwen2_config(num_layers).to_json_file(str(out / "config.json"))
+
+    marker = {"shape": SHAPE, "num_layers": num_layers}
+    what = f"{model_bytes(num_layers) / MB:.0f} MB"
+    return cached_model(TMP / f"qwen2-L{num_layers}-bf16", marker, write, what)
 
 
 def shard_files(hf_dir: Path) -> list[Path]:
@@ -235,54 +164,15 @@ class Run:
     extra: dict = field(default_factory=dict)
 
 
-def _proc_status(pid: int) -> dict[str, int]:
-    """VmRSS/RssAnon/RssFile/VmHWM of one process in bytes ({} if it has exited)."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-                    out[key] = int(rest.split()[0]) * 1024
-    except (FileNotFoundError, ProcessLookupError):
-        return {}
-    return out
-
-
-def _proc_pss(pid: int) -> int:
-    """Proportional set size of one process in bytes (0 if it has exited)."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as fh:
-            for line in fh:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return 0
-
-
-def cpu_busy_seconds() -> float:
-    """Busy CPU time of the whole machine since boot (all CPUs), from /proc/stat."""
-    with open("/proc/stat") as fh:
-        fields = [int(x) for x in fh.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def wait_for_quiet(max_wait_s: float, busy_cpus: float = 0.3) -> float:
     """Wait (up to ``max_wait_s``) until other processes use < ``busy_cpus`` CPUs; return the wait."""
     start = time.perf_counter()
     while time.perf_counter() - start < max_wait_s:
-        before = cpu_busy_seconds()
+        before = machine_busy_s()
         time.sleep(1.0)
-        if cpu_busy_seconds() - before < busy_cpus:
+        if machine_busy_s() - before < busy_cpus:
             break
     return time.perf_counter() - start
-
-
-def _children_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _cmd(pid: int) -> str:
@@ -300,7 +190,7 @@ def measure(name: str, cmd: list[str], timeout_s: float = 3600) -> Run:
     run = Run(name=name, cmd=cmd)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log_r, log_w = os.pipe()
-    busy_start, own_start = cpu_busy_seconds(), time.process_time()
+    busy_start, own_start = machine_busy_s(), time.process_time()
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-S", "-c", LAUNCHER, str(log_w), *cmd],
@@ -327,7 +217,7 @@ def measure(name: str, cmd: list[str], timeout_s: float = 3600) -> Run:
             pids = [c.pid for c in launcher.children(recursive=True)]
         except psutil.NoSuchProcess:
             pids = []
-        live = {pid: stat for pid in pids if (stat := _proc_status(pid))}
+        live = {pid: stat for pid in pids if (stat := proc_status(pid, STATUS_KEYS))}
         stats = list(live.values())
         now = time.perf_counter() - start
         for pid, stat in live.items():
@@ -341,7 +231,7 @@ def measure(name: str, cmd: list[str], timeout_s: float = 3600) -> Run:
         hwm = max([hwm, *(s.get("VmHWM", 0) for s in stats)])
         run.max_processes = max(run.max_processes, len(stats))
         if now >= next_pss:
-            run.max_tree_pss = max(run.max_tree_pss, sum(_proc_pss(pid) for pid in live))
+            run.max_tree_pss = max(run.max_tree_pss, sum(proc_pss(pid) for pid in live))
             next_pss = now + PSS_POLL_S
         run.samples += 1
         if time.perf_counter() - start > timeout_s:
@@ -352,7 +242,7 @@ def measure(name: str, cmd: list[str], timeout_s: float = 3600) -> Run:
     run.wall_s = time.perf_counter() - start
     code, maxrss, cpu_s = proc.stdout.read().split()
     code, maxrss = int(code), int(maxrss)
-    busy_s = cpu_busy_seconds() - busy_start
+    busy_s = machine_busy_s() - busy_start
     run.cpu_s = float(cpu_s)
     run.other_cpus = max(0.0, busy_s - run.cpu_s - (time.process_time() - own_start)) / run.wall_s
     reader.join()
@@ -496,7 +386,7 @@ def run_benchmarks(args: argparse.Namespace) -> dict:
     import torch
 
     py = sys.executable
-    layers = layers_for(args.size_mb)
+    layers = layers_for(args.size_mb, model_bytes)
     src = source_model(layers)
     args.source = src
     size = sum(p.stat().st_size for p in shard_files(src))
@@ -615,16 +505,16 @@ def profile_phases(src: Path, ckpt: Path, args: argparse.Namespace) -> dict:
         for _ in range(3):
             settle(src if job[0] == "import" else ckpt)
             wait_for_quiet(args.quiet_wait)
-            busy, children = cpu_busy_seconds(), _children_cpu_seconds()
+            busy, children = machine_busy_s(), children_cpu_s()
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, script, *job], cwd=REPO, capture_output=True, text=True)
             wall = time.perf_counter() - start
             if proc.returncode != 0:
                 raise RuntimeError(f"phases {name}: exit code {proc.returncode}:\n{proc.stderr[-4000:]}")
-            own = _children_cpu_seconds() - children
+            own = children_cpu_s() - children
             shutil.rmtree(Path(job[job.index("--out") + 1]), ignore_errors=True)  # disk, not needed
             result = json.loads(proc.stdout.strip().splitlines()[-1])
-            result["other_cpus"] = max(0.0, cpu_busy_seconds() - busy - own) / wall
+            result["other_cpus"] = max(0.0, machine_busy_s() - busy - own) / wall
             if name not in out or result["other_cpus"] < out[name]["other_cpus"]:
                 out[name] = result
             if result["other_cpus"] < CONTENDED_CPUS:
@@ -670,10 +560,12 @@ def table(report: dict) -> str:
         f"{report['date']}. Times: fastest undisturbed run of {report['repeat']} wanted; "
         "memory: worst run.",
         "",
-        "| command | wall s | GB/s | % of I/O bound | % of durable I/O bound | max process RSS MB "
-        "| RSS bound MB | tree PSS MB (RSS sum) | tree bound MB | procs | other CPUs busy |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    header = (
+        "command | wall s | GB/s | % of I/O bound | % of durable I/O bound | max process RSS MB "
+        "| RSS bound MB | tree PSS MB (RSS sum) | tree bound MB | procs | other CPUs busy"
+    )
+    rows = []
     for name, r in res.items():
         tree = f"{r['max_tree_pss'] / MB:.0f} ({r['max_tree_rss'] / MB:.0f})"
         if name == "idle":
@@ -695,8 +587,8 @@ def table(report: dict) -> str:
                 f"{r['tree_rss_bound'] / MB:.0f} {'ok' if r['meets_tree_rss_target'] else 'MISS'}",
             ]
         disturbed = " DISTURBED" if r["disturbed"] else ""
-        cells += [str(r["max_processes"]), f"{r['other_cpus']:.2f}{disturbed}"]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        rows.append([name, *cells, r["max_processes"], f"{r['other_cpus']:.2f}{disturbed}"])
+    lines += md_table(header, rows, "l" + "r" * 10)
     lines += [
         "",
         "GB/s = model bytes / wall seconds of the whole command (interpreter start-up included); the I/O",
@@ -717,15 +609,21 @@ def table(report: dict) -> str:
             f"Phases of one in-process rank, {name} (benchmarks/convert_phases.py; "
             f"{ph['total_seconds']:.2f} s in all, other processes used {ph['other_cpus']:.2f} CPUs):",
             "",
-            "| call | first start s | calls | seconds | RssAnon MB after | RssFile MB after | VmHWM MB |",
-            "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        for call, c in ph["calls"].items():
-            lines.append(
-                f"| {call} | {c['first_start']:.2f} | {c['calls']} | {c['seconds']:.2f} "
-                f"| {c['rss_anon_after_last'] / MB:.0f} | {c['rss_file_after_last'] / MB:.0f} "
-                f"| {c['max_vmhwm'] / MB:.0f} |"
-            )
+        header = "call | first start s | calls | seconds | RssAnon MB after | RssFile MB after | VmHWM MB"
+        rows = [
+            [
+                call,
+                f"{c['first_start']:.2f}",
+                c["calls"],
+                f"{c['seconds']:.2f}",
+                f"{c['rss_anon_after_last'] / MB:.0f}",
+                f"{c['rss_file_after_last'] / MB:.0f}",
+                f"{c['max_vmhwm'] / MB:.0f}",
+            ]
+            for call, c in ph["calls"].items()
+        ]
+        lines += md_table(header, rows, "l" + "r" * 6)
     return "\n".join(lines) + "\n"
 
 
@@ -763,8 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_benchmarks(args)
     report["model"]["meets_size_requirement"] = report["model"]["bytes"] >= 500 * MB
     text = table(report)
-    (RESULTS / f"{args.output}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"{args.output}.md").write_text("# Conversion benchmark\n\n" + text)
+    write_results(results_json(args.output), report, "# Conversion benchmark\n\n" + text)
     print()
     print(text)
     return 0

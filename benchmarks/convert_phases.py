@@ -4,13 +4,17 @@
     python benchmarks/convert_phases.py import --hf-dir DIR --out DIR
     python benchmarks/convert_phases.py export --ckpt DIR --out DIR [--max-shard-bytes N]
 
-A diagnostic, not a second converter: it calls the same rank function the CLI spawns
-(``megagrpo.ckpt.convert._import_rank`` / ``_export_rank``, so it follows their private names)
-at TP=PP=1 in this process, with timing wrappers around the converter's helpers and the Megatron
-checkpoint internals they reach. Every wrapped call appends one JSON line (pid, name, seconds,
-RssAnon/RssFile/VmHWM after the call) to an event file; the forked checkpoint writers write
-theirs too. The summary (printed as JSON on the last stdout line) aggregates the events per
-(process, name) and lists the memory after each top-level phase.
+A diagnostic, not a second converter: it calls the rank function the CLI runs
+(``megagrpo.ckpt.convert.import_rank`` / ``export_rank``) at TP=PP=1 in this process, with timing
+wrappers around the public megagrpo functions a conversion goes through, named by their public
+module (``megagrpo.models.builder.build_stage``, ``megagrpo.ckpt.megatron.save_megatron``, ...) and
+replaced wherever megagrpo's modules hold them (so the profile does not depend on which module
+imports which), and around the Megatron checkpoint internals they reach (third-party, followed by
+name). Every wrapped call appends one JSON line (pid, name, seconds, RssAnon/RssFile/VmHWM after
+the call) to an event file; the forked checkpoint writers write theirs too. The summary (printed as
+JSON on the last stdout line) aggregates the events per (process, name) and lists the memory after
+each top-level phase. Call names keep the converter's prefix (``convert.build_stage``), as in
+earlier results.
 """
 
 from __future__ import annotations
@@ -27,16 +31,12 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from common.sampling import proc_status  # noqa: E402
+
 
 def memory() -> dict[str, int]:
     """RssAnon, RssFile and VmHWM of this process, in bytes."""
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key, _, rest = line.partition(":")
-            if key in ("RssAnon", "RssFile", "VmHWM"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
+    return proc_status("self", ("RssAnon", "RssFile", "VmHWM"))
 
 
 class Events:
@@ -58,6 +58,10 @@ class Events:
         func = raw.__func__ if is_static else raw
         label = name or f"{getattr(owner, '__name__', owner)}.{attr}"
 
+        timed = self.timed(func, label)
+        setattr(owner, attr, staticmethod(timed) if is_static else timed)
+
+    def timed(self, func, label: str):
         @functools.wraps(func)
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -66,10 +70,23 @@ class Events:
             finally:
                 self.emit(label, time.perf_counter() - start)
 
-        setattr(owner, attr, staticmethod(timed) if is_static else timed)
+        return timed
+
+    def wrap_function(self, home, attr: str, name: str) -> None:
+        """Replace the function ``home.attr`` by a timed version in every loaded megagrpo module
+        that holds it (its own module and those that imported it by name)."""
+        func = getattr(home, attr)
+        timed = self.timed(func, name)
+        for module in list(sys.modules.values()):
+            if getattr(module, "__name__", "").startswith("megagrpo"):
+                for key, value in list(vars(module).items()):
+                    if value is func:
+                        setattr(module, key, timed)
 
 
 def instrument(events: Events) -> None:
+    """Timing wrappers: megagrpo's public functions that a conversion goes through, Megatron's
+    checkpoint internals, the fsyncs and the writer processes' queues."""
     import multiprocessing.managers
     import multiprocessing.queues
     import os as os_module
@@ -77,26 +94,29 @@ def instrument(events: Events) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megagrpo.ckpt import convert, hf_files
+    import megagrpo.parallel
+    from megagrpo.ckpt import convert, hf_files, megatron
+    from megagrpo.models import builder, layout, mapping
 
-    for attr in (
-        "init_parallel",
-        "build_stage",
-        "load_hf_into_stage",
-        "save_megatron",
-        "load_megatron",
-        "mapped_checkpoint_tensors",
-        "destroy_parallel",
-        "read_model",
-        "to_megatron",
-        "to_hf",
-        "tp_shard",
-    ):
-        events.wrap(convert, attr, f"convert.{attr}")
+    public = {
+        "init_parallel": megagrpo.parallel,
+        "build_stage": builder,
+        "load_hf_into_stage": convert,
+        "save_megatron": megatron,
+        "load_megatron": megatron,
+        "mapped_checkpoint_tensors": megatron,
+        "destroy_parallel": megagrpo.parallel,
+        "read_model": megatron,
+        "to_megatron": mapping,
+        "to_hf": mapping,
+        "tp_shard": layout,
+    }
+    for attr, module in public.items():
+        events.wrap_function(module, attr, f"convert.{attr}")
     events.wrap(hf_files.HFCheckpoint, "__init__", "HFCheckpoint.__init__ (headers)")
     events.wrap(hf_files.HFCheckpoint, "validate")
     events.wrap(hf_files.HFCheckpoint, "read")
-    events.wrap(convert, "write_sharded", "convert.write_sharded (streaming safetensors)")
+    events.wrap_function(hf_files, "write_sharded", "convert.write_sharded (streaming safetensors)")
     events.wrap(dist_checkpointing, "save", "dist_checkpointing.save")
     events.wrap(dist_checkpointing, "load", "dist_checkpointing.load")
     events.wrap(filesystem_async, "_get_write_results_queue", "dcp: spawn Manager() results queue")
@@ -156,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True)
         if args.direction == "import":
-            convert._import_rank(0, 1, args.hf_dir, str(out), 1, 1)
+            convert.import_rank(0, 1, args.hf_dir, str(out), 1, 1)
         else:
-            convert._export_rank(0, 1, args.ckpt, str(out), args.max_shard_bytes)
+            convert.export_rank(0, 1, args.ckpt, str(out), args.max_shard_bytes)
         summary = summarize(events.path, t_imported, time.perf_counter())
     print(json.dumps(summary))
     return 0

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -34,13 +33,10 @@ import time
 from pathlib import Path
 
 import torch
+from common import RESULTS
+from common.sampling import machine_info, mem_available, proc_status
+from common.tables import md_table, write_results
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable from a checkout without installing megagrpo
-
-from _common import machine_info  # noqa: E402 (this folder is on sys.path when run as a script)
-
-RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = ("chunked", "chunked_entropy", "full", "full_entropy")
 MB = 2**20
 
@@ -64,11 +60,6 @@ def logprobs_of(variant: str, logits: torch.Tensor, targets: torch.Tensor, chunk
 # ------------------------------------------------------------------------------- one variant, alone
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _reset_cpu_peak() -> str:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -80,10 +71,7 @@ def _reset_cpu_peak() -> str:
 
 def _cpu_peak_bytes(method: str) -> int:
     if method == "VmHWM":
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+        return proc_status("self", ("VmHWM",))["VmHWM"]
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -106,7 +94,7 @@ def measure(variant: str, tokens: int, vocab: int, chunk: int, device: torch.dev
         torch.cuda.reset_peak_memory_stats(device)
         method = "cuda.max_memory_allocated"
     else:
-        before = _rss_bytes()
+        before = proc_status("self", ("VmRSS",))["VmRSS"]
         method = _reset_cpu_peak()
     start = time.perf_counter()
     logprobs_of(variant, logits, targets, chunk).backward(grad_T)
@@ -164,14 +152,6 @@ def estimate_full_gib(tokens: int, vocab: int) -> float:
     return tokens * vocab * (3 * 4 + 2 + 2) / 2**30
 
 
-def _available_gib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20
-    return float("inf")
-
-
 def run_variant(args, variant: str, tokens: int, device: torch.device) -> dict:
     cmd = [
         sys.executable,
@@ -195,7 +175,7 @@ def run_variant(args, variant: str, tokens: int, device: torch.device) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def write_markdown(path: Path, report: dict) -> None:
+def markdown(report: dict) -> str:
     m, a = report["machine"], report["args"]
     lines = [
         "# Logprob path: peak memory, chunked vs full-vocab fp32",
@@ -205,18 +185,22 @@ def write_markdown(path: Path, report: dict) -> None:
         f"Peak = memory added on top of the inputs ({report['runs'][0]['method']}). "
         "Command: `" + report["command"] + "`",
         "",
-        "| tokens | input logits MB | chunked MB | chunked+entropy MB | full MB | full+entropy MB | "
-        "full / chunked | full+ent / chunked+ent |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for s in report["summary"]:
-        p = s["peak_extra_mb"]
-        lines.append(
-            f"| {s['tokens']} | {s['input_logits_mb']:.0f} | {p['chunked']:.0f} | "
-            f"{p['chunked_entropy']:.0f} | {p['full']:.0f} | {p['full_entropy']:.0f} | "
-            f"{s['ratio_full_over_chunked']:.2f} | "
-            f"{s['ratio_full_entropy_over_chunked_entropy']:.2f} |"
-        )
+    header = (
+        "tokens | input logits MB | chunked MB | chunked+entropy MB | full MB | full+entropy MB "
+        "| full / chunked | full+ent / chunked+ent"
+    )
+    rows = [
+        [
+            s["tokens"],
+            f"{s['input_logits_mb']:.0f}",
+            *(f"{s['peak_extra_mb'][v]:.0f}" for v in VARIANTS),
+            f"{s['ratio_full_over_chunked']:.2f}",
+            f"{s['ratio_full_entropy_over_chunked_entropy']:.2f}",
+        ]
+        for s in report["summary"]
+    ]
+    lines += md_table(header, rows)
     lines += [
         "",
         "Times (s, median of the fresh process's runs): "
@@ -232,7 +216,7 @@ def write_markdown(path: Path, report: dict) -> None:
         "peak; at TP > 1 the full approach would first all-gather the vocabulary (another bf16 "
         "[tokens, vocab] per rank) while the chunked path works on vocab / TP.",
     ]
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
@@ -270,10 +254,11 @@ def main(argv=None) -> dict | None:
     }
     for tokens in args.tokens:
         need = estimate_full_gib(tokens, args.vocab) + 3 * tokens * args.vocab * 2 / 2**30
-        if device.type == "cpu" and need > 0.8 * _available_gib():
+        available_gib = mem_available() / 2**30 or float("inf")  # 0: not reported
+        if device.type == "cpu" and need > 0.8 * available_gib:
             raise SystemExit(
                 f"{tokens} tokens x {args.vocab} needs ~{need:.1f} GiB for the full variant; only "
-                f"{_available_gib():.1f} GiB available: use fewer --tokens"
+                f"{available_gib:.1f} GiB available: use fewer --tokens"
             )
         runs = {}
         for variant in VARIANTS:
@@ -294,9 +279,7 @@ def main(argv=None) -> dict | None:
                 "time_s_median": {k: sorted(r["time_s"])[len(r["time_s"]) // 2] for k, r in runs.items()},
             }
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    write_markdown(args.out.with_suffix(".md"), report)
+    write_results(args.out, report, markdown(report))
     for s in report["summary"]:
         print(
             f"[logprob_memory] {s['tokens']} tokens: chunked {s['peak_extra_mb']['chunked']:.0f} MB, "

@@ -43,21 +43,17 @@ Every run records the CPUs other processes kept busy meanwhile.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable from a checkout without installing megagrpo
-
-from _common import machine_info  # noqa: E402 (this folder is on sys.path when run as a script)
-
-RESULTS = REPO / "benchmarks" / "results"
-TMP = RESULTS / "tmp"
-
+from common import RESULTS, TMP
+from common.configs import cpu_engine_overrides, make_config
+from common.models import cached_model, save_random_model
+from common.sampling import machine_info, timed_call
+from common.tables import md_table, read_results, results_json, write_results
 
 # ------------------------------------------------------------------------------------ the model
 
@@ -73,50 +69,28 @@ def source_model(args) -> Path:
         "vocab_size": args.vocab,
         "max_position_embeddings": args.seq_length,
     }
-    out = TMP / f"rollout-qwen2-L{args.layers}-h{args.hidden}-v{args.vocab}"
-    marker = out / "bench-source.json"
-    if marker.is_file() and json.loads(marker.read_text()) == shape:
-        return out
-    import shutil
 
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    def write(out: Path) -> None:
+        from transformers import Qwen2Config
 
-    config = Qwen2Config(
-        **shape, rope_theta=1e6, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tmp = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    # vLLM would add a generation config's EOS to every request's stop tokens.
-    (tmp / "generation_config.json").unlink(missing_ok=True)
-    (tmp / "bench-source.json").write_text(json.dumps(shape) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
+        config = Qwen2Config(
+            **shape, rope_theta=1e6, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None
+        )
+        save_random_model(out, config)
+        # vLLM would add a generation config's EOS to every request's stop tokens.
+        (out / "generation_config.json").unlink(missing_ok=True)
+
+    return cached_model(TMP / f"rollout-qwen2-L{args.layers}-h{args.hidden}-v{args.vocab}", shape, write)
 
 
 def bench_config(model_dir: Path, args):
-    from megagrpo.config import load_config
-
-    return load_config(
-        None,
-        [
-            "model.tiny=null",
-            f"model.hf_dir={model_dir}",
-            "model.dtype=float32",
-            f"model.seq_length={args.seq_length}",
-            f"generation.max_new_tokens={args.new_tokens}",
-            "generation.num_engines=1",
-            "generation.cpu_kvcache_space_gib=1",
-            "generation.enforce_eager=true",
-            "generation.placement=disaggregated",
-            "generation.temperature=1.0",
-            "parallel.tensor_model_parallel_size=1",
-            "cluster.cpus_per_worker=1",
-        ],
+    return make_config(
+        {
+            **cpu_engine_overrides(model_dir, seq_length=args.seq_length),
+            "generation.max_new_tokens": args.new_tokens,
+            "generation.num_engines": 1,
+            "generation.temperature": 1.0,
+        }
     )
 
 
@@ -190,37 +164,14 @@ class RawEngine:
 # ------------------------------------------------------------------------------------ measuring
 
 
-def machine_busy_s() -> float:
-    """Busy CPU seconds of the whole machine since boot (all CPUs), from /proc/stat."""
-    with open("/proc/stat") as fh:
-        fields = [int(x) for x in fh.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_s(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-    return total
-
-
 def timed(fn, pids: list[int]) -> dict:
     """Wall seconds of ``fn()`` and the CPUs used by ``pids`` and by everything else meanwhile."""
-    m0, o0 = machine_busy_s(), process_cpu_s(pids)
-    start = time.perf_counter()
-    value = fn()
-    wall = time.perf_counter() - start
-    ours = process_cpu_s(pids) - o0
+    value, wall, c = timed_call(fn, pids)
     return {
         "seconds": wall,
         "value": value,
-        "ours_cpus": ours / wall,
-        "other_cpus": max(0.0, (machine_busy_s() - m0 - ours) / wall),
+        "ours_cpus": c.ours_cpu_s / wall,
+        "other_cpus": max(0.0, c.other_cpu_s / wall),
     }
 
 
@@ -390,7 +341,7 @@ def summarize(runs: dict) -> dict:
 # ------------------------------------------------------------------------------------- reporting
 
 
-def write_markdown(path: Path, report: dict) -> None:
+def markdown(report: dict) -> str:
     m, w, s, a = report["machine"], report["workload"], report["summary"], report["args"]
     ok = "ok" if s["meets_target"] else "MISS"
     same = report["same_tokens"]
@@ -410,10 +361,8 @@ def write_markdown(path: Path, report: dict) -> None:
         f"{m['cpus_usable']} CPUs, load average at start {m['loadavg_at_start'][0]:.1f}; vLLM {m['vllm']}, "
         f"torch {m['torch']}; {m['date']}. Medians of {a['repeat']} runs per kind, alternating.",
         "",
-        "| engine | timed | tokens | seconds | tokens/s | tokens per engine CPU-s "
-        "| other CPUs busy (median, max) |",
-        "|---|---|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     labels = {
         "ours": "ours: GenerationWorker actor",
         "raw": "raw vllm.LLM, same seeds",
@@ -423,16 +372,35 @@ def write_markdown(path: Path, report: dict) -> None:
         if kind not in s:
             continue
         k = s[kind]
-        lines.append(
-            f"| {label} | controller (Ray call) | {k['tokens']:.0f} | {k['seconds']:.2f} "
-            f"| {k['tokens_per_s']:.0f} | {k['tokens_per_cpu_s']:.0f} "
-            f"| {k['other_cpus_median']:.2f}, {k['other_cpus_max']:.2f} |"
+        rows.append(
+            [
+                label,
+                "controller (Ray call)",
+                f"{k['tokens']:.0f}",
+                f"{k['seconds']:.2f}",
+                f"{k['tokens_per_s']:.0f}",
+                f"{k['tokens_per_cpu_s']:.0f}",
+                f"{k['other_cpus_median']:.2f}, {k['other_cpus_max']:.2f}",
+            ]
         )
         if "tokens_per_s_inside" in k:
-            lines.append(
-                f"| {label} | inside the actor (llm.generate) | {k['tokens']:.0f} | "
-                f"{k['tokens'] / k['tokens_per_s_inside']:.2f} | {k['tokens_per_s_inside']:.0f} | | |"
+            inside_s = k["tokens"] / k["tokens_per_s_inside"]
+            rows.append(
+                [
+                    label,
+                    "inside the actor (llm.generate)",
+                    f"{k['tokens']:.0f}",
+                    f"{inside_s:.2f}",
+                    f"{k['tokens_per_s_inside']:.0f}",
+                    None,
+                    None,
+                ]
             )
+    header = (
+        "engine | timed | tokens | seconds | tokens/s | tokens per engine CPU-s "
+        "| other CPUs busy (median, max)"
+    )
+    lines += md_table(header, rows, "llrrrrr")
     pairs = ", ".join(f"{x:.2f}" for x in s["paired_ratios"])
     lines += [
         "",
@@ -464,7 +432,7 @@ def write_markdown(path: Path, report: dict) -> None:
     ]
     if report.get("findings"):
         lines += ["", "## Findings", "", *report["findings"]]
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -498,10 +466,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    path = results_json(args.output)
     if args.render:
-        report = json.loads((RESULTS / f"{args.output}.json").read_text())
+        report = read_results(path)
         report["summary"] = summarize(report["runs"])
-        write_markdown(RESULTS / f"{args.output}.md", report)
+        path.with_suffix(".md").write_text(markdown(report))
         return report
     report = {
         "command": " ".join([".venv/bin/python", "benchmarks/rollout_bench.py", *(argv or sys.argv[1:])]),
@@ -509,9 +478,7 @@ def main(argv=None) -> dict:
         "machine": machine_info("torch", "vllm"),
     }
     measure(args, report)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.output}.json").write_text(json.dumps(report, indent=2) + "\n")
-    write_markdown(RESULTS / f"{args.output}.md", report)
+    write_results(path, report, markdown(report))
     print(f"wrote {RESULTS / args.output}.json and .md", flush=True)
     return report
 

@@ -63,27 +63,16 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable from a checkout without installing megagrpo
+from common import GB, MB, REPO, TMP
+from common.configs import cpu_engine_overrides, make_config
+from common.models import QWEN2_SHAPE, cached_model, layers_for, qwen2_params, save_random_model
+from common.sampling import child_pids, machine_info, mem_available, proc_status, timed_call
+from sync_report import render, write_report
 
-from _common import machine_info  # noqa: E402 (this folder is on sys.path when run as a script)
-from sync_report import render, write_report  # noqa: E402
+from megagrpo.generation.worker import GenerationWorker
+from megagrpo.policy.worker import PolicyWorker
 
-from megagrpo.generation.worker import GenerationWorker  # noqa: E402
-from megagrpo.policy.worker import PolicyWorker  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results"
-TMP = RESULTS / "tmp"
-MB = 1_000_000
-GB = 1_000_000_000
-
-SHAPE = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    vocab_size=32000,
-)
+SHAPE = QWEN2_SHAPE
 SEQ_LENGTH = 256
 """vLLM's max_model_len (and the trainer's): only the probe runs, so keep the KV cache small."""
 
@@ -92,90 +81,49 @@ SEQ_LENGTH = 256
 
 
 def model_bytes(num_layers: int) -> int:
-    """fp32 bytes of the tied Qwen2 checkpoint (biases on q/k/v, two norms per layer, final norm)."""
-    h, ffn, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
-    kv = SHAPE["num_key_value_heads"] * h // SHAPE["num_attention_heads"]
-    layer = 2 * h + (h * h + h) + 2 * (kv * h + kv) + h * h + 3 * ffn * h
-    return 4 * (v * h + num_layers * layer + h)
-
-
-def layers_for(size_mb: float) -> int:
-    """Fewest layers whose checkpoint is at least ``size_mb`` MB."""
-    layers = 1
-    while model_bytes(layers) < size_mb * MB:
-        layers += 1
-    return layers
+    """fp32 bytes of the tied Qwen2 checkpoint."""
+    return 4 * qwen2_params(SHAPE, num_layers, tied=True)
 
 
 def source_model(num_layers: int) -> Path:
-    """A random fp32 Qwen2 checkpoint, written once by transformers and reused while its shape holds."""
-    out = TMP / f"sync-qwen2-L{num_layers}-fp32"
-    marker = out / "bench-source.json"
-    want = {"shape": SHAPE, "num_layers": num_layers}
-    if marker.is_file() and json.loads(marker.read_text()) == want:
-        print(f"reusing model {out}", flush=True)
-        return out
-    import shutil
+    """A random fp32 Qwen2 checkpoint, written once by transformers and reused while its shape holds;
+    norms and biases are not ones and zeros."""
 
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    def write(out: Path) -> None:
+        from transformers import Qwen2Config
 
-    print(f"writing model {out} ({model_bytes(num_layers) / MB:.0f} MB)", flush=True)
-    config = Qwen2Config(
-        **SHAPE,
-        num_hidden_layers=num_layers,
-        max_position_embeddings=SEQ_LENGTH,
-        rope_theta=1e6,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            # Non-trivial norms and biases (defaults are ones and zeros).
-            if "norm" in name:
-                param.normal_(1.0, 0.1)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.1)
-    tmp = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    marker_tmp = tmp / "bench-source.json"
-    marker_tmp.write_text(json.dumps(want) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
+        config = Qwen2Config(
+            **SHAPE,
+            num_hidden_layers=num_layers,
+            max_position_embeddings=SEQ_LENGTH,
+            rope_theta=1e6,
+            tie_word_embeddings=True,
+        )
+        save_random_model(out, config, vary_norms_and_biases=True)
+
+    marker = {"shape": SHAPE, "num_layers": num_layers}
+    what = f"{model_bytes(num_layers) / MB:.0f} MB"
+    return cached_model(TMP / f"sync-qwen2-L{num_layers}-fp32", marker, write, what)
 
 
 def bench_config(hf_dir: Path, *, num_engines: int, bucket_mb: float, timeout_s: float):
-    from megagrpo.config import load_config
-
-    return load_config(
-        None,
-        [
-            "model.tiny=null",
-            f"model.hf_dir={hf_dir}",
-            "model.dtype=float32",
-            f"model.seq_length={SEQ_LENGTH}",
-            "generation.max_new_tokens=16",
-            f"generation.num_engines={num_engines}",
-            "generation.cpu_kvcache_space_gib=1",
-            "generation.enforce_eager=true",
-            "generation.placement=disaggregated",
-            f"generation.sync_bucket_mb={bucket_mb}",
-            f"generation.sync_timeout_s={timeout_s}",
-            "parallel.tensor_model_parallel_size=1",
-            "parallel.pipeline_model_parallel_size=1",
-            "parallel.data_parallel_size=1",
-            "parallel.backend=gloo",
-            "parallel.transformer_impl=local",
-            f"policy.micro_batch_max_tokens={SEQ_LENGTH}",
-            "policy.mini_batch_size=8",
-            "grpo.num_prompts_per_step=2",
-            "grpo.num_generations=4",
-            "grpo.kl_coef=0.0",
-            "cluster.cpus_per_worker=1",
-        ],
+    return make_config(
+        {
+            **cpu_engine_overrides(hf_dir, seq_length=SEQ_LENGTH),
+            "generation.max_new_tokens": 16,
+            "generation.num_engines": num_engines,
+            "generation.sync_bucket_mb": bucket_mb,
+            "generation.sync_timeout_s": timeout_s,
+            "parallel.pipeline_model_parallel_size": 1,
+            "parallel.data_parallel_size": 1,
+            "parallel.backend": "gloo",
+            "parallel.transformer_impl": "local",
+            "policy.micro_batch_max_tokens": SEQ_LENGTH,
+            "policy.mini_batch_size": 8,
+            "grpo.num_prompts_per_step": 2,
+            "grpo.num_generations": 4,
+            "grpo.kl_coef": 0.0,
+        }
     )
 
 
@@ -302,13 +250,6 @@ class TimedEngine(GenerationWorker):
         return out
 
 
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def start_timed_engines(cfg, model_dir: Path, count: int, args) -> tuple[list, str | None]:
     """Up to ``count`` engines (``start_engines``' options and placement, the timed subclass).
 
@@ -421,62 +362,9 @@ class BoundPeer:
 # ------------------------------------------------------------------------------------ measuring
 
 
-def machine_busy_s() -> float:
-    """Busy CPU seconds of the whole machine since boot (all CPUs), from /proc/stat."""
-    with open("/proc/stat") as fh:
-        fields = [int(x) for x in fh.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _process_cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rpartition(")")[2].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def _ray_pids() -> list[int]:
-    """Ray's own daemons (raylet, GCS, ...) started by this benchmark: children of this process."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == os.getpid():
-                out.append(int(entry.name))
-    return out
-
-
-class Contention:
-    """CPUs kept busy by processes other than ``pids`` (and this one) over a timed region."""
-
-    def __init__(self, pids: list[int]):
-        self.pids = sorted(set(pids) | set(_ray_pids()) | {os.getpid()})
-
-    def __enter__(self):
-        self.t0, self.m0 = time.perf_counter(), machine_busy_s()
-        self.o0 = sum(_process_cpu_s(p) for p in self.pids)
-        return self
-
-    def __exit__(self, *exc):
-        wall = time.perf_counter() - self.t0
-        ours = sum(_process_cpu_s(p) for p in self.pids) - self.o0
-        self.ours_cpu_s = ours
-        self.ours_cpus = ours / wall
-        self.other_cpus = max(0.0, (machine_busy_s() - self.m0 - ours) / wall)
-        return False
-
-
 def run_timed(what: str, fn, pids: list[int]) -> dict:
-    with Contention(pids) as c:
-        start = time.perf_counter()
-        inner = fn()
-        seconds = time.perf_counter() - start
+    """``fn()`` timed, with the CPU seconds of ``pids``, of the Ray daemons and of this process."""
+    inner, seconds, c = timed_call(fn, [*pids, *child_pids(), os.getpid()])
     return {
         "what": what,
         "seconds": seconds,
@@ -668,14 +556,7 @@ def copy_costs(total: int, repeat: int) -> dict:
 
 def memory_snapshot(pids: list[int]) -> dict:
     """RSS (bytes) of each benchmark process and the machine's available memory."""
-    rss = {}
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    rss[str(pid)] = int(line.split()[1]) * 1024
-        except OSError:
-            pass
+    rss = {str(pid): status["VmRSS"] for pid in pids if "VmRSS" in (status := proc_status(pid))}
     return {"rss_by_pid": rss, "rss_total": sum(rss.values()), "mem_available": mem_available()}
 
 
@@ -788,7 +669,7 @@ def main(argv=None) -> dict | None:
         "args": vars(args),
         "machine": machine_info("torch", "vllm", "megatron.core"),
     }
-    layers = layers_for(args.size_mb)
+    layers = layers_for(args.size_mb, model_bytes)
     hf_dir = source_model(layers)
     report["model"] = {
         "dir": str(hf_dir),

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-RESULTS = Path(__file__).resolve().parent / "results"
-MB = 1_000_000
+from common import MB, RESULTS
+from common.tables import md_table, read_results, results_json, write_results
 
 
 def variant_tables(v: dict) -> list[str]:
@@ -18,48 +15,72 @@ def variant_tables(v: dict) -> list[str]:
     lines = [
         *([stopped, ""] if v.get("error") else []),
         *([f"Fewer engines than asked: {v['engine_limit']}.", ""] if v.get("engine_limit") else []),
-        "| bucket MB | engines | buckets | sync s | sync GB/s | flat s | flat GB/s | sync/flat "
-        "| bucketed s | sync/bucketed | CPU-s sync, flat, bucketed | probe error "
-        "| other CPUs busy (median, max) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for r in v["results"]:
         ok = "ok" if r["meets_bound_target"] else "MISS"
-        lines.append(
-            f"| {r['bucket_mb']:g} | {r['engines']} | {r['buckets']} | {r['sync_s']:.3f} "
-            f"| {r['sync_gb_per_s']:.3f} "
-            f"| {r['flat_s']:.3f} | {r['flat_gb_per_s']:.3f} | {r['fraction_of_flat']:.2f} {ok} "
-            f"| {r['bucketed_s']:.3f} | {r['fraction_of_bucketed']:.2f} "
-            f"| {r['sync_cpu_s']:.2f}, {r['flat_cpu_s']:.2f}, {r['bucketed_cpu_s']:.2f} "
-            f"| {r['probe_error']:.6f} "
-            f"| {r['other_cpus_median']:.2f}, {r['other_cpus_max']:.2f} |"
+        rows.append(
+            [
+                f"{r['bucket_mb']:g}",
+                r["engines"],
+                r["buckets"],
+                f"{r['sync_s']:.3f}",
+                f"{r['sync_gb_per_s']:.3f}",
+                f"{r['flat_s']:.3f}",
+                f"{r['flat_gb_per_s']:.3f}",
+                f"{r['fraction_of_flat']:.2f} {ok}",
+                f"{r['bucketed_s']:.3f}",
+                f"{r['fraction_of_bucketed']:.2f}",
+                f"{r['sync_cpu_s']:.2f}, {r['flat_cpu_s']:.2f}, {r['bucketed_cpu_s']:.2f}",
+                f"{r['probe_error']:.6f}",
+                f"{r['other_cpus_median']:.2f}, {r['other_cpus_max']:.2f}",
+            ]
         )
+    header = (
+        "bucket MB | engines | buckets | sync s | sync GB/s | flat s | flat GB/s | sync/flat "
+        "| bucketed s | sync/bucketed | CPU-s sync, flat, bucketed | probe error "
+        "| other CPUs busy (median, max)"
+    )
+    lines += md_table(header, rows, "r" * 13)
     lines += ["", "Time growth from the fewest to the most engines (target: sync <= 1.2x):", ""]
-    lines += ["| bucket MB | engines | sync | flat bound | bucketed bound |", "|---:|---|---:|---:|---:|"]
+    rows = []
     for b, g in v["growth"].items():
         ok = ("ok" if g["meets_target"] else "MISS") if g.get("target_applies", True) else "(target: 1 -> 4)"
-        lines.append(
-            f"| {float(b):g} | {g['from_engines']} -> {g['to_engines']} | {g['sync']:.2f}x {ok} "
-            f"| {g['flat']:.2f}x | {g['bucketed']:.2f}x |"
+        rows.append(
+            [
+                f"{float(b):g}",
+                f"{g['from_engines']} -> {g['to_engines']}",
+                f"{g['sync']:.2f}x {ok}",
+                f"{g['flat']:.2f}x",
+                f"{g['bucketed']:.2f}x",
+            ]
         )
+    lines += md_table("bucket MB | engines | sync | flat bound | bucketed bound", rows, "rlrrr")
     lines += [
         "",
         "Where a sync's time goes (medians, seconds; engine figures are the median over the engines):",
         "",
-        "| bucket MB | engines | trainer send | trainer blocked on broadcast | engine receive "
-        "| engine blocked on broadcast | load_weights | start_weight_update | finish_weight_update "
-        "| reset_prefix_cache |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for r in v["results"]:
         t, e = r["trainer_timings"], r["engine_timings"]
-        lines.append(
-            f"| {r['bucket_mb']:g} | {r['engines']} | {t.get('send_total_s', 0):.3f} "
-            f"| {t.get('send_wait_s', 0):.3f} | {e.get('receive_total_s', 0):.3f} "
-            f"| {e.get('recv_wait_s', 0):.3f} | {e.get('load_weights_s', 0):.3f} "
-            f"| {e.get('rpc_start_weight_update_s', 0):.3f} | {e.get('rpc_finish_weight_update_s', 0):.3f} "
-            f"| {e.get('reset_prefix_cache_s', 0):.3f} |"
-        )
+        seconds = [
+            t.get("send_total_s", 0),
+            t.get("send_wait_s", 0),
+            e.get("receive_total_s", 0),
+            e.get("recv_wait_s", 0),
+            e.get("load_weights_s", 0),
+            e.get("rpc_start_weight_update_s", 0),
+            e.get("rpc_finish_weight_update_s", 0),
+            e.get("reset_prefix_cache_s", 0),
+        ]
+        rows.append([f"{r['bucket_mb']:g}", r["engines"], *(f"{x:.3f}" for x in seconds)])
+    header = (
+        "bucket MB | engines | trainer send | trainer blocked on broadcast | engine receive "
+        "| engine blocked on broadcast | load_weights | start_weight_update | finish_weight_update "
+        "| reset_prefix_cache"
+    )
+    lines += md_table(header, rows, "r" * 10)
     cc = v["copy_costs"]
     lines += [
         "",
@@ -70,7 +91,7 @@ def variant_tables(v: dict) -> list[str]:
     return lines
 
 
-def write_markdown(path: Path, report: dict) -> None:
+def markdown(report: dict) -> str:
     m, model = report["machine"], report["model"]
     shape = model["shape"]
     lines = [
@@ -100,7 +121,7 @@ def write_markdown(path: Path, report: dict) -> None:
         "other than this benchmark's during the timed runs (the machine is shared).",
     ]
     lines += comparison(report)
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def comparison(report: dict) -> list[str]:
@@ -111,19 +132,20 @@ def comparison(report: dict) -> list[str]:
         "",
         "## Work and allocator",
         "",
-        "| variant | bucket MB | engines | sync CPU-s / flat CPU-s | default sync s / this "
-        "| default sync CPU-s / this |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for name, v in variants.items():
         for r in v.get("results", []):
             ref = base.get((r["bucket_mb"], r["engines"])) if name != "default" else None
             time_x = f"{ref['sync_s'] / r['sync_s']:.2f}x" if ref else ""
             work_x = f"{ref['sync_cpu_s'] / r['sync_cpu_s']:.2f}x" if ref and r["sync_cpu_s"] else ""
             work = r["sync_cpu_s"] / r["flat_cpu_s"] if r["flat_cpu_s"] else float("nan")
-            lines.append(
-                f"| {name} | {r['bucket_mb']:g} | {r['engines']} | {work:.1f} | {time_x} | {work_x} |"
-            )
+            rows.append([name, f"{r['bucket_mb']:g}", r["engines"], f"{work:.1f}", time_x, work_x])
+    header = (
+        "variant | bucket MB | engines | sync CPU-s / flat CPU-s | default sync s / this "
+        "| default sync CPU-s / this"
+    )
+    lines += md_table(header, rows, "lrrrrr")
     lines += [
         "",
         "Times of different variants come from different Ray sessions, minutes apart on a shared machine",
@@ -133,14 +155,14 @@ def comparison(report: dict) -> list[str]:
 
 
 def write_report(report: dict, output: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{output}.json").write_text(json.dumps(report, indent=2) + "\n")
-    write_markdown(RESULTS / f"{output}.md", report)
+    path = results_json(output)
+    write_results(path, report, markdown(report))
     print(f"wrote {RESULTS / output}.json and .md", flush=True)
 
 
 def render(output: str) -> dict:
     """Rewrite ``results/<output>.md`` from ``results/<output>.json``."""
-    report = json.loads((RESULTS / f"{output}.json").read_text())
-    write_markdown(RESULTS / f"{output}.md", report)
+    path = results_json(output)
+    report = read_results(path)
+    path.with_suffix(".md").write_text(markdown(report))
     return report

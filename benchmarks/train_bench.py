@@ -29,7 +29,6 @@ formula; the causal half is not subtracted), over ``--peak-tflops`` (H200 dense 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,15 +36,13 @@ import time
 from pathlib import Path
 
 import torch
+from common import RESULTS
+from common.configs import make_config
+from common.models import qwen2_params
+from common.sampling import machine_info
+from common.tables import md_table, write_results
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable from a checkout without installing megagrpo
-
-from _common import machine_info  # noqa: E402 (this folder is on sys.path when run as a script)
-
-from megagrpo.types import TrainBatch  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results"
+from megagrpo.types import TrainBatch
 
 # Model shapes: the CPU default is small enough for a 2-core machine; qwen2-1.5b is the real shape.
 PRESETS = {
@@ -82,32 +79,31 @@ PRESETS = {
 
 def bench_config(args, tp: int):
     """The run config: the tiny-model defaults with the benchmark's shape, batch and parallelism."""
-    from megagrpo.config import load_config
-
     shape = PRESETS[args.preset]
-    overrides = [f"model.tiny.{k}={v}" for k, v in shape.items()]
-    overrides += [
-        "model.tiny.tie_word_embeddings=true",
-        f"model.tiny.max_position_embeddings={args.seq}",
-        f"model.seq_length={args.seq}",
-        f"model.dtype={args.dtype}",
-        f"generation.max_new_tokens={args.seq - args.seq // 4}",
-        f"parallel.tensor_model_parallel_size={tp}",
-        "parallel.transformer_impl=local",
-        f"parallel.backend={args.backend}",
-        f"policy.micro_batch_max_tokens={args.budget}",
-        f"policy.mini_batch_size={args.batch}",
-        f"policy.logprob_chunk_size={args.chunk}",
-        f"policy.recompute={args.recompute}",
-        # The loss as the tiny default runs it, pinned: no reference model (its logprobs would be one
-        # more forward outside the step), TIS on the generator's logprobs.
-        "grpo.kl_coef=0.0",
-        "grpo.tis_cap=2.0",
-        # one prompt x batch samples, so that mini_batch_size = batch divides the rollouts
-        "grpo.num_prompts_per_step=1",
-        f"grpo.num_generations={args.batch}",
-    ]
-    return load_config(None, overrides)
+    return make_config(
+        {
+            **{f"model.tiny.{k}": v for k, v in shape.items()},
+            "model.tiny.tie_word_embeddings": True,
+            "model.tiny.max_position_embeddings": args.seq,
+            "model.seq_length": args.seq,
+            "model.dtype": args.dtype,
+            "generation.max_new_tokens": args.seq - args.seq // 4,
+            "parallel.tensor_model_parallel_size": tp,
+            "parallel.transformer_impl": "local",
+            "parallel.backend": args.backend,
+            "policy.micro_batch_max_tokens": args.budget,
+            "policy.mini_batch_size": args.batch,
+            "policy.logprob_chunk_size": args.chunk,
+            "policy.recompute": args.recompute,
+            # The loss as the tiny default runs it, pinned: no reference model (its logprobs would be
+            # one more forward outside the step), TIS on the generator's logprobs.
+            "grpo.kl_coef": 0.0,
+            "grpo.tis_cap": 2.0,
+            # one prompt x batch samples, so that mini_batch_size = batch divides the rollouts
+            "grpo.num_prompts_per_step": 1,
+            "grpo.num_generations": args.batch,
+        }
+    )
 
 
 def make_batch(args, vocab_size: int) -> TrainBatch:
@@ -210,7 +206,7 @@ def rank_main(rank: int, world_size: int, args) -> dict:
         shard = balanced_shards(batch.lengths.tolist(), worker.ctx.dp_size)[worker.ctx.dp_rank]
         micro = packed_micro_batches(batch, shard, cfg.policy.micro_batch_max_tokens)
         # The baseline must see exactly the worker's micro-batches (checked against its own packing).
-        theirs = [m["tokens"] for _, m in worker._micro_batches(batch, shard)]
+        theirs = [m["tokens"] for _, m in worker.micro_batches(batch, shard)]
         if len(theirs) != len(micro) or not all(map(torch.equal, theirs, (m["tokens"] for m in micro))):
             raise RuntimeError("the baseline's micro-batches differ from PolicyWorker's packing")
 
@@ -300,7 +296,7 @@ def time_weight_sender(worker, args) -> dict:
         return times
 
     def reshard():
-        for _ in worker._sender()._hf_tensors():
+        for _ in worker.sender.hf_tensors():  # the sender that send_weights made
             pass
 
     try:
@@ -342,12 +338,14 @@ def model_params(shape: dict, tied: bool = True) -> int:
     """Parameters of the Qwen2-shaped model (Megatron pads the vocabulary to a multiple of 128)."""
     from megagrpo.models.shape import padded_vocab_size
 
-    h, f, layers = shape["hidden_size"], shape["ffn_hidden_size"], shape["num_layers"]
-    head = h // shape["num_attention_heads"]
-    qkv = h + 2 * shape["num_query_groups"] * head
-    per_layer = h * qkv + qkv + h * h + 3 * h * f + 2 * h  # qkv (+bias), proj, gated MLP, 2 norms
-    vocab = padded_vocab_size(shape["vocab_size"])
-    return layers * per_layer + h + vocab * h * (1 if tied else 2)
+    hf_shape = {
+        "hidden_size": shape["hidden_size"],
+        "intermediate_size": shape["ffn_hidden_size"],
+        "num_attention_heads": shape["num_attention_heads"],
+        "num_key_value_heads": shape["num_query_groups"],
+        "vocab_size": padded_vocab_size(shape["vocab_size"]),
+    }
+    return qwen2_params(hf_shape, shape["num_layers"], tied=tied)
 
 
 def summarize(args, tp: int, ranks: list[dict]) -> dict:
@@ -401,7 +399,7 @@ def summarize(args, tp: int, ranks: list[dict]) -> dict:
     return out
 
 
-def write_markdown(path: Path, report: dict) -> None:
+def markdown(report: dict) -> str:
     a, m = report["args"], report["machine"]
     lines = [
         "# Policy train step vs bare Megatron step",
@@ -421,25 +419,39 @@ def write_markdown(path: Path, report: dict) -> None:
         "the per-pair ratios, of the fastest step of each, and of the median CPU time of the rank "
         "processes. Command: `" + report["command"] + "`",
         "",
-        "| TP | tokens/step | train tokens/s | bare tokens/s | ratio | per-pair median | fastest steps "
-        "| CPU-time ratio | target 0.85 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in report["runs"]:
-        lines.append(
-            f"| {r['tp']} | {r['tokens_per_step']} | {r['train']['tokens_per_s_median']:.1f} | "
-            f"{r['bare']['tokens_per_s_median']:.1f} | {r['ratio_train_over_bare']:.3f} | "
-            f"{r['ratio_per_pair_median']:.3f} | {r['ratio_min_step']:.3f} | {r['ratio_cpu_time']:.3f} | "
-            f"{'met' if r['target_met'] else 'missed'} |"
-        )
+    header = (
+        "TP | tokens/step | train tokens/s | bare tokens/s | ratio | per-pair median | fastest steps "
+        "| CPU-time ratio | target 0.85"
+    )
+    rows = [
+        [
+            r["tp"],
+            r["tokens_per_step"],
+            f"{r['train']['tokens_per_s_median']:.1f}",
+            f"{r['bare']['tokens_per_s_median']:.1f}",
+            f"{r['ratio_train_over_bare']:.3f}",
+            f"{r['ratio_per_pair_median']:.3f}",
+            f"{r['ratio_min_step']:.3f}",
+            f"{r['ratio_cpu_time']:.3f}",
+            "met" if r["target_met"] else "missed",
+        ]
+        for r in report["runs"]
+    ]
+    lines += md_table(header, rows)
     if any("mfu_6n" in r["train"] for r in report["runs"]):
-        lines += ["", "| TP | step | MFU 6N | MFU 6N+attn | peak GiB |", "| --- | --- | --- | --- | --- |"]
-        for r in report["runs"]:
-            for name in ("train", "bare"):
-                lines.append(
-                    f"| {r['tp']} | {name} | {r[name]['mfu_6n']:.3f} | {r[name]['mfu_6n_attn']:.3f} | "
-                    f"{r.get('peak_mem_gib', {}).get(name, float('nan')):.1f} |"
-                )
+        rows = [
+            [
+                r["tp"],
+                name,
+                f"{r[name]['mfu_6n']:.3f}",
+                f"{r[name]['mfu_6n_attn']:.3f}",
+                f"{r.get('peak_mem_gib', {}).get(name, float('nan')):.1f}",
+            ]
+            for r in report["runs"]
+            for name in ("train", "bare")
+        ]
+        lines += ["", *md_table("TP | step | MFU 6N | MFU 6N+attn | peak GiB", rows)]
     for r in report["runs"]:
         if "sync" in r:
             sy = r["sync"]
@@ -462,7 +474,7 @@ def write_markdown(path: Path, report: dict) -> None:
             "step's runs are spread in the `step_s_all` lists of the JSON); the CPU time of single-threaded "
             "ranks (`--threads 1`) is the steadiest of the four ratios.",
         ]
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
@@ -518,9 +530,7 @@ def main(argv=None) -> dict:
         report["runs"].append(run)
         report["machine"]["loadavg_at_end"] = os.getloadavg()
         # Written after every run, so a later run that fails or times out loses nothing.
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        write_markdown(args.out.with_suffix(".md"), report)
+        write_results(args.out, report, markdown(report))
         print(
             f"[train_bench] TP={tp}: train {run['train']['tokens_per_s_median']:.1f} tok/s, "
             f"bare {run['bare']['tokens_per_s_median']:.1f} tok/s, ratio {run['ratio_train_over_bare']:.3f}"

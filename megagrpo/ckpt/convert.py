@@ -69,9 +69,12 @@ def _rank_groups(sizes: ParallelSizes, exits_after: bool) -> Iterator[ParallelCo
         destroy_parallel()
 
 
-def _import_rank(
+def import_rank(
     rank: int, world_size: int, hf_dir: str, out: str, tp: int, pp: int, exits_after: bool = False
 ) -> None:
+    """One rank of ``hf_to_megatron``, as ``run_local_ranks`` calls it (``out``: the directory the
+    checkpoint's ``megatron/`` goes into; no validation, metadata or atomic publish, which are the
+    caller's). ``exits_after``: the process exits next, so its process groups are left to the exit."""
     with weights_only_process():
         _import_stage(hf_dir, out, tp, pp, exits_after)
 
@@ -125,7 +128,7 @@ def hf_to_megatron(
         )
     padded_vocab_size(shape.vocab_size, tp)  # raises if this TP cannot split the padded vocabulary
     with _conversion(in_process), atomic_output_dir(out) as tmp:
-        _run_ranks(_import_rank, tp * pp, in_process, str(hf_dir), str(tmp), tp, pp)
+        _run_ranks(import_rank, tp * pp, in_process, str(hf_dir), str(tmp), tp, pp)
         write_checkpoint_meta(tmp, arch, shape, dtype, tp=tp, pp=pp, hf_files=hf_dir)
     return out
 
@@ -133,9 +136,13 @@ def hf_to_megatron(
 # --- Megatron -> HF -------------------------------------------------------------------------------
 
 
-def _export_rank(
+def export_rank(
     rank: int, world_size: int, ckpt: str, out: str, max_shard_bytes: int, exits_after: bool = False
 ) -> int:
+    """The single rank (TP = PP = 1) of ``megatron_to_hf``, as ``run_local_ranks`` calls it: the HF
+    shards and index into ``out`` (an existing directory; no auxiliary files or atomic publish,
+    which are the caller's). Returns the bytes of the tensors written; ``exits_after`` as for
+    ``import_rank``."""
     with weights_only_process():
         return _export_stage(ckpt, out, max_shard_bytes, exits_after)
 
@@ -187,6 +194,6 @@ def megatron_to_hf(
     if not (ckpt / "megatron" / "metadata.json").is_file():
         raise CheckpointError(f"{ckpt / 'megatron'}: missing or incomplete Megatron checkpoint")
     with _conversion(in_process), atomic_output_dir(out) as tmp:
-        _run_ranks(_export_rank, 1, in_process, str(ckpt), str(tmp), max_shard_bytes)
+        _run_ranks(export_rank, 1, in_process, str(ckpt), str(tmp), max_shard_bytes)
         copy_aux_files(source.hf_dir, tmp)
     return out

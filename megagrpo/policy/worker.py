@@ -160,8 +160,9 @@ class PolicyWorker:
     def _my_shard(self, batch: TrainBatch) -> list[int]:
         return balanced_shards(batch.lengths.tolist(), self.ctx.dp_size)[self.ctx.dp_rank]
 
-    def _micro_batches(self, batch: TrainBatch, indices: list[int]) -> list[tuple[list[int], dict]]:
-        """This rank's sequences grouped by the token budget, each group padded or packed (THD)."""
+    def micro_batches(self, batch: TrainBatch, indices: list[int]) -> list[tuple[list[int], dict]]:
+        """This rank's sequences (``indices`` of ``batch``) grouped by the token budget: per group, its
+        rows and the micro-batch ``forward_backward`` takes, padded or packed (THD)."""
         lengths = [int(batch.lengths[i]) for i in indices]
         groups = pack_by_token_budget(lengths, self.cfg.policy.micro_batch_max_tokens, padded=not self.packed)
         out = []
@@ -279,7 +280,7 @@ class PolicyWorker:
             collected.append((micro["rows"], lp.detach().float().cpu()))
             return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), {}
 
-        micro = [{**m, "rows": rows} for rows, m in self._micro_batches(batch, mine)]
+        micro = [{**m, "rows": rows} for rows, m in self.micro_batches(batch, mine)]
         self.engine.model[0].eval()
         try:
             with torch.no_grad():
@@ -357,7 +358,7 @@ class PolicyWorker:
             loss_parts.append((out.loss_sum.detach(), out.count))
             return out.loss_sum, out.count.to(torch.int), {}
 
-        micro = [m for _, m in self._micro_batches(mini, self._my_shard(mini))]
+        micro = [m for _, m in self.micro_batches(mini, self._my_shard(mini))]
         forward_backward(self.engine, micro, loss_fn)
         applied, grad_norm = optimizer_step(self.engine)
         lr = self.engine.optimizer.param_groups[0]["lr"]

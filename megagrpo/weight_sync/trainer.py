@@ -60,7 +60,7 @@ class WeightSender:
             addr = GroupAddress(**groups[self.ctx.pp_rank])
             self.group = BroadcastGroup(addr, 0, backend=backend, timeout_s=timeout_s, device=self.ctx.device)
 
-    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF (name, tensor) of this stage in plan order; a TP collective on every participating rank."""
         tp = self.ctx.sizes.tp
         for rule, param in zip(self.rules, self.params, strict=True):
@@ -78,7 +78,7 @@ class WeightSender:
         if not self.takes_part:
             return None
         mine = [b for b in plan if b.source == self.ctx.pp_rank]
-        stream = self._hf_tensors()
+        stream = self.hf_tensors()
         if not self.is_sender:
             for _ in stream:  # TP peers: take part in the gathers only
                 pass
