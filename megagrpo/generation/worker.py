@@ -4,6 +4,11 @@ A plain class; ``megagrpo.cluster`` runs it as a Ray actor (``num_gpus`` = engin
 engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the actor owns it outright.
 Prompts and responses are token ids end to end: no detokenize/re-tokenize between generator and
 trainer, so the trainer scores exactly the tokens that were sampled.
+
+What crosses the actor boundary is typed: ``generate`` takes ``SamplingSettings`` and returns
+``Completion`` records (``megagrpo.types``); ``receive_weights`` takes the sync's bucket plan
+(``weight_sync.buckets.Bucket``) and ``init_weight_sync`` the groups' ``GroupAddress``es; only
+the last hop into vLLM's worker (``collective_rpc``) is the dict vLLM's API asks for.
 """
 
 from __future__ import annotations
