@@ -179,7 +179,7 @@ def measure(args, report: dict) -> None:
     import ray
 
     from megagrpo.cluster import start_engines, start_ray
-    from megagrpo.generation.worker import SamplingSettings
+    from megagrpo.types import SamplingSettings
 
     model_dir = source_model(args)
     cfg = bench_config(model_dir, args)

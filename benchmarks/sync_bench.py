@@ -159,13 +159,13 @@ class TimedPolicyWorker(PolicyWorker):
     def pid(self) -> int:
         return os.getpid()
 
-    def open_weight_sync(self, groups: list[dict], backend: str, timeout_s: float) -> None:
+    def open_weight_sync(self, groups: list, backend: str, timeout_s: float) -> None:
         super().open_weight_sync(groups, backend, timeout_s)
         self.sync_timings = defaultdict(float)
         if self.sender.group is not None:
             _time_broadcasts(self.sender.group, self.sync_timings, "send_wait_s")
 
-    def send_weights(self, plan: list[dict], with_checksums: bool = False) -> dict | None:
+    def send_weights(self, plan: tuple, with_checksums: bool = False):
         self.sync_timings.clear()
         start = time.perf_counter()
         out = super().send_weights(plan, with_checksums)
@@ -233,14 +233,14 @@ class TimedEngine(GenerationWorker):
     def pid(self) -> int:
         return os.getpid()
 
-    def init_weight_sync(self, init_info: dict) -> None:
-        super().init_weight_sync(init_info)
+    def init_weight_sync(self, *args, **kwargs) -> None:
+        super().init_weight_sync(*args, **kwargs)
         self._plain_rpc(_instrument_receiver)
 
-    def receive_weights(self, update_info: dict) -> list[str]:
+    def receive_weights(self, *args, **kwargs) -> list[str]:
         self.sync_timings.clear()
         start = time.perf_counter()
-        out = super().receive_weights(update_info)
+        out = super().receive_weights(*args, **kwargs)
         self.sync_timings["receive_total_s"] = time.perf_counter() - start
         return out
 
@@ -405,8 +405,8 @@ def measure(args: argparse.Namespace, hf_dir: Path, env: dict[str, str], max_eng
     max_n = max(engine_counts)
     cfg = bench_config(hf_dir, num_engines=max_n, bucket_mb=args.bucket_mb[0], timeout_s=args.timeout)
     saved = dict(os.environ)
-    # Ray's local workers inherit the driver's environment: the policy factory below is imported
-    # from this directory by name, and the variant's allocator settings reach every process.
+    # Ray's local workers inherit the driver's environment: this directory's modules import there
+    # too, and the variant's allocator settings reach every process.
     paths = [str(REPO / "benchmarks"), os.environ.get("PYTHONPATH")]
     os.environ.update(env, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     try:
@@ -416,7 +416,7 @@ def measure(args: argparse.Namespace, hf_dir: Path, env: dict[str, str], max_eng
         os.environ.clear()
         os.environ.update(saved)
     t0 = time.perf_counter()
-    policy = RankGroup(cfg, "sync_bench.TimedPolicyWorker", name="sync-bench", timeout_s=args.timeout)
+    policy = RankGroup(cfg, TimedPolicyWorker, name="sync-bench", timeout_s=args.timeout)
     report["startup_s"] = {"policy": time.perf_counter() - t0}
     t0 = time.perf_counter()
     engines, report["engine_limit"] = start_timed_engines(cfg, hf_dir, max_n, args)
@@ -427,7 +427,7 @@ def measure(args: argparse.Namespace, hf_dir: Path, env: dict[str, str], max_eng
         engine_counts = sorted({min(n, max_n) for n in engine_counts} | {max_n})
     report["engine_counts"] = engine_counts
     print(f"policy and {max_n} engines up: {report['startup_s']}", flush=True)
-    pids = policy.call_all("pid") + ray.get([e.pid.remote() for e in engines])
+    pids = policy.call_all(TimedPolicyWorker.pid) + ray.get([e.pid.remote() for e in engines])
     report["memory_after_start"] = memory_snapshot(pids)
     peer_cls = ray.remote(num_cpus=cfg.cluster.cpus_per_worker)(BoundPeer)
     results = report["results"] = []
@@ -469,7 +469,7 @@ def measure_config(args, sync, policy, targets: list, peers: list, pids: list[in
     from megagrpo.parallel.local import node_ip
 
     n, total = len(targets), sync.total_bytes
-    sizes = [b["nbytes"] for b in sync.plan]
+    sizes = [b.nbytes for b in sync.plan]
     host, port = ray.get(peers[0].address.remote())
     addr = {"address": host or node_ip(), "port": port, "world_size": 1 + n}
     ray.get([p.open.remote(addr, rank, "gloo", args.timeout, total) for rank, p in enumerate(peers)])
@@ -477,7 +477,7 @@ def measure_config(args, sync, policy, targets: list, peers: list, pids: list[in
     def do_sync():
         sync.sync()
         return {
-            "trainer": policy.call_first("take_sync_timings"),
+            "trainer": policy.call_first(TimedPolicyWorker.take_sync_timings),
             "engines": ray.get([e.take_sync_timings.remote() for e in targets]),
         }
 

@@ -281,8 +281,8 @@ def time_weight_sender(worker, args) -> dict:
     if address is None or plan is None:
         raise RuntimeError("--sync-bucket-mb times one sender: run it with --tp 1")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    worker.open_weight_sync([GroupAddress(*address, 1).to_dict()], backend, 300.0)
-    total = sum(b["nbytes"] for b in plan)
+    worker.open_weight_sync([GroupAddress(*address, 1)], backend, 300.0)
+    total = sum(b.nbytes for b in plan)
 
     def timed(fn) -> list[float]:
         times = []
@@ -316,7 +316,7 @@ def time_weight_sender(worker, args) -> dict:
         "backend": backend,
         "bucket_mb": args.sync_bucket_mb,
         "buckets": len(plan),
-        "tensors": sum(len(b["slots"]) for b in plan),
+        "tensors": sum(len(b.slots) for b in plan),
         "bytes": total,
         "send_s_all": send_s,
         "reshard_s_all": reshard_s,

@@ -1,27 +1,36 @@
-"""Ray: start or join a cluster, place the trainer's ranks, and drive them as one group.
+"""Ray: start or join a cluster, place the trainer's ranks, drive them as one group, start the engines.
 
 The policy is ``world_size`` Ray actors, one per Megatron rank, placed by a placement group
-(one bundle per rank: a GPU on GPU clusters, ``cluster.cpus_per_worker`` CPUs otherwise). The
-controller talks to the group, never to a single rank:
+(one bundle per rank: a GPU on GPU clusters, ``cluster.cpus_per_worker`` CPUs otherwise), each
+hosting an instance of the worker class the group was made with (``RankGroup(cfg, PolicyWorker)``).
+The controller talks to the group, never to a single rank, and names methods by reference:
 
-- ``call_all(method, *args)``: every rank runs the method (Megatron methods are collective);
+- ``call_all(PolicyWorker.train, batch)``: every rank runs the method (Megatron methods are
+  collective); a function that is not a method of the hosted class is a TypeError;
 - ``call_first(...)``: the same, returning rank 0's result (the policy returns identical results
   on every rank, combining data-parallel shards itself);
 - large arguments (a rollout batch) are put in the object store once and every rank reads the
   shared copy; each rank then selects its own data-parallel shard.
+
+vLLM engines are single Ray actors of ``GenerationWorker`` (or a subclass), called as
+``engine.generate.remote(...)``.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megagrpo.config import ClusterConfig, Config
+
+if TYPE_CHECKING:
+    from megagrpo.generation.worker import GenerationWorker
 
 # Fraction of a GPU a trainer rank reserves under colocated placement; its engine takes the rest.
 COLOCATED_SHARE = 0.5
@@ -67,9 +76,9 @@ class RankActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, factory: str, cfg: Config, rank: int, world_size: int, master: tuple[str, int]) -> bool:
-        import importlib
-
+    def setup(
+        self, worker_cls: type, cfg: Config, rank: int, world_size: int, master: tuple[str, int]
+    ) -> bool:
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
@@ -78,18 +87,27 @@ class RankActor:
             MASTER_ADDR=master[0],
             MASTER_PORT=str(master[1]),
         )
-        module, _, name = factory.rpartition(".")
-        self.worker = getattr(importlib.import_module(module), name)(cfg)
+        self.worker = worker_cls(cfg)
         return True
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        # By name, so a subclass's override runs (the group checked the method against the class).
+        return getattr(self.worker, name)(*args, **kwargs)
 
 
 class RankGroup:
-    """``world_size`` actors forming one torch.distributed job, placed together."""
+    """``world_size`` actors forming one torch.distributed job, placed together.
 
-    def __init__(self, cfg: Config, factory: str, *, name: str = "policy", timeout_s: float = 600.0):
+    ``worker_cls`` is instantiated as ``worker_cls(cfg)`` on every rank (it travels to the actors
+    by reference: an importable class, or a script's class by value).
+    """
+
+    def __init__(self, cfg: Config, worker_cls: type, *, name: str = "policy", timeout_s: float = 600.0):
+        if not isinstance(worker_cls, type):
+            raise TypeError(
+                f"RankGroup needs the worker class itself (e.g. PolicyWorker), got {worker_cls!r}"
+            )
+        self.worker_cls = worker_cls
         self.world_size = cfg.parallel.world_size
         self.timeout_s = timeout_s
         gpus = cfg.cluster.gpus_per_node > 0
@@ -116,7 +134,7 @@ class RankGroup:
         master = ray.get(self.actors[0].address.remote(), timeout=timeout_s)
         self._get(
             [
-                a.setup.remote(factory, cfg, rank, self.world_size, master)
+                a.setup.remote(worker_cls, cfg, rank, self.world_size, master)
                 for rank, a in enumerate(self.actors)
             ]
         )
@@ -135,19 +153,20 @@ class RankGroup:
             results[done[0]] = ray.get(done[0])
         return [results[r] for r in refs]
 
-    def submit_all(self, method: str, *args: Any, **kwargs: Any) -> list:
+    def submit_all(self, method: Callable, *args: Any, **kwargs: Any) -> list:
         """Start ``method`` on every rank; returns the pending results (see ``wait``)."""
+        name = method_name(self.worker_cls, method)
         shared = [ray.put(a) if _is_large(a) else a for a in args]
-        return [a.call.remote(method, *shared, **kwargs) for a in self.actors]
+        return [a.call.remote(name, *shared, **kwargs) for a in self.actors]
 
     def wait(self, refs: list) -> list[Any]:
         return self._get(refs)
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: Callable, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``method`` on every rank; large arguments go to the object store once."""
         return self._get(self.submit_all(method, *args, **kwargs))
 
-    def call_first(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call_first(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on every rank and return rank 0's result."""
         return self.call_all(method, *args, **kwargs)[0]
 
@@ -155,6 +174,22 @@ class RankGroup:
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.pg)
+
+
+def method_name(worker_cls: type, method: Callable) -> str:
+    """The name ``method`` (e.g. ``PolicyWorker.train``) is called by on a ``worker_cls`` instance.
+
+    A TypeError unless it is a method of ``worker_cls`` (defined there or inherited): a name given
+    as a string, a bound method or another class's function. Called by name, a subclass's override
+    of the method is what runs.
+    """
+    name = getattr(method, "__name__", None)
+    if not any(name is not None and vars(c).get(name) is method for c in worker_cls.__mro__):
+        raise TypeError(
+            f"{method!r} is not a method of {worker_cls.__qualname__}: "
+            f"pass the function itself, e.g. {worker_cls.__name__}.<method>"
+        )
+    return name
 
 
 def _is_large(value: Any) -> bool:
@@ -168,16 +203,24 @@ def _is_large(value: Any) -> bool:
 
 
 def start_engines(
-    cfg: Config, model_dir: str, *, policy: RankGroup | None = None, timeout_s: float = 600.0
+    cfg: Config,
+    model_dir: str,
+    *,
+    policy: RankGroup | None = None,
+    engine_cls: type[GenerationWorker] | None = None,
+    timeout_s: float = 600.0,
 ) -> list:
     """``generation.num_engines`` vLLM engines as Ray actors (started in parallel, returned when ready).
 
-    Colocated placement puts engine ``i`` in the policy's bundle ``i`` (sharing that rank's GPU);
+    Each is an ``engine_cls(cfg, model_dir, index)`` (default ``GenerationWorker``). Colocated
+    placement puts engine ``i`` in the policy's bundle ``i`` (sharing that rank's GPU);
     disaggregated engines get devices of their own.
     """
-    from megagrpo.generation.worker import GenerationWorker
+    if engine_cls is None:
+        from megagrpo.generation.worker import GenerationWorker
 
-    actor_cls = ray.remote(GenerationWorker)
+        engine_cls = GenerationWorker
+    actor_cls = ray.remote(engine_cls)
     colocated = cfg.generation.placement == "colocated"
     if colocated and (policy is None or cfg.generation.num_engines > policy.world_size):
         raise ValueError("colocated placement needs the policy group and at most one engine per trainer rank")

@@ -30,14 +30,12 @@ from megagrpo.ckpt.durable import atomic_write, publish
 from megagrpo.cluster import RankGroup, start_engines, start_ray
 from megagrpo.config import Config, config_to_dict, save_config
 from megagrpo.data.prompts import Prompt, PromptSource, build_source
-from megagrpo.generation.worker import Completion, SamplingSettings
 from megagrpo.metrics import MetricsLogger
 from megagrpo.models.description import describe_model
+from megagrpo.policy.worker import PolicyWorker
 from megagrpo.rewards import RewardScorer
-from megagrpo.types import TrainBatch
+from megagrpo.types import Completion, SamplingSettings, TrainBatch, TrainMetrics
 from megagrpo.weight_sync.sync import WeightSync
-
-POLICY = "megagrpo.policy.worker.PolicyWorker"
 
 
 @dataclass
@@ -59,7 +57,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     start_ray(cfg.cluster, cfg=cfg)
-    policy = RankGroup(cfg, POLICY)
+    policy = RankGroup(cfg, PolicyWorker)
     engines = start_engines(cfg, model_dir, policy=policy)
     sync = WeightSync(cfg, policy, engines, vocab_size=describe_model(cfg).shape.vocab_size)
     step, position = restore(cfg, policy, resume)
@@ -89,11 +87,12 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
                 batch = to_train_batch(cfg, rollouts)
                 set_engines_awake(cfg, engines, False)  # colocated: hand the GPUs to the trainer
                 with timed(timings, "logprobs_s"):
-                    batch = batch.replace(old_logprobs=policy.call_first("logprobs", batch))
+                    batch = batch.replace(old_logprobs=policy.call_first(PolicyWorker.logprobs, batch))
                     if cfg.grpo.kl_coef > 0:
-                        batch = batch.replace(ref_logprobs=policy.call_first("reference_logprobs", batch))
+                        ref = policy.call_first(PolicyWorker.reference_logprobs, batch)
+                        batch = batch.replace(ref_logprobs=ref)
                 with timed(timings, "train_s"):
-                    train_metrics = mean_metrics(policy.call_first("train", batch))
+                    train_metrics = mean_metrics(policy.call_first(PolicyWorker.train, batch))
                 with timed(timings, "sync_s"):
                     set_engines_awake(cfg, engines, True)
                     sync.sync()
@@ -183,7 +182,7 @@ def restore(cfg: Config, policy: RankGroup, resume: bool) -> tuple[int, int]:
     if latest is None:
         print("resume: no complete checkpoint found; starting from step 0")
         return 0, 0
-    policy.call_all("load", str(latest))
+    policy.call_all(PolicyWorker.load, str(latest))
     state = ckpt_io.load_driver_state(latest)
     state.restore_rng()
     print(f"resume: continuing after step {state.step} from {latest}")
@@ -193,7 +192,7 @@ def restore(cfg: Config, policy: RankGroup, resume: bool) -> tuple[int, int]:
 def save_checkpoint(cfg: Config, policy: RankGroup, step: int, position: int) -> Path:
     root = Path(cfg.checkpoint.dir)
     tmp = ckpt_io.begin(root, step)
-    policy.call_all("save", str(tmp))
+    policy.call_all(PolicyWorker.save, str(tmp))
     config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
     return ckpt_io.commit(
         tmp, ckpt_io.DriverState.capture(step, position), config_yaml, cfg.checkpoint.keep_last
@@ -203,7 +202,9 @@ def save_checkpoint(cfg: Config, policy: RankGroup, step: int, position: int) ->
 # ----------------------------------------------------------------------------------- the step parts
 
 
-def generate(cfg: Config, engines: list, prompts: list[Prompt], settings: SamplingSettings, seeds) -> list:
+def generate(
+    cfg: Config, engines: list, prompts: list[Prompt], settings: SamplingSettings, seeds
+) -> list[Completion]:
     """Completions for ``prompts`` (``settings.n`` each, in prompt order), split across engines."""
     per = math.ceil(len(prompts) / len(engines))
     refs = []
@@ -330,9 +331,10 @@ def set_engines_awake(cfg: Config, engines: list, awake: bool) -> None:
     ray.get(calls, timeout=cfg.generation.sync_timeout_s)
 
 
-def mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:
+def mean_metrics(history: list[TrainMetrics]) -> dict[str, float]:
     """Average per-optimizer-step metrics over the step's mini-batches."""
-    return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+    rows = [h.as_dict() for h in history]
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
 
 
 def prefixed(prefix: str, metrics: dict) -> dict:

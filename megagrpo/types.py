@@ -1,12 +1,23 @@
-"""Data that crosses actor boundaries, with the shape of every tensor spelled out."""
+"""Data the GRPO loop exchanges with its actors, as frozen dataclasses whose fields spell out shapes.
+
+Controller -> policy ranks: :class:`TrainBatch`; policy ranks -> controller: :class:`TrainMetrics`, one
+per optimizer step (and ``[B, S - 1]`` logprob tensors). Controller -> vLLM engines:
+:class:`SamplingSettings` and token-id prompts; engines -> controller: :class:`Completion`. The weight
+sync's own wire format (bucket plans, what a sender reports) lives with it, in
+``megagrpo.weight_sync.buckets``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from megagrpo.config import Config
 
 PAD_ID = 0
 
@@ -97,6 +108,105 @@ class TrainBatch:
             lengths=torch.as_tensor(lengths, dtype=torch.long),
             prompt_lengths=torch.as_tensor(list(prompt_lengths), dtype=torch.long),
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainMetrics:
+    """What one optimizer step reports (``PolicyWorker.train`` returns one per mini-batch).
+
+    Loss terms are reduced over the mini-batch's micro-batches and data-parallel ranks (see
+    ``megagrpo.algorithms.grpo.reduce_metrics``): ``*_mean`` and ``*_frac`` are per valid (response)
+    token. Fields that are None were not computed for this run's inputs and are left out of
+    :meth:`as_dict`. The field order is the key order of the ``train/*`` metrics in ``metrics.jsonl``.
+    """
+
+    loss: float
+    """The step's loss: sum of per-token (or per-sequence) losses / their count; NaN without any."""
+    token_mult_prob_error_mean: float | None = None
+    """Mean exp|old - gen| logprob (1.0: trainer and generator agree); with the generator's logprobs."""
+    tis_capped_frac: float | None = None
+    """Tokens whose trainer/generator ratio exceeded grpo.tis_cap; with tis_cap."""
+    tis_weight_mean: float | None = None
+    """Mean truncated-importance weight applied; with tis_cap."""
+    kl_mean: float | None = None
+    """Mean clamped KL(policy || reference) estimate; with reference logprobs."""
+    tokens: float
+    """Valid tokens of the mini-batch (all DP ranks)."""
+    sequences: float
+    """Sequences of the mini-batch with at least one valid token."""
+    pg_loss_mean: float
+    """Policy-gradient term (after dual clip and TIS, before KL)."""
+    clip_low_frac: float
+    """Tokens with A < 0 and ratio < 1 - clip_eps_low."""
+    clip_high_frac: float
+    """Tokens with A > 0 and ratio > 1 + clip_eps_high."""
+    dual_clip_frac: float
+    """Tokens where the dual-clip bound -c A was active."""
+    ratio_mean: float
+    """Mean policy/old probability ratio (1.0 on the first step of a batch)."""
+    ratio_min: float
+    """Smallest ratio over valid tokens."""
+    ratio_max: float
+    """Largest ratio over valid tokens."""
+    entropy_mean: float
+    """Mean entropy of the policy's next-token distribution at the sampling temperature."""
+    grad_norm: float
+    """Gradient norm before clipping (NaN when the optimizer reported none)."""
+    lr: float
+    """Learning rate this step was taken with."""
+    update_applied: float
+    """1.0 when the optimizer applied the update, 0.0 when it skipped it (non-finite gradients)."""
+
+    def as_dict(self) -> dict[str, float]:
+        """{name: value} of the computed fields, in field order (the keys ``train`` used to return)."""
+        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return {name: value for name, value in values if value is not None}
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How an engine samples (controller -> vLLM engine, with the token-id prompts)."""
+
+    max_tokens: int
+    """Response tokens at most (stop tokens included)."""
+    temperature: float = 1.0
+    """0.0: greedy (no sampling logprobs are reported)."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1: no top-k cut."""
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    """Seed of requests without a per-prompt seed."""
+    n: int = 1
+    """Completions per prompt."""
+
+    @staticmethod
+    def from_config(cfg: Config, stop_token_ids: tuple[int, ...] = (), n: int = 1) -> SamplingSettings:
+        gen = cfg.generation
+        return SamplingSettings(
+            max_tokens=gen.max_new_tokens,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k,
+            stop_token_ids=stop_token_ids,
+            seed=gen.seed,
+            n=n,
+        )
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled response (vLLM engine -> controller); N = ``len(token_ids)``."""
+
+    prompt_index: int
+    """Index of the prompt in the request."""
+    token_ids: list[int]
+    """[N] sampled response tokens (stop tokens included when they ended the response)."""
+    logprobs: list[float]
+    """[N] sampling logprob of each response token, after temperature (vLLM "processed" logprobs);
+    [] for greedy requests (temperature 0), which report no sampling distribution."""
+    finish_reason: str
+    """"stop" (a stop token) or "length" (max_tokens)."""
 
 
 def balanced_shards(lengths: Sequence[int], num_shards: int) -> list[list[int]]:

@@ -4,52 +4,24 @@ A plain class; ``megagrpo.cluster`` runs it as a Ray actor (``num_gpus`` = engin
 engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the actor owns it outright.
 Prompts and responses are token ids end to end: no detokenize/re-tokenize between generator and
 trainer, so the trainer scores exactly the tokens that were sampled.
+
+What crosses the actor boundary is typed: ``generate`` takes ``SamplingSettings`` and returns
+``Completion`` records (``megagrpo.types``); ``receive_weights`` takes the sync's bucket plan
+(``weight_sync.buckets.Bucket``) and ``init_weight_sync`` the groups' ``GroupAddress``es; only
+the last hop into vLLM's worker (``collective_rpc``) is the dict vLLM's API asks for.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 from megagrpo.config import Config
+from megagrpo.types import Completion, SamplingSettings
+from megagrpo.weight_sync.buckets import Bucket
 from megagrpo.weight_sync.plugin import BACKEND
-
-
-@dataclass(frozen=True)
-class Completion:
-    prompt_index: int
-    """Index of the prompt in the request."""
-    token_ids: list[int]
-    """Sampled response tokens (stop tokens included when they ended the response)."""
-    logprobs: list[float]
-    """Sampling logprob of each response token, after temperature (vLLM "processed" logprobs)."""
-    finish_reason: str
-    """"stop" (a stop token) or "length" (max_tokens)."""
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    n: int = 1
-
-    @staticmethod
-    def from_config(cfg: Config, stop_token_ids: tuple[int, ...] = (), n: int = 1) -> SamplingSettings:
-        gen = cfg.generation
-        return SamplingSettings(
-            max_tokens=gen.max_new_tokens,
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            top_k=gen.top_k,
-            stop_token_ids=stop_token_ids,
-            seed=gen.seed,
-            n=n,
-        )
+from megagrpo.weight_sync.transport import GroupAddress
 
 
 def _cpu_scheduler_args(max_model_len: int) -> dict:
@@ -153,7 +125,10 @@ class GenerationWorker:
         return completions
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Logprob of every token after the first, given its prefix (the probe)."""
+        """Logprob of every token after the first, given its prefix (the probe), at temperature 1.
+
+        One list per sequence, ``len(sequence) - 1`` values each: entry ``t`` scores ``sequence[t + 1]``.
+        """
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
@@ -173,20 +148,36 @@ class GenerationWorker:
 
     # --------------------------------------------------------------------------------- weight sync
 
-    def init_weight_sync(self, init_info: dict) -> None:
+    def init_weight_sync(
+        self, groups: Sequence[GroupAddress], *, rank_offset: int, backend: str, timeout_s: float
+    ) -> None:
+        """Join every sender's broadcast group (blocks until the trainer's senders have joined too).
+
+        ``groups``: one address per sender (pipeline stage); ``rank_offset``: this engine's first rank
+        in every group (its workers take the ranks from there on).
+        """
+        # vLLM hands this dict to the worker's transfer engine as ``MegagrpoInitInfo(**init_info)``.
+        init_info = {
+            "groups": list(groups),
+            "rank_offset": rank_offset,
+            "backend": backend,
+            "timeout_s": timeout_s,
+        }
         self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
 
-    def receive_weights(self, update_info: dict) -> list[str]:
-        """Receive one full sync (blocks until every bucket has arrived and loaded).
+    def receive_weights(self, plan: Sequence[Bucket], *, checksums: bool = False) -> list[str]:
+        """Receive one full sync of ``plan`` (blocks until every bucket has arrived and loaded).
 
-        Returns the per-bucket digests of the first worker in checksum (debug) mode, else [].
+        Returns one digest per bucket of ``plan`` (the first worker's) with ``checksums``, else [].
         """
+        # vLLM hands this dict to the worker's transfer engine as ``MegagrpoUpdateInfo(**update_info)``.
+        update_info = {"buckets": tuple(plan), "checksums": checksums}
         self.llm.collective_rpc("start_weight_update")
         self.llm.collective_rpc("update_weights", args=(update_info,))
         self.llm.collective_rpc("finish_weight_update")
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
-        if not update_info.get("checksums"):
+        if not checksums:
             return []
         return self.llm.collective_rpc(_received_digests)[0]
 

@@ -4,7 +4,9 @@ A plain class; ``megagrpo.cluster`` runs one per rank as a Ray actor, and the te
 local ranks. Every method is collective: all ranks of the trainer job call it with the same
 batch (the controller puts the batch in the object store once), and each rank selects its
 data-parallel shard itself. Results are returned identically on every rank, so the controller
-reads any one of them.
+reads any one of them: ``[B, S - 1]`` logprob tensors, one ``TrainMetrics`` per optimizer step.
+The weight-sync methods the controller calls (plan, open, send) are inherited from
+``megagrpo.weight_sync.trainer.WeightSyncEndpoints``; ``weight_source`` tells them what to read.
 
 Data flow of ``train``: the rollout batch is cut into mini-batches of ``policy.mini_batch_size``
 sequences (one optimizer step each); each mini-batch is split over DP ranks by token count and
@@ -29,10 +31,9 @@ from megagrpo.ckpt.hf_weights import load_hf_into_stage
 from megagrpo.ckpt.megatron import load_megatron, save_dist_checkpoint, save_megatron, write_checkpoint_meta
 from megagrpo.compat.megatron_optimizer import adam_step_kept_on_load
 from megagrpo.config import Config
-from megagrpo.models.description import describe_model
+from megagrpo.models.description import ModelDescription, describe_model
 from megagrpo.models.shape import padded_vocab_size
-from megagrpo.parallel import ParallelSizes, init_parallel
-from megagrpo.parallel.local import free_port, node_ip
+from megagrpo.parallel import ParallelContext, ParallelSizes, init_parallel
 from megagrpo.policy.engine import (
     OptimizerSettings,
     build_engine,
@@ -48,9 +49,8 @@ from megagrpo.policy.packing import (
     place_positions,
     round_up,
 )
-from megagrpo.types import TrainBatch, balanced_shards
-from megagrpo.weight_sync.buckets import plan_from_dict, plan_to_dict
-from megagrpo.weight_sync.trainer import WeightSender
+from megagrpo.types import TrainBatch, TrainMetrics, balanced_shards
+from megagrpo.weight_sync.trainer import WeightSyncEndpoints
 
 # Canonical per-parameter optimizer state: reloads at any TP/PP/DP (Megatron's default for the
 # distributed optimizer in 0.16, "fully_sharded_model_space", is deprecated and fails validation).
@@ -83,7 +83,9 @@ class HostWeights:
                 self.tensors[name] = current
 
 
-class PolicyWorker:
+class PolicyWorker(WeightSyncEndpoints):
+    """One rank of the policy; its weight-sync methods come from ``WeightSyncEndpoints``."""
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.model_info = describe_model(cfg)
@@ -142,7 +144,6 @@ class PolicyWorker:
         # The reference policy is the initial weights, parked in host memory; none without KL.
         self.reference = HostWeights(self.engine.module) if cfg.grpo.kl_coef > 0 else None
         self.steps_done = 0
-        self.sender: WeightSender | None = None
 
     # ----------------------------------------------------------------------------------- weights
 
@@ -317,7 +318,7 @@ class PolicyWorker:
 
     # --------------------------------------------------------------------------------------- train
 
-    def train(self, batch: TrainBatch) -> list[dict[str, float]]:
+    def train(self, batch: TrainBatch) -> list[TrainMetrics]:
         """One optimizer step per mini-batch of ``policy.mini_batch_size`` sequences; metrics per step."""
         if batch.advantages is None:
             raise ValueError("train() needs advantages")
@@ -336,7 +337,7 @@ class PolicyWorker:
             history.append(self._train_step(mini))
         return history
 
-    def _train_step(self, mini: TrainBatch) -> dict[str, float]:
+    def _train_step(self, mini: TrainBatch) -> TrainMetrics:
         outputs: list[dict[str, torch.Tensor]] = []
         loss_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -365,8 +366,7 @@ class PolicyWorker:
         self.scheduler.step(1)
         self.steps_done += 1
         metrics = self._reduce(outputs, loss_parts)
-        metrics.update(grad_norm=grad_norm, lr=lr, update_applied=float(applied))
-        return metrics
+        return TrainMetrics(**metrics, grad_norm=grad_norm, lr=lr, update_applied=float(applied))
 
     def _reduce(self, outputs: list[dict[str, torch.Tensor]], loss_parts: list[tuple]) -> dict[str, float]:
         """Reduce loss metrics over micro-batches and DP ranks; share from the last stage to all."""
@@ -393,29 +393,9 @@ class PolicyWorker:
 
     # --------------------------------------------------------------------------------- weight sync
 
-    def _sender(self) -> WeightSender:
-        if self.sender is None:
-            self.sender = WeightSender(self.ctx, self.engine.module, self.model_info)
-        return self.sender
-
-    def weight_sync_address(self) -> tuple[str, int] | None:
-        """(host, free port) on this stage's sender rank, where its broadcast group will listen."""
-        return (node_ip(), free_port()) if self._sender().is_sender else None
-
-    def weight_sync_plan(self, bucket_bytes: int) -> list[dict] | None:
-        plan = self._sender().plan(bucket_bytes)
-        return None if plan is None else plan_to_dict(plan)
-
-    def open_weight_sync(self, groups: list[dict], backend: str, timeout_s: float) -> None:
-        self._sender().open(groups, backend=backend, timeout_s=timeout_s)
-
-    def send_weights(self, plan: list[dict], with_checksums: bool = False) -> dict | None:
-        """Collective: every rank calls it; stage senders broadcast, TP peers help gather."""
-        return self._sender().send(plan_from_dict(plan), with_checksums=with_checksums)
-
-    def close_weight_sync(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
+    def weight_source(self) -> tuple[ParallelContext, torch.nn.Module, ModelDescription]:
+        """(parallel context, model stage, model description): what the weight-sync sender reads."""
+        return self.ctx, self.engine.module, self.model_info
 
     # ---------------------------------------------------------------------------------- checkpoint
 

@@ -3,6 +3,10 @@
 Sender and receivers agree on the plan before any byte moves (it only depends on names, dtypes
 and shapes, so it is computed once and reused every step). A bucket is a flat uint8 buffer; each
 tensor sits at an offset aligned to 16 bytes so it can be viewed in place with its dtype.
+
+These frozen dataclasses are also the weight sync's wire format: a plan (``tuple[Bucket, ...]``,
+in broadcast order) goes from the trainer's senders to the controller and from there to the
+senders and to every vLLM worker as it is; each sender answers a sync with :class:`SentBuckets`.
 """
 
 from __future__ import annotations
@@ -26,12 +30,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Slot:
+    """Where one tensor sits in its bucket."""
+
     name: str
     """HF tensor name, as vLLM's ``load_weights`` expects it."""
     dtype: str
+    """Torch dtype name without the ``torch.`` prefix ("bfloat16", "float32", ...)."""
     shape: tuple[int, ...]
+    """The HF tensor's shape (whole, not a TP shard)."""
     offset: int
-    """Byte offset in the bucket."""
+    """Byte offset in the bucket (a multiple of ALIGN)."""
 
     @property
     def nbytes(self) -> int:
@@ -43,10 +51,24 @@ class Slot:
 
 @dataclass(frozen=True)
 class Bucket:
+    """One broadcast: a uint8 buffer of ``nbytes`` holding ``slots``' tensors."""
+
     source: int
     """Which sender (pipeline stage) broadcasts it: rank ``source`` of the sync groups' senders."""
     nbytes: int
+    """Bytes used: the end of the last slot."""
     slots: tuple[Slot, ...] = field(default_factory=tuple)
+    """In the order the sender produces the tensors (rule order of the model's HF map)."""
+
+
+@dataclass(frozen=True)
+class SentBuckets:
+    """What a stage's sender reports once it has broadcast its buckets of a sync."""
+
+    source: int
+    """The sender's pipeline stage (``Bucket.source`` of the buckets it sent)."""
+    digests: tuple[str, ...] | None
+    """[buckets of this stage] :func:`checksum` of each as sent, in plan order (checksum mode); else None."""
 
 
 def plan_buckets(
@@ -96,22 +118,3 @@ def unpack(bucket: Bucket, buf: torch.Tensor) -> Iterator[tuple[str, torch.Tenso
 def checksum(buf: torch.Tensor) -> str:
     """A digest of a bucket's bytes (debug mode: compare sender and receiver)."""
     return hashlib.blake2b(buf.detach().cpu().numpy().tobytes(), digest_size=16).hexdigest()
-
-
-def plan_to_dict(buckets: list[Bucket]) -> list[dict]:
-    """Plain data for RPCs (vLLM's update_weights takes dicts)."""
-    return [
-        {
-            "source": b.source,
-            "nbytes": b.nbytes,
-            "slots": [[s.name, s.dtype, list(s.shape), s.offset] for s in b.slots],
-        }
-        for b in buckets
-    ]
-
-
-def plan_from_dict(data: list[dict]) -> list[Bucket]:
-    return [
-        Bucket(d["source"], d["nbytes"], tuple(Slot(n, dt, tuple(sh), off) for n, dt, sh, off in d["slots"]))
-        for d in data
-    ]

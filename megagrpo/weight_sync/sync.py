@@ -1,8 +1,13 @@
 """Controller side of weight sync: set up the broadcast groups, run a sync, and probe the result.
 
+The trainer ranks are driven through their :class:`~megagrpo.weight_sync.trainer.WeightSyncEndpoints`
+methods (plans and what the senders report are the frozen dataclasses of ``buckets``), the engines
+through ``GenerationWorker.init_weight_sync`` / ``receive_weights`` / ``prompt_logprobs``.
+
 After every sync a fixed probe (a few token sequences made from a fixed seed) is scored by every
 vLLM engine (prompt logprobs) and by the trainer; ``mean exp|logprob_vllm - logprob_trainer|``
-must stay under ``generation.probe_max_error`` or the run stops, naming the engine and position.
+must stay under ``generation.probe_max_error`` or the run stops, naming the engine and position
+(:class:`ProbeResult`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 
 from megagrpo.config import Config
 from megagrpo.types import TrainBatch
+from megagrpo.weight_sync.buckets import Bucket, SentBuckets
+from megagrpo.weight_sync.trainer import WeightSyncEndpoints
 from megagrpo.weight_sync.transport import GroupAddress
 
 if TYPE_CHECKING:
@@ -29,9 +36,12 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class ProbeResult:
+    """How far every engine's probe logprobs are from the trainer's, right after a sync."""
+
     error: float
     """Mean exp|delta logprob| over every probe position of every engine (1.0 = identical)."""
     max_abs_delta: float
+    """The largest |delta logprob| at any position of any engine (inf when one is not finite)."""
     worst: str
     """Where the largest difference is (engine, sequence, position)."""
 
@@ -50,28 +60,27 @@ class WeightSync:
         self.cfg, self.policy, self.engines = cfg, policy, engines
         self.timeout_s = cfg.generation.sync_timeout_s
         bucket_bytes = int(cfg.generation.sync_bucket_mb * 2**20)
-        stage_plans = [p for p in policy.call_all("weight_sync_plan", bucket_bytes) if p is not None]
-        self.plan = [
-            bucket for stage in sorted(stage_plans, key=lambda p: p[0]["source"]) for bucket in stage
+        stage_plans = [
+            p for p in policy.call_all(WeightSyncEndpoints.weight_sync_plan, bucket_bytes) if p is not None
         ]
-        self.total_bytes = sum(b["nbytes"] for b in self.plan)
+        self.plan: tuple[Bucket, ...] = tuple(
+            bucket for stage in sorted(stage_plans, key=lambda p: p[0].source) for bucket in stage
+        )
+        self.total_bytes = sum(b.nbytes for b in self.plan)
         workers_per_engine = cfg.generation.engine_tensor_parallel_size
-        addresses = [a for a in policy.call_all("weight_sync_address") if a is not None]
+        addresses = [a for a in policy.call_all(WeightSyncEndpoints.weight_sync_address) if a is not None]
         world = 1 + len(engines) * workers_per_engine
-        groups = [GroupAddress(host, port, world).to_dict() for host, port in addresses]
+        groups = [GroupAddress(host, port, world) for host, port in addresses]
         # Both sides block in the rendezvous until everyone has joined: start them together.
         engine_refs = [
             e.init_weight_sync.remote(
-                {
-                    "groups": groups,
-                    "rank_offset": 1 + i * workers_per_engine,
-                    "backend": backend,
-                    "timeout_s": self.timeout_s,
-                }
+                groups, rank_offset=1 + i * workers_per_engine, backend=backend, timeout_s=self.timeout_s
             )
             for i, e in enumerate(engines)
         ]
-        trainer_refs = policy.submit_all("open_weight_sync", groups, backend, self.timeout_s)
+        trainer_refs = policy.submit_all(
+            WeightSyncEndpoints.open_weight_sync, groups, backend, self.timeout_s
+        )
         self._wait(engine_refs, trainer_refs, "opening the weight-sync groups")
         self.probe_batch = TrainBatch.from_sequences(probe_sequences(vocab_size), [1] * 4)
 
@@ -94,24 +103,22 @@ class WeightSync:
             )
         return ray.get(trainer_refs)
 
-    def sync(self, *, with_checksums: bool = False, corrupt_bucket: int | None = None) -> float:
+    def sync(self, *, with_checksums: bool = False) -> float:
         """Push the trainer's current weights into every engine; returns seconds taken.
 
         ``with_checksums`` (debug): senders and receivers digest every bucket and any mismatch
-        is an error naming the bucket. ``corrupt_bucket`` is a test hook that damages one
-        received bucket, to prove the probe notices.
+        is an error naming the bucket.
         """
         start = time.perf_counter()
-        update = {"buckets": self.plan, "checksums": with_checksums, "corrupt_bucket": corrupt_bucket}
-        engine_refs = [e.receive_weights.remote(update) for e in self.engines]
-        trainer_refs = self.policy.submit_all("send_weights", self.plan, with_checksums)
+        engine_refs = [e.receive_weights.remote(self.plan, checksums=with_checksums) for e in self.engines]
+        trainer_refs = self.policy.submit_all(WeightSyncEndpoints.send_weights, self.plan, with_checksums)
         sent = self._wait(engine_refs, trainer_refs, "weight sync")
         if with_checksums:
-            want = _stage_ordered_digests(sent, self.plan)
+            want = _stage_ordered_digests(sent)
             for e, got in enumerate(ray.get(engine_refs)):
                 for i, (a, b) in enumerate(zip(got, want, strict=True)):
                     if a != b:
-                        names = [s[0] for s in self.plan[i]["slots"]]
+                        names = [slot.name for slot in self.plan[i].slots]
                         raise WeightSyncError(
                             f"weight sync bucket {i} ({names[0]} .. {names[-1]}) differs on engine {e}: "
                             f"checksum {a} != sent {b}"
@@ -120,7 +127,7 @@ class WeightSync:
 
     def probe(self) -> ProbeResult:
         """Score the probe on every engine and on the trainer; raise if they disagree."""
-        trainer = self.policy.call_first("logprobs", self.probe_batch, 1.0)  # [B, S - 1]
+        trainer = self.policy.call_first(WeightSyncEndpoints.logprobs, self.probe_batch, 1.0)  # [B, S - 1]
         engine_refs = [e.prompt_logprobs.remote(self.probe_batch.input_ids.tolist()) for e in self.engines]
         per_engine = ray.get(engine_refs, timeout=self.timeout_s)
         total, count, worst = 0.0, 0, (0.0, "")
@@ -152,7 +159,7 @@ class WeightSync:
         return result
 
 
-def _stage_ordered_digests(sent: list, plan: list[dict]) -> list[str]:
+def _stage_ordered_digests(sent: list[SentBuckets | None]) -> list[str]:
     """The senders' digests in plan order (stage by stage)."""
-    by_source = {r["source"]: r["digests"] for r in sent if r is not None}
+    by_source = {r.source: r.digests for r in sent if r is not None}
     return [d for source in sorted(by_source) for d in by_source[source]]

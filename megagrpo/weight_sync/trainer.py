@@ -7,19 +7,30 @@ the stage packs them into fixed-size buckets and broadcasts them on its own grou
 k+1 overlaps the broadcast of bucket k (two buffers, on CPU kept from one sync to the next). No
 rank ever holds more than one parameter gathered plus two buckets; no rank funnels another stage's
 weights.
+
+:class:`WeightSyncEndpoints` is what the controller (``sync.WeightSync``) calls on every trainer
+rank; the policy worker inherits it, so the controller names these methods without importing the
+policy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megagrpo.models.layout import is_gated_fc1, stage_param_names, tp_merge, tp_partition_dim
 from megagrpo.models.mapping import hf_tensor_shapes, to_hf
-from megagrpo.weight_sync.buckets import Bucket, checksum, pack, plan_buckets
+from megagrpo.parallel.local import free_port, node_ip
+from megagrpo.weight_sync.buckets import Bucket, SentBuckets, checksum, pack, plan_buckets
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
+
+if TYPE_CHECKING:
+    from megagrpo.models.description import ModelDescription
+    from megagrpo.parallel import ParallelContext
+    from megagrpo.types import TrainBatch
 
 
 class WeightSender:
@@ -45,19 +56,19 @@ class WeightSender:
     def is_sender(self) -> bool:
         return self.takes_part and self.ctx.tp_rank == 0
 
-    def plan(self, bucket_bytes: int) -> list[Bucket] | None:
-        """This stage's buckets (sender ranks only)."""
+    def plan(self, bucket_bytes: int) -> tuple[Bucket, ...] | None:
+        """This stage's buckets, in broadcast order (sender ranks only)."""
         if not self.is_sender:
             return None
         shapes = hf_tensor_shapes(self.info.shape)
         dtype = self.info.dtype
         tensors = [(name, dtype, shapes[name]) for rule in self.rules for name in rule.hf]
-        return plan_buckets(tensors, bucket_bytes, source=self.ctx.pp_rank)
+        return tuple(plan_buckets(tensors, bucket_bytes, source=self.ctx.pp_rank))
 
-    def open(self, groups: list[dict], *, backend: str, timeout_s: float) -> None:
+    def open(self, groups: Sequence[GroupAddress], *, backend: str, timeout_s: float) -> None:
         """Senders become rank 0 of their stage's group (blocks until every vLLM worker joined)."""
         if self.is_sender:
-            addr = GroupAddress(**groups[self.ctx.pp_rank])
+            addr = groups[self.ctx.pp_rank]
             self.group = BroadcastGroup(addr, 0, backend=backend, timeout_s=timeout_s, device=self.ctx.device)
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -73,8 +84,8 @@ class WeightSender:
             if self.is_sender:
                 yield from zip(rule.hf, to_hf(rule, full, self.info.shape), strict=True)
 
-    def send(self, plan: list[Bucket], *, with_checksums: bool = False) -> dict | None:
-        """Broadcast this stage's buckets; senders return {"source": stage, "digests": [...] or None}."""
+    def send(self, plan: Sequence[Bucket], *, with_checksums: bool = False) -> SentBuckets | None:
+        """Broadcast this stage's buckets of ``plan``; senders report them, the other ranks return None."""
         if not self.takes_part:
             return None
         mine = [b for b in plan if b.source == self.ctx.pp_rank]
@@ -116,10 +127,53 @@ class WeightSender:
         leftover = next(stream, None)
         if leftover is not None:
             raise RuntimeError(f"weight sync plan is missing {leftover[0]}")
-        return {"source": self.ctx.pp_rank, "digests": digests if with_checksums else None}
+        return SentBuckets(self.ctx.pp_rank, tuple(digests) if with_checksums else None)
 
     def close(self) -> None:
         self._buffers = None
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+class WeightSyncEndpoints:
+    """The methods ``sync.WeightSync`` calls on every rank of the trainer job (all collective).
+
+    A trainer worker inherits them and provides ``weight_source`` (what its sender reads) and
+    ``logprobs`` (how the probe is scored on the trainer side).
+    """
+
+    sender: WeightSender | None = None
+
+    def weight_source(self) -> tuple[ParallelContext, torch.nn.Module, ModelDescription]:
+        """(parallel context, this rank's model stage, model description) the sender reads."""
+        raise NotImplementedError
+
+    def logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
+        """[B, S - 1] fp32 logprobs of every next token under the current weights, on every rank."""
+        raise NotImplementedError
+
+    def _sender(self) -> WeightSender:
+        if self.sender is None:
+            self.sender = WeightSender(*self.weight_source())
+        return self.sender
+
+    def weight_sync_address(self) -> tuple[str, int] | None:
+        """(host, free port) on this stage's sender rank, where its broadcast group will listen."""
+        return (node_ip(), free_port()) if self._sender().is_sender else None
+
+    def weight_sync_plan(self, bucket_bytes: int) -> tuple[Bucket, ...] | None:
+        """This stage's buckets of at most ``bucket_bytes`` (on its sender rank; None elsewhere)."""
+        return self._sender().plan(bucket_bytes)
+
+    def open_weight_sync(self, groups: Sequence[GroupAddress], backend: str, timeout_s: float) -> None:
+        """Join the broadcast groups, one per stage (``groups[stage]``); senders host theirs."""
+        self._sender().open(groups, backend=backend, timeout_s=timeout_s)
+
+    def send_weights(self, plan: Sequence[Bucket], with_checksums: bool = False) -> SentBuckets | None:
+        """Collective: every rank calls it; stage senders broadcast, TP peers help gather."""
+        return self._sender().send(plan, with_checksums=with_checksums)
+
+    def close_weight_sync(self) -> None:
+        if self.sender is not None:
+            self.sender.close()

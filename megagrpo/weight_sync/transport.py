@@ -8,7 +8,7 @@ group. Each group has its own timeout, so a dead peer turns into an exception, n
 from __future__ import annotations
 
 import datetime
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,13 +16,12 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class GroupAddress:
+    """Where one broadcast group meets (the sender's TCPStore); sent to the sender and every engine."""
+
     address: str
     port: int
     world_size: int
     """1 sender + every receiving vLLM worker."""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class BroadcastGroup:

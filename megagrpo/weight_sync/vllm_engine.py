@@ -13,7 +13,7 @@ Receiving overlaps loading: the broadcast of bucket k+1 is posted before bucket 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -22,14 +22,16 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megagrpo.weight_sync.buckets import checksum, plan_from_dict, unpack
+from megagrpo.weight_sync.buckets import Bucket, checksum, unpack
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
 
 
+# vLLM builds these from the dicts ``GenerationWorker`` passes to ``collective_rpc`` (``cls(**info)``);
+# they subclass vLLM's (mutable) dataclasses, so they cannot be frozen themselves.
 @dataclass
 class MegagrpoInitInfo(WeightTransferInitInfo):
-    groups: list[dict]
-    """One GroupAddress dict per sender (pipeline stage)."""
+    groups: list[GroupAddress]
+    """One broadcast group per sender (pipeline stage), indexed by ``Bucket.source``."""
     rank_offset: int
     """This engine's first rank in every group (1 + engine index x workers per engine)."""
     backend: str = "gloo"
@@ -38,12 +40,10 @@ class MegagrpoInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class MegagrpoUpdateInfo(WeightTransferUpdateInfo):
-    buckets: list[dict]
-    """The bucket plan (``buckets.plan_to_dict``), in broadcast order."""
+    buckets: tuple[Bucket, ...]
+    """The bucket plan, in broadcast order."""
     checksums: bool = False
     """Debug mode: digest every received bucket (``last_digests``) for the controller to compare."""
-    corrupt_bucket: int | None = field(default=None)
-    """Test hook: flip bytes of this bucket after receiving it (proves the probe catches it)."""
 
 
 class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, MegagrpoUpdateInfo]):
@@ -62,13 +62,13 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         rank = init_info.rank_offset + par.data_parallel_index * par.world_size + par.rank
         self.groups = [
             BroadcastGroup(
-                GroupAddress(**g),
+                address,
                 rank,
                 backend=init_info.backend,
                 timeout_s=init_info.timeout_s,
                 device=self.device,
             )
-            for g in init_info.groups
+            for address in init_info.groups
         ]
 
     def start_weight_update(self) -> None:
@@ -103,7 +103,7 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
     def receive_weights(self, update_info: MegagrpoUpdateInfo) -> None:
         if not self.groups:
             raise RuntimeError("megagrpo weight transfer: init_weight_transfer_engine was not called")
-        buckets = plan_from_dict(update_info.buckets)
+        buckets = update_info.buckets
         if not buckets:
             return
 
@@ -128,9 +128,6 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
             work.wait()
             if i + 1 < len(buckets):
                 pending = post(i + 1)
-            if update_info.corrupt_bucket == i:
-                # The top byte (sign and exponent) of one value in sixteen: every tensor is damaged.
-                buf[3::64] ^= 0x40
             if update_info.checksums:
                 self.last_digests.append(checksum(buf))
             self.model.load_weights(list(unpack(bucket, buf)))

@@ -14,6 +14,7 @@ from megagrpo.parallel.local import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
+
 def _one_step(rank: int, world_size: int, cfg) -> dict:
     from megagrpo.policy.worker import PolicyWorker
 
@@ -23,7 +24,12 @@ def _one_step(rank: int, world_size: int, cfg) -> dict:
         old = worker.logprobs(batch)
         metrics = worker.train(batch.replace(old_logprobs=old))
         new = worker.logprobs(batch)
-        return {"old": old, "metrics": metrics, "new": new, "recompute": worker.engine.config.recompute_granularity}
+        return {
+            "old": old,
+            "metrics": metrics,
+            "new": new,
+            "recompute": worker.engine.config.recompute_granularity,
+        }
     finally:
         destroy_parallel()
 
@@ -63,9 +69,9 @@ def test_loss_and_grad_norm_do_not_depend_on_layout(layout, hf_dir, reference):
     for res in results:
         assert res["recompute"] == want_recompute  # the knob reached Megatron
         (got,) = res["metrics"]
-        assert _rel(got["loss"], want["loss"]) <= 1e-5, (got["loss"], want["loss"])
-        assert _rel(got["grad_norm"], want["grad_norm"]) <= 1e-5, (got["grad_norm"], want["grad_norm"])
-        assert got["tokens"] == want["tokens"]
+        assert _rel(got.loss, want.loss) <= 1e-5, (got.loss, want.loss)
+        assert _rel(got.grad_norm, want.grad_norm) <= 1e-5, (got.grad_norm, want.grad_norm)
+        assert got.tokens == want.tokens
         mask = policy_batch().response_mask()
         torch.testing.assert_close(res["old"][mask], reference["old"][mask], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(res["new"][mask], reference["new"][mask], atol=1e-4, rtol=1e-4)
@@ -73,8 +79,8 @@ def test_loss_and_grad_norm_do_not_depend_on_layout(layout, hf_dir, reference):
 
 def test_first_step_is_exactly_on_policy(reference):
     (metrics,) = reference["metrics"]
-    assert metrics["ratio_mean"] == 1.0 and metrics["ratio_min"] == 1.0 and metrics["ratio_max"] == 1.0
-    assert metrics["clip_low_frac"] == 0.0 and metrics["clip_high_frac"] == 0.0
+    assert metrics.ratio_mean == 1.0 and metrics.ratio_min == 1.0 and metrics.ratio_max == 1.0
+    assert metrics.clip_low_frac == 0.0 and metrics.clip_high_frac == 0.0
     # and the step changed the policy
     mask = policy_batch().response_mask()
     assert (reference["new"][mask] - reference["old"][mask]).abs().max() > 1e-3
@@ -102,14 +108,16 @@ def test_save_load_restores_logprobs_and_optimizer_at_any_layout(hf_dir, tmp_pat
     mask = policy_batch().response_mask()
     for layout in (dict(), dict(tp=2), dict(pp=2)):
         world = 2 if layout else 1
-        results = run_local_ranks(load_then_continue, world, policy_config(hf_dir, **layout), ckpt, timeout_s=300)
+        results = run_local_ranks(
+            load_then_continue, world, policy_config(hf_dir, **layout), ckpt, timeout_s=300
+        )
         for res in results:
             assert res["steps"] == 1
             torch.testing.assert_close(res["loaded"][mask], saved["saved"][mask], atol=1e-5, rtol=1e-5)
             # Same next step after the reload: Adam moments and LR schedule came back too.
             (got,), (want,) = res["next"], saved["next"]
-            assert _rel(got["loss"], want["loss"]) <= 1e-5
-            assert _rel(got["grad_norm"], want["grad_norm"]) <= 1e-4
+            assert _rel(got.loss, want.loss) <= 1e-5
+            assert _rel(got.grad_norm, want.grad_norm) <= 1e-4
     # The model part is a regular megagrpo checkpoint: it exports to HF.
     from megagrpo.ckpt.convert import megatron_to_hf
 

@@ -7,13 +7,12 @@ from policy_cases import policy_batch, policy_config
 
 from megagrpo.parallel import destroy_parallel
 from megagrpo.parallel.local import run_local_ranks
+from megagrpo.policy.worker import PolicyWorker
 
 pytestmark = pytest.mark.e2e
 
 
 def _local_step(rank: int, world_size: int, cfg) -> dict:
-    from megagrpo.policy.worker import PolicyWorker
-
     worker = PolicyWorker(cfg)
     try:
         batch = policy_batch()
@@ -34,10 +33,10 @@ def test_ray_rank_group_matches_local_ranks(tmp_path):
 
     start_ray(cfg.cluster, num_cpus=2)
     try:
-        group = RankGroup(cfg, "megagrpo.policy.worker.PolicyWorker", timeout_s=300)
+        group = RankGroup(cfg, PolicyWorker, timeout_s=300)
         batch = policy_batch()
-        old = group.call_first("logprobs", batch)
-        per_rank = group.call_all("train", batch.replace(old_logprobs=old))
+        old = group.call_first(PolicyWorker.logprobs, batch)
+        per_rank = group.call_all(PolicyWorker.train, batch.replace(old_logprobs=old))
         group.shutdown()
     finally:
         ray.shutdown()
@@ -45,5 +44,5 @@ def test_ray_rank_group_matches_local_ranks(tmp_path):
     torch.testing.assert_close(old[mask], local["old"][mask], atol=1e-6, rtol=1e-6)
     assert per_rank[0] == per_rank[1]  # every rank reports the same metrics
     (got,), (want,) = per_rank[0], local["metrics"]
-    assert abs(got["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"])
-    assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-6 * want["grad_norm"]
+    assert abs(got.loss - want.loss) <= 1e-6 * abs(want.loss)
+    assert abs(got.grad_norm - want.grad_norm) <= 1e-6 * want.grad_norm

@@ -1,5 +1,9 @@
 """Weight sync Megatron -> vLLM over gloo: exact after real optimizer steps, at TP=1/TP=2/PP=2 with
-1 and 2 engines; a corrupted bucket is caught; a dead engine is an error within the timeout."""
+1 and 2 engines; a corrupted bucket is caught; a dead engine is an error within the timeout.
+
+The shared engines are ``DamagingGenerationWorker``s (``_damaging_engine.py``): production engines
+plus a way to damage a bucket of the next sync.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import torch
 from hf_models import make_tiny_hf
 from policy_cases import policy_batch, policy_config
 
+from megagrpo.policy.worker import PolicyWorker
+
 pytestmark = pytest.mark.e2e
 
 ray = pytest.importorskip("ray")
@@ -19,20 +25,21 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """Ray, a tiny Qwen2 (head size 32, as vLLM's CPU attention needs) and two vLLM engines."""
+    from _damaging_engine import DamagingGenerationWorker
+
     from megagrpo.cluster import start_engines, start_ray
 
     hf_dir = str(make_tiny_hf("qwen2", tmp_path_factory.mktemp("sync") / "qwen2", hidden_size=128))
     cfg = policy_config(hf_dir, extra=["generation.num_engines=2", "generation.sync_timeout_s=30"])
     start_ray(cfg.cluster, num_cpus=4)
-    engines = start_engines(cfg, hf_dir)
+    engines = start_engines(cfg, hf_dir, engine_cls=DamagingGenerationWorker)
     yield hf_dir, engines
     ray.shutdown()
 
 
 def _sampled_logprob_error(sync, group, engines, cfg) -> float:
     """Sample with vLLM, score the same tokens with the trainer: mean exp|delta| over sampled tokens."""
-    from megagrpo.generation.worker import SamplingSettings
-    from megagrpo.types import TrainBatch
+    from megagrpo.types import SamplingSettings, TrainBatch
 
     prompts = [[5, 17, 42, 7], [99, 3, 250, 18, 6], [11, 12]]
     settings = SamplingSettings(max_tokens=12, temperature=1.0, seed=3)
@@ -41,7 +48,7 @@ def _sampled_logprob_error(sync, group, engines, cfg) -> float:
         comps = ray.get(engine.generate.remote(prompts, settings))
         seqs = [prompts[c.prompt_index] + c.token_ids for c in comps]
         batch = TrainBatch.from_sequences(seqs, [len(prompts[c.prompt_index]) for c in comps])
-        trainer = group.call_first("logprobs", batch, 1.0)
+        trainer = group.call_first(PolicyWorker.logprobs, batch, 1.0)
         mask = batch.response_mask()
         gen = torch.zeros_like(trainer)
         for row, c in enumerate(comps):
@@ -61,15 +68,15 @@ def test_engines_match_trainer_after_real_updates(layout, stack):
     cfg = policy_config(
         hf_dir, **layout, extra=["generation.sync_timeout_s=60", "generation.sync_bucket_mb=0.25"]
     )
-    group = RankGroup(cfg, "megagrpo.policy.worker.PolicyWorker", timeout_s=300)
+    group = RankGroup(cfg, PolicyWorker, timeout_s=300)
     try:
         for targets in (engines[:1], engines):
             sync = WeightSync(cfg, group, targets, vocab_size=300)
             batch = policy_batch(seed=len(targets))
             metrics = group.call_first(
-                "train", batch.replace(old_logprobs=group.call_first("logprobs", batch))
+                PolicyWorker.train, batch.replace(old_logprobs=group.call_first(PolicyWorker.logprobs, batch))
             )
-            assert metrics[0]["update_applied"] == 1.0  # a real optimizer step changed the weights
+            assert metrics[0].update_applied == 1.0  # a real optimizer step changed the weights
             sync.sync(with_checksums=True)  # debug mode: every bucket's digest matches on arrival
             probe = sync.probe()
             assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4
@@ -84,17 +91,19 @@ def test_corrupted_bucket_is_caught_by_the_probe(stack):
 
     hf_dir, engines = stack
     cfg = policy_config(hf_dir, extra=["generation.sync_bucket_mb=0.25"])
-    group = RankGroup(cfg, "megagrpo.policy.worker.PolicyWorker", timeout_s=300)
+    group = RankGroup(cfg, PolicyWorker, timeout_s=300)
     try:
         sync = WeightSync(cfg, group, engines[:1], vocab_size=300)
         assert len(sync.plan) >= 2  # the damaged bucket is one of several
         sync.sync()
         assert sync.probe().error <= 1.001
-        sync.sync(corrupt_bucket=1)
+        ray.get(engines[0].damage_next_sync.remote(1))
+        sync.sync()
         with pytest.raises(WeightSyncError, match=r"probe failed.*engine 0"):
             sync.probe()
+        ray.get(engines[0].damage_next_sync.remote(1))
         with pytest.raises(WeightSyncError, match=r"bucket 1 .* differs on engine 0"):
-            sync.sync(with_checksums=True, corrupt_bucket=1)
+            sync.sync(with_checksums=True)
         sync.sync()  # a clean sync repairs the engine
         assert sync.probe().error <= 1.001
     finally:
@@ -107,7 +116,7 @@ def test_dead_engine_is_an_error_within_the_timeout(stack):
 
     hf_dir, engines = stack
     cfg = policy_config(hf_dir, extra=["generation.sync_timeout_s=20"])
-    group = RankGroup(cfg, "megagrpo.policy.worker.PolicyWorker", timeout_s=300)
+    group = RankGroup(cfg, PolicyWorker, timeout_s=300)
     try:
         sync = WeightSync(cfg, group, engines, vocab_size=300)
         sync.sync()
@@ -127,7 +136,7 @@ def test_seeded_rollouts_longer_than_one_scheduler_step(stack):
     Chunked prefill would split a prompt across steps and make vLLM rewind its seeded generator,
     which the CPU build cannot do; and each prompt's samples must not depend on its batch-mates.
     """
-    from megagrpo.generation.worker import SamplingSettings
+    from megagrpo.types import SamplingSettings
 
     _, engines = stack
     gen = torch.Generator().manual_seed(5)
@@ -161,11 +170,13 @@ def test_engine_with_tensor_parallel_workers(stack):
         ],
     )
     (engine,) = start_engines(cfg, hf_dir)
-    group = RankGroup(cfg, "megagrpo.policy.worker.PolicyWorker", timeout_s=300)
+    group = RankGroup(cfg, PolicyWorker, timeout_s=300)
     try:
         sync = WeightSync(cfg, group, [engine], vocab_size=300)
         batch = policy_batch(seed=7)
-        group.call_first("train", batch.replace(old_logprobs=group.call_first("logprobs", batch)))
+        group.call_first(
+            PolicyWorker.train, batch.replace(old_logprobs=group.call_first(PolicyWorker.logprobs, batch))
+        )
         sync.sync(with_checksums=True)
         probe = sync.probe()
         assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4

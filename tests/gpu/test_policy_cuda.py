@@ -47,14 +47,14 @@ def test_train_save_load_export_on_cuda(tmp_path):
     (saved,) = run_local_ranks(_train_save_continue, 1, cfg, ckpt, timeout_s=600)
     mask = policy_batch().response_mask()
     first = saved["first"]
-    assert first["ratio_mean"] == 1.0 and first["clip_low_frac"] == 0.0  # on-policy first step
+    assert first.ratio_mean == 1.0 and first.clip_low_frac == 0.0  # on-policy first step
     assert (saved["saved"][mask] - saved["before"][mask]).abs().max() > 1e-3  # the step moved it
     (loaded,) = run_local_ranks(load_then_continue, 1, cfg, ckpt, timeout_s=600)
     assert loaded["steps"] == 1
     torch.testing.assert_close(loaded["loaded"][mask], saved["saved"][mask], atol=1e-5, rtol=1e-5)
     (got,), (want,) = loaded["next"], saved["next"]
-    assert abs(got["loss"] - want["loss"]) <= 1e-5 * max(abs(want["loss"]), 1e-12)
-    assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-4 * max(abs(want["grad_norm"]), 1e-12)
+    assert abs(got.loss - want.loss) <= 1e-5 * max(abs(want.loss), 1e-12)
+    assert abs(got.grad_norm - want.grad_norm) <= 1e-4 * max(abs(want.grad_norm), 1e-12)
 
     from megagrpo.ckpt.convert import megatron_to_hf
 

@@ -1,0 +1,63 @@
+"""A vLLM engine actor that can damage a bucket of its next weight sync: proves the probe (and the
+checksum mode) catch a sync that went wrong, with no such hook in the production receive path.
+
+``DamagingGenerationWorker.damage_next_sync(k)`` wraps the broadcast groups of the engine's weight
+transfer engine (inside vLLM's worker, as ``benchmarks/sync_bench.py`` instruments them): the k-th
+bucket the next sync receives gets bytes flipped as soon as it has arrived, before it is digested
+and loaded. The wrapping undoes itself after that bucket. In-process engines only (engine TP = 1,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``GenerationWorker`` sets it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import ray.cloudpickle
+
+from megagrpo.generation.worker import GenerationWorker
+
+# Ray's workers cannot import this test module by name: ship its classes and functions by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class DamagingGenerationWorker(GenerationWorker):
+    def damage_next_sync(self, bucket: int) -> None:
+        """Flip bytes of bucket ``bucket`` (plan order) when the next sync receives it."""
+        self.llm.collective_rpc(_damage_on_arrival, args=(bucket,))
+
+
+class _DamagedOnWait:
+    """A broadcast's work handle whose ``wait`` damages the received buffer."""
+
+    def __init__(self, work, buf):
+        self.work, self.buf = work, buf
+
+    def wait(self):
+        done = self.work.wait()
+        # The top byte (sign and exponent) of one value in sixteen: every tensor is damaged.
+        self.buf[3::64] ^= 0x40
+        return done
+
+
+def _damage_on_arrival(worker, bucket: int) -> None:
+    """Inside the vLLM worker: the receiver posts one broadcast per bucket, in plan order."""
+    groups = worker.weight_transfer_engine.groups
+    posted = itertools.count()
+
+    def restore() -> None:
+        for group in groups:
+            group.__dict__.pop("broadcast", None)
+
+    def wrap(plain):
+        def broadcast(tensor, root: int = 0):
+            work = plain(tensor, root)
+            if next(posted) != bucket:
+                return work
+            restore()
+            return _DamagedOnWait(work, tensor)
+
+        return broadcast
+
+    for group in groups:
+        group.broadcast = wrap(group.broadcast)
