@@ -60,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
 
+    p = sub.add_parser(
+        "sft", help="supervised fine-tuning on chat/instruction data (loss on assistant tokens only)"
+    )
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
+
+    p = sub.add_parser("dpo", help="preference optimisation (DPO / IPO) against the frozen initial policy")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
+
     p = sub.add_parser("eval", help="evaluate a checkpoint on the validation set (not implemented yet)")
     _add_config_args(p)
 
@@ -125,7 +135,7 @@ def _warmup(args: argparse.Namespace) -> int:
         f"megagrpo warmup: tiny Qwen2-shaped model, Megatron-Core over {par.backend} with "
         f"{par.world_size} rank(s) (TP={par.tensor_model_parallel_size}, "
         f"PP={par.pipeline_model_parallel_size}, DP={par.data_parallel_size}), "
-        f"{cfg.warmup.steps} optimizer steps on synthetic arithmetic",
+        f"{cfg.warmup.steps} optimizer steps of SFT on synthetic arithmetic",
         flush=True,
     )
     res = run_warmup(cfg)
@@ -139,6 +149,35 @@ def _warmup(args: argparse.Namespace) -> int:
         f"  metrics: {res.metrics_path}"
     )
     return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from megagrpo.sft import run_sft
+
+    cfg = _load(args)
+    res = run_sft(cfg, resume=args.resume)
+    if res is not None:
+        _print_validation("sft", res.first, res.last)
+    return 0
+
+
+def _dpo(args: argparse.Namespace) -> int:
+    from megagrpo.dpo import run_dpo
+
+    cfg = _load(args)
+    res = run_dpo(cfg, resume=args.resume)
+    if res is not None:
+        _print_validation("dpo", res.first, res.last)
+    return 0
+
+
+def _print_validation(command: str, first: dict, last: dict) -> None:
+    print(f"megagrpo {command}: validation before -> after")
+    keys = sorted(set(first) | set(last))
+    for key in keys:
+        before = f"{first[key]:.4f}" if key in first else "-"
+        after = f"{last[key]:.4f}" if key in last else "-"
+        print(f"  {key}: {before} -> {after}")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -218,7 +257,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     from megagrpo.config import ConfigError
 
     try:
-        return {"plan": _plan, "warmup": _warmup, "export": _export, "train": _train}[args.command](args)
+        commands = {"plan": _plan, "warmup": _warmup, "export": _export, "train": _train}
+        return (commands | {"sft": _sft, "dpo": _dpo})[args.command](args)
     except ConfigError as err:
         print(f"megagrpo {args.command}: config error: {err}", file=sys.stderr)
         return 1

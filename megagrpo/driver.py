@@ -25,15 +25,13 @@ import yaml
 
 from megagrpo.algorithms.grpo import group_advantages, overlong_penalty, zero_variance_groups
 from megagrpo.ckpt import run as ckpt_io
-from megagrpo.ckpt.convert import megatron_to_hf
-from megagrpo.ckpt.durable import atomic_write, publish
 from megagrpo.cluster import RankGroup, start_engines, start_ray
 from megagrpo.config import Config, config_to_dict, save_config
 from megagrpo.data.prompts import Prompt, PromptSource, build_source
-from megagrpo.metrics import MetricsLogger
 from megagrpo.models.description import describe_model
 from megagrpo.policy.worker import PolicyWorker
 from megagrpo.rewards import RewardScorer
+from megagrpo.runs import check_checkpoint_dir, export_final, metrics_logger, prefixed, wandb_settings
 from megagrpo.types import Completion, SamplingSettings, TrainBatch, TrainMetrics
 from megagrpo.weight_sync.sync import WeightSync
 
@@ -53,6 +51,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     run_dir = Path(cfg.logging.dir) / cfg.run_name
     check_checkpoint_dir(cfg, resume)
     source, scorer = build_source(cfg), RewardScorer(cfg.reward)  # validates data before any actor starts
+    wandb_settings(cfg)  # logging.wandb without the package: a config error now, not after the actors
     cfg, model_dir = prepare_initial_model(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
@@ -63,15 +62,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     step, position = restore(cfg, policy, resume)
     timings = {"sync_s": sync.sync()}
     sync.probe()
-    with MetricsLogger(
-        run_dir,
-        tensorboard=cfg.logging.tensorboard,
-        progress=cfg.logging.progress_bar,
-        print_every=cfg.logging.log_every,
-        total_steps=cfg.grpo.num_steps,
-        start_step=step,
-        resume=step > 0,
-    ) as log:
+    with metrics_logger(cfg, run_dir, cfg.grpo.num_steps, step) as log:
         if step == 0 and cfg.logging.val_every:
             log.log(
                 0, {"val/accuracy": validate(cfg, engines, source, scorer), **prefixed("timing", timings)}
@@ -126,52 +117,11 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
 
 
 def prepare_initial_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
-    """(config whose model is loadable by policy and vLLM, the HF directory vLLM reads).
+    """(config whose model is loadable by policy and vLLM, the HF directory vLLM reads): a tiny model is
+    warmed up first (or its earlier warm-up reused), see ``megagrpo.warmup.warmed_up_model``."""
+    from megagrpo.warmup import warmed_up_model
 
-    A tiny in-process model is first warmed up (or reused from an earlier warm-up of the same
-    config) and saved as a megagrpo checkpoint; both sides then load that.
-    """
-    if cfg.model.tiny is None:
-        return cfg, str(cfg.model.hf_dir)
-    from megagrpo.warmup import run_warmup
-
-    ckpt = run_dir / "warmup" / "ckpt"
-    stamp = ckpt / "warmup_config.yaml"
-    wanted = yaml.safe_dump({k: config_to_dict(cfg)[k] for k in ("model", "warmup", "data")}, sort_keys=True)
-    if not (stamp.is_file() and stamp.read_text() == wanted):
-        if cfg.warmup.steps > 0:
-            res = run_warmup(cfg, ckpt=ckpt)
-            print(f"warm-up: greedy accuracy {res.accuracy_before:.1%} -> {res.accuracy_after:.1%}")
-        else:
-            run_warmup(dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, steps=1)), ckpt=ckpt)
-        atomic_write(stamp, wanted)
-    else:
-        print(f"warm-up: reusing {ckpt}")
-    model = dataclasses.replace(cfg.model, tiny=None, hf_dir=str(ckpt / "hf"), megatron_ckpt=str(ckpt))
-    return dataclasses.replace(cfg, model=model), str(ckpt / "hf")
-
-
-def check_checkpoint_dir(cfg: Config, resume: bool) -> None:
-    """A fresh run must not mix its checkpoints with an earlier run's (--resume would pick the
-    wrong one): refuse before anything starts."""
-    if cfg.checkpoint.dir is None or resume or cfg.checkpoint.resume:
-        return
-    existing = ckpt_io.step_dirs(Path(cfg.checkpoint.dir))
-    if existing:
-        raise FileExistsError(
-            f"checkpoint.dir {cfg.checkpoint.dir} already holds checkpoints (latest: {existing[-1][1].name}) "
-            "from an earlier run: continue it with --resume, choose another checkpoint.dir, or remove them"
-        )
-
-
-def export_final(ckpt: Path, out: Path) -> Path:
-    """HF export of the final policy, replacing this run's previous export (written aside, then swapped)."""
-    import shutil
-
-    staging = out.with_name(out.name + ".new")
-    shutil.rmtree(staging, ignore_errors=True)
-    megatron_to_hf(ckpt, staging)
-    return publish(staging, out)
+    return warmed_up_model(cfg, run_dir)
 
 
 def restore(cfg: Config, policy: RankGroup, resume: bool) -> tuple[int, int]:
@@ -335,10 +285,6 @@ def mean_metrics(history: list[TrainMetrics]) -> dict[str, float]:
     """Average per-optimizer-step metrics over the step's mini-batches."""
     rows = [h.as_dict() for h in history]
     return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
-
-
-def prefixed(prefix: str, metrics: dict) -> dict:
-    return {f"{prefix}/{k}": v for k, v in metrics.items()}
 
 
 class _StopRequest:

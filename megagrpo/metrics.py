@@ -1,6 +1,9 @@
-"""Metrics sink of the GRPO driver: ``metrics.jsonl`` + TensorBoard + a terminal progress line + a curves PNG.
+"""Metrics sink of the trainers: ``metrics.jsonl`` + TensorBoard + a terminal progress line + a curves PNG,
+and Weights & Biases when ``logging.wandb`` is set (the optional ``wandb`` package; offline mode writes the
+run under the run directory).
 
-Used on the controller only (one process), one :meth:`MetricsLogger.log` call per GRPO step. The JSONL file is
+Used on the controller only (one process), one :meth:`MetricsLogger.log` call per step (GRPO, SFT or DPO:
+each passes its own title, summary keys and curve panels). The JSONL file is
 the source of truth: each line is fsync'd, so a crash keeps every finished step, and :meth:`write_curves`
 reads it back, so curves of a resumed run include the steps logged before the restart.
 
@@ -17,13 +20,22 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from megagrpo.ckpt.durable import atomic_file, atomic_write
 
-__all__ = ["CURVE_PANELS", "STEP_TIME_KEY", "SUMMARY_KEYS", "MetricsLogger", "read_metrics"]
+__all__ = [
+    "CURVE_PANELS",
+    "STEP_TIME_KEY",
+    "SUMMARY_KEYS",
+    "MetricsLogger",
+    "WandbSettings",
+    "read_metrics",
+    "require_wandb",
+]
 
 SUMMARY_KEYS: tuple[tuple[str, str, str], ...] = (
     ("reward/mean", "reward", "{:.2f}"),
@@ -45,6 +57,32 @@ CURVE_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 """(title, keys) per panel of :meth:`MetricsLogger.write_curves`; panels with no data are skipped."""
 
 _RESERVED = ("step", "time")
+
+
+@dataclass(frozen=True)
+class WandbSettings:
+    """Where a run goes in Weights & Biases (from ``logging.wandb_*``)."""
+
+    project: str
+    name: str
+    mode: str
+    """"online" or "offline" (offline: files under ``<run dir>/wandb``, uploaded later by ``wandb sync``)."""
+    config: dict = field(default_factory=dict)
+    """The run's config, recorded with the run."""
+
+
+def require_wandb() -> None:
+    """ConfigError naming ``logging.wandb`` unless the wandb package can be imported."""
+    import importlib.util
+
+    from megagrpo.config import ConfigError
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "logging.wandb",
+            "is true but the wandb package is not installed: pip install 'megagrpo[wandb]' "
+            "(or set logging.wandb=false)",
+        )
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -94,6 +132,10 @@ class MetricsLogger:
         total_steps: int,
         start_step: int = 0,
         resume: bool = False,
+        title: str = "GRPO",
+        summary_keys: tuple[tuple[str, str, str], ...] = SUMMARY_KEYS,
+        panels: tuple[tuple[str, tuple[str, ...]], ...] = CURVE_PANELS,
+        wandb: WandbSettings | None = None,
     ) -> None:
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
@@ -106,6 +148,8 @@ class MetricsLogger:
         self.path = self.run_dir / "metrics.jsonl"
         self.total_steps = total_steps
         self.print_every = print_every
+        self.summary_keys, self.panels = summary_keys, panels
+        self._wandb = _start_wandb(wandb, self.run_dir, resume) if wandb is not None else None
         if resume:
             kept = [r for r in read_metrics(self.path) if r["step"] <= start_step]
             # Rewritten even when nothing is dropped: this also removes a line torn by the crash.
@@ -132,7 +176,7 @@ class MetricsLogger:
             )
 
             self._progress = Progress(
-                TextColumn("[bold]GRPO"),
+                TextColumn(f"[bold]{title}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
@@ -140,7 +184,7 @@ class MetricsLogger:
                 TimeRemainingColumn(),
                 TextColumn("{task.fields[summary]}"),
             )
-            self._task = self._progress.add_task("grpo", total=total_steps, completed=start_step, summary="")
+            self._task = self._progress.add_task(title, total=total_steps, completed=start_step, summary="")
             self._progress.start()
         self._latest: dict[str, Any] = {}
         self._last_log = time.monotonic()
@@ -162,16 +206,19 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if isinstance(value, numbers.Real):
                     self._tb.add_scalar(key, float(value), step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in values.items() if v is not None}, step=step)
 
         step_s = values.get(STEP_TIME_KEY)
         step_s = step_s if isinstance(step_s, int | float) else elapsed
         if self._progress is not None:
             # Val accuracy only comes on validation steps: keep showing the latest value in between.
             self._latest.update({k: v for k, v in values.items() if v is not None})
-            summary = _summary(self._latest, step_s)
+            summary = _summary(self._latest, step_s, self.summary_keys)
             self._progress.update(self._task, completed=step, summary=summary)
         elif step % self.print_every == 0 or step == self.total_steps:
-            print(f"step {step}/{self.total_steps}  {_summary(values, step_s)}", flush=True)
+            summary = _summary(values, step_s, self.summary_keys)
+            print(f"step {step}/{self.total_steps}  {summary}", flush=True)
 
     def close(self) -> None:
         """Flush and close the outputs and stop the progress bar; safe to call twice."""
@@ -183,6 +230,8 @@ class MetricsLogger:
             self._tb.close()
         if self._progress is not None:
             self._progress.stop()
+        if self._wandb is not None:
+            self._wandb.finish()
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -193,7 +242,8 @@ class MetricsLogger:
         self.close()
 
     def write_curves(self, path: Path | None = None) -> Path:
-        """Plot the curves of CURVE_PANELS vs step from metrics.jsonl into a PNG (default run_dir/curves.png).
+        """Plot the logger's panels (GRPO: CURVE_PANELS) vs step from metrics.jsonl into a PNG (default
+        run_dir/curves.png).
 
         Reads the file rather than an in-memory history so a resumed run plots its earlier steps too.
         """
@@ -204,8 +254,8 @@ class MetricsLogger:
 
         path = Path(path) if path is not None else self.run_dir / "curves.png"
         records = read_metrics(self.path)
-        panels = [(title, keys) for title, keys in CURVE_PANELS if any(k in r for r in records for k in keys)]
-        panels = panels or [CURVE_PANELS[0]]  # an empty run still yields a (blank) figure, not an error
+        panels = [(title, keys) for title, keys in self.panels if any(k in r for r in records for k in keys)]
+        panels = panels or [self.panels[0]]  # an empty run still yields a (blank) figure, not an error
         fig = Figure(figsize=(6, 2.4 * len(panels)), layout="constrained")
         FigureCanvasAgg(fig)  # explicit Agg canvas: no pyplot, no global backend switch, no display needed
         axes = fig.subplots(len(panels), 1, squeeze=False, sharex=True)[:, 0]
@@ -226,10 +276,32 @@ class MetricsLogger:
         return path
 
 
-def _summary(metrics: Mapping[str, Any], step_s: float) -> str:
+def _start_wandb(settings: WandbSettings, run_dir: Path, resume: bool):
+    """A W&B run in ``run_dir``; a resumed run continues the W&B run its first part started."""
+    require_wandb()
+    import wandb
+
+    id_file = run_dir / "wandb_run_id"
+    if resume and id_file.is_file():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = wandb.util.generate_id()
+        atomic_write(id_file, run_id + "\n")
+    return wandb.init(
+        project=settings.project,
+        name=settings.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        mode=settings.mode,
+        config=settings.config,
+    )
+
+
+def _summary(metrics: Mapping[str, Any], step_s: float, keys=SUMMARY_KEYS) -> str:
     parts = [
         f"{label} {fmt.format(metrics[key])}"
-        for key, label, fmt in SUMMARY_KEYS
+        for key, label, fmt in keys
         if isinstance(metrics.get(key), int | float)
     ]
     return "  ".join([*parts, f"{step_s:.1f}s"])

@@ -1,7 +1,8 @@
 """Data the GRPO loop exchanges with its actors, as frozen dataclasses whose fields spell out shapes.
 
 Controller -> policy ranks: :class:`TrainBatch`; policy ranks -> controller: :class:`TrainMetrics`, one
-per optimizer step (and ``[B, S - 1]`` logprob tensors). Controller -> vLLM engines:
+per optimizer step (and ``[B, S - 1]`` logprob tensors). SFT and DPO: :class:`SequenceBatch` in,
+:class:`SFTMetrics` / :class:`DPOMetrics` out. Controller -> vLLM engines:
 :class:`SamplingSettings` and token-id prompts; engines -> controller: :class:`Completion`. The weight
 sync's own wire format (bucket plans, what a sender reports) lives with it, in
 ``megagrpo.weight_sync.buckets``.
@@ -159,6 +160,128 @@ class TrainMetrics:
 
     def as_dict(self) -> dict[str, float]:
         """{name: value} of the computed fields, in field order (the keys ``train`` used to return)."""
+        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return {name: value for name, value in values if value is not None}
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """B sequences with the positions that are trained (SFT) or scored (DPO); for DPO, pairs in order:
+    row 2i is pair i's chosen sequence, row 2i + 1 its rejected one.
+
+    Position ``t`` of every ``[B, S - 1]`` tensor refers to predicting ``input_ids[:, t + 1]``.
+    """
+
+    input_ids: torch.Tensor
+    """[B, S] int64, right-padded with PAD_ID."""
+    lengths: torch.Tensor
+    """[B] int64: tokens of each sequence."""
+    loss_mask: torch.Tensor
+    """[B, S - 1] bool: positions whose target token is trained / scored (assistant tokens)."""
+    ref_logps: torch.Tensor | None = None
+    """[B] float32: DPO's reference-policy sequence logprob (sum, or mean when length-normalised)."""
+
+    def __post_init__(self) -> None:
+        batch, seq = self.input_ids.shape
+        if self.lengths.shape != (batch,) or self.loss_mask.shape != (batch, seq - 1):
+            raise ValueError(
+                f"lengths must be [{batch}] and loss_mask [{batch}, {seq - 1}] for input_ids "
+                f"[{batch}, {seq}], got {list(self.lengths.shape)} and {list(self.loss_mask.shape)}"
+            )
+        if self.ref_logps is not None and self.ref_logps.shape != (batch,):
+            raise ValueError(f"ref_logps must be [{batch}], got {list(self.ref_logps.shape)}")
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def response_mask(self) -> torch.Tensor:
+        """[B, S - 1] bool: the trained / scored positions (the name the policy ranks read)."""
+        return self.loss_mask
+
+    def select(self, indices: Sequence[int]) -> SequenceBatch:
+        """The sub-batch of ``indices``, trimmed to its own longest sequence."""
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        seq = int(self.lengths[idx].max()) if len(idx) else 1
+        return SequenceBatch(
+            input_ids=self.input_ids[idx, :seq],
+            lengths=self.lengths[idx],
+            loss_mask=self.loss_mask[idx, : seq - 1],
+            ref_logps=None if self.ref_logps is None else self.ref_logps[idx],
+        )
+
+    def replace(self, **fields) -> SequenceBatch:
+        return dataclasses.replace(self, **fields)
+
+    @staticmethod
+    def from_examples(examples: Sequence) -> SequenceBatch:
+        """From objects with ``input_ids`` [N] and ``loss_mask`` [N] (True: the token is trained)."""
+        lengths = [len(e.input_ids) for e in examples]
+        width = max(lengths)
+        ids = torch.full((len(examples), width), PAD_ID, dtype=torch.long)
+        mask = torch.zeros(len(examples), width, dtype=torch.bool)
+        for row, e in enumerate(examples):
+            ids[row, : lengths[row]] = torch.as_tensor(e.input_ids, dtype=torch.long)
+            mask[row, : lengths[row]] = torch.as_tensor(e.loss_mask, dtype=torch.bool)
+        return SequenceBatch(ids, torch.as_tensor(lengths, dtype=torch.long), mask[:, 1:])
+
+    @staticmethod
+    def from_pairs(pairs: Sequence) -> SequenceBatch:
+        """Pairs (``chosen``, ``rejected`` examples) as rows 2i and 2i + 1."""
+        return SequenceBatch.from_examples([e for p in pairs for e in (p.chosen, p.rejected)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTMetrics:
+    """One SFT optimizer step (or a validation pass: no grad_norm, lr, update_applied)."""
+
+    loss: float
+    """Mean cross-entropy per trained token (all micro-batches and DP ranks); NaN without any."""
+    tokens: float
+    """Trained tokens."""
+    sequences: float
+    """Sequences."""
+    grad_norm: float | None = None
+    """Gradient norm before clipping."""
+    lr: float | None = None
+    """Learning rate this step was taken with."""
+    update_applied: float | None = None
+    """1.0 when the optimizer applied the update, 0.0 when it skipped it (non-finite gradients)."""
+
+    def as_dict(self) -> dict[str, float]:
+        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return {name: value for name, value in values if value is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPOMetrics:
+    """One DPO optimizer step (or a validation pass: no grad_norm, lr, update_applied); means per pair."""
+
+    loss: float
+    """Mean preference loss per pair."""
+    pairs: float
+    """Pairs."""
+    accuracy: float
+    """Pairs whose implicit reward margin is > 0."""
+    margin_mean: float
+    """beta ((chosen - ref) - (rejected - ref)) logprob: the implicit reward margin."""
+    chosen_reward_mean: float
+    """beta (chosen - ref chosen) logprob."""
+    rejected_reward_mean: float
+    """beta (rejected - ref rejected) logprob."""
+    chosen_logp_mean: float
+    """Policy logprob of the chosen response (mean per token when length-normalised)."""
+    rejected_logp_mean: float
+    """Policy logprob of the rejected response."""
+    grad_norm: float | None = None
+    lr: float | None = None
+    update_applied: float | None = None
+
+    def as_dict(self) -> dict[str, float]:
         values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
         return {name: value for name, value in values if value is not None}
 

@@ -1,10 +1,12 @@
 """The run configuration's schema: one keyword-only, frozen dataclass per component, each field documented.
 
 A run is described by a YAML file with one section per component (``model``, ``parallel``, ``policy``,
-``generation``, ``grpo``, ``data``, ``reward``, ``warmup``, ``checkpoint``, ``logging``, ``cluster``)
-plus ``run_name``; :class:`Config` holds them. Each component checks its own fields in ``__post_init__``
-(raising :class:`~megagrpo.config.errors.ConfigError` with the field's name; the loader prefixes the
-section). What spans components, and the resolution of ``parallel``'s ``"auto"`` values, is in
+``generation``, ``grpo``, ``sft``, ``dpo``, ``data``, ``reward``, ``warmup``, ``checkpoint``, ``logging``,
+``cluster``) plus ``run_name``; :class:`Config` holds them. Each trainer reads the sections it needs
+(GRPO: ``grpo``, SFT: ``sft``, DPO: ``dpo``; all of them ``policy`` for the optimizer and micro-batching).
+Each component checks its own fields in ``__post_init__`` (raising
+:class:`~megagrpo.config.errors.ConfigError` with the field's name; the loader prefixes the section).
+What spans components, and the resolution of ``parallel``'s ``"auto"`` values, is in
 :mod:`megagrpo.config.rules`; reading YAML and overrides is in :mod:`megagrpo.config.load`.
 """
 
@@ -20,6 +22,7 @@ __all__ = [
     "CheckpointConfig",
     "ClusterConfig",
     "Config",
+    "DPOConfig",
     "DataConfig",
     "GRPOConfig",
     "GenerationConfig",
@@ -28,6 +31,7 @@ __all__ = [
     "ParallelConfig",
     "PolicyConfig",
     "RewardConfig",
+    "SFTConfig",
     "TinyModelConfig",
     "WarmupConfig",
 ]
@@ -345,9 +349,10 @@ class DataConfig:
     """Prompts and reference answers."""
 
     train_path: str | None = None
-    """Training prompts (a JSONL or Parquet file); null uses synthetic_task."""
+    """Training records: GRPO prompts (JSONL), SFT conversations or DPO pairs (JSONL, JSON or Parquet);
+    null uses synthetic_task."""
     val_path: str | None = None
-    """Validation prompts; null draws them from synthetic_task (or holds none if train_path is set)."""
+    """Validation records; null draws them from synthetic_task (or holds none if train_path is set)."""
     prompt_key: str = "problem"
     """Record field holding the question."""
     answer_key: str = "answer"
@@ -363,12 +368,28 @@ class DataConfig:
     template: str = "{prompt}"
     """Prompt text; the literal `{prompt}` is replaced (str.replace, so braces like \\boxed{} are kept)."""
     apply_chat_template: bool = False
-    """Wrap the templated prompt in the tokenizer's chat template as a single user turn."""
+    """GRPO: wrap the templated prompt in the tokenizer's chat template as a single user turn. SFT/DPO:
+    render conversations with the chat template (loss on assistant tokens only); false: plain prompt
+    text followed by the response and EOS."""
+    messages_key: str = "messages"
+    """SFT/DPO: record field holding a conversation (a list of {role, content}); rows without it use
+    prompt_key and response_key (SFT) or prompt_key, chosen_key and rejected_key (DPO)."""
+    response_key: str = "response"
+    """SFT: record field holding the response to the prompt (prompt_key)."""
+    chosen_key: str = "chosen"
+    """DPO: record field holding the preferred response (a string or a list of assistant messages)."""
+    rejected_key: str = "rejected"
+    """DPO: record field holding the dispreferred response (a string or a list of assistant messages)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """SFT/DPO: a row with a missing or empty field, a pair whose chosen equals rejected, or a sequence
+    longer than model.seq_length stops the run naming file and row ("error"), or is left out and
+    counted in the metrics ("skip")."""
 
     def __post_init__(self) -> None:
         require("{prompt}" in self.template, "template", f"must contain '{{prompt}}', got {self.template!r}")
-        require(bool(self.prompt_key), "prompt_key", "must not be empty")
-        require(bool(self.answer_key), "answer_key", "must not be empty")
+        keys = ("prompt_key", "answer_key", "messages_key", "response_key", "chosen_key", "rejected_key")
+        for name in keys:
+            require(bool(getattr(self, name)), name, "must not be empty")
         check(self, "num_val_prompts", self.num_val_prompts >= 0, ">= 0")
         check(self, "arithmetic_max_operand", 1 <= self.arithmetic_max_operand <= 9999, "in [1, 9999]")
         check(
@@ -398,6 +419,71 @@ class WarmupConfig:
         check(self, "steps", self.steps >= 0, ">= 0")
         check(self, "lr", self.lr > 0, "> 0")
         positive(self, "batch_size", "num_eval_prompts")
+
+
+@dataclass(kw_only=True, frozen=True)
+class SFTConfig:
+    """Supervised fine-tuning (``megagrpo sft``): masked next-token loss on assistant tokens; the optimizer,
+    LR schedule and micro-batch budget come from ``policy``."""
+
+    num_steps: int = 100
+    """Optimizer steps of the run."""
+    batch_size: int = 64
+    """Sequences per optimizer step (all data-parallel ranks together)."""
+    val_every: int = 0
+    """Validation loss every this many steps (and at the end); 0: only at the start and the end."""
+    num_val_examples: int = 64
+    """Validation examples (the first ones of data.val_path, or drawn from synthetic_task); 0 disables."""
+    seed: int = 0
+    """Seed of the data order and the model's initialisation."""
+
+    def __post_init__(self) -> None:
+        positive(self, "num_steps", "batch_size")
+        check(self, "val_every", self.val_every >= 0, ">= 0")
+        check(self, "num_val_examples", self.num_val_examples >= 0, ">= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DPOConfig:
+    """Direct preference optimisation (``megagrpo dpo``) against the frozen initial policy; the optimizer,
+    LR schedule and micro-batch budget come from ``policy``."""
+
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO (Rafailov et al. 2023) with label smoothing (conservative DPO); ipo: IPO (Azar et al.)."""
+    beta: float = 0.1
+    """DPO's KL weight beta (sigmoid), or IPO's regularisation tau (the target margin is 1 / (2 tau))."""
+    label_smoothing: float = 0.0
+    """sigmoid only: assumed probability that a pair's preference label is flipped, in [0, 0.5)."""
+    length_normalize: bool = False
+    """Use each response's mean token logprob instead of its sum (policy and reference alike)."""
+    num_steps: int = 100
+    """Optimizer steps of the run."""
+    batch_size: int = 32
+    """Preference pairs per optimizer step (all data-parallel ranks together)."""
+    val_every: int = 0
+    """Validation (loss, accuracy, margins on the validation pairs) every this many steps (and at the
+    end); 0: only at the start and the end."""
+    num_val_pairs: int = 64
+    """Validation pairs (the first ones of data.val_path, or sampled for synthetic_task); 0 disables."""
+    num_synthetic_pairs: int = 512
+    """synthetic_task only: training pairs sampled from the initial policy before training."""
+    synthetic_samples: int = 8
+    """synthetic_task only: answers sampled per prompt (temperature 1) to find a wrong and a right one."""
+    seed: int = 0
+    """Seed of the data order and of the synthetic pairs' sampling."""
+
+    def __post_init__(self) -> None:
+        check(self, "beta", math.isfinite(self.beta) and self.beta > 0, "finite and > 0")
+        check(self, "label_smoothing", 0 <= self.label_smoothing < 0.5, "in [0, 0.5)")
+        require(
+            self.label_smoothing == 0 or self.loss == "sigmoid",
+            ("label_smoothing", "loss"),
+            "label_smoothing applies to the sigmoid loss only",
+        )
+        positive(self, "num_steps", "batch_size", "num_synthetic_pairs")
+        check(self, "synthetic_samples", self.synthetic_samples >= 2, ">= 2")
+        check(self, "val_every", self.val_every >= 0, ">= 0")
+        check(self, "num_val_pairs", self.num_val_pairs >= 0, ">= 0")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -455,9 +541,16 @@ class LoggingConfig:
     """Validate every this many steps; 0 disables validation."""
     progress_bar: bool = True
     """Show a progress bar on rank 0."""
+    wandb: bool = False
+    """Also log every step to Weights & Biases (needs the optional ``wandb`` package: megagrpo[wandb])."""
+    wandb_project: str = "megagrpo"
+    """W&B project the run is logged to."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """online: stream to the W&B server; offline: write the run under <run dir>/wandb for `wandb sync`."""
 
     def __post_init__(self) -> None:
         require(bool(self.dir), "dir", "must not be empty")
+        require(bool(self.wandb_project), "wandb_project", "must not be empty")
         positive(self, "log_every")
         check(self, "val_every", self.val_every >= 0, ">= 0")
 
@@ -497,7 +590,11 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     """Rollout engines and weight sync."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    """Algorithm."""
+    """GRPO (``megagrpo train``)."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised fine-tuning (``megagrpo sft``)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """Preference optimisation (``megagrpo dpo``)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts."""
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megagrpo.config import Config
-from megagrpo.data.arithmetic import EOS_ID, ArithmeticTask, CharTokenizer
+from megagrpo.data.arithmetic import EOS_ID, ArithmeticTask, CharTokenizer, Problem
 
 # The arithmetic validation stream is seeded far from the training one: no overlap by construction.
 _VAL_SEED = 7_919_011
@@ -54,16 +54,20 @@ class PromptSource:
         return self._train[order[offset]]
 
 
+def arithmetic_val_problems(cfg: Config) -> list[Problem]:
+    """The held-out problems GRPO validates on (``data.num_val_prompts``; DPO's greedy accuracy too)."""
+    data = cfg.data
+    task = ArithmeticTask(max_operand=data.arithmetic_max_operand, ops=data.arithmetic_ops)
+    return task.problems(data.num_val_prompts, _VAL_SEED)
+
+
 def arithmetic_source(cfg: Config) -> PromptSource:
     data = cfg.data
     task = ArithmeticTask(max_operand=data.arithmetic_max_operand, ops=data.arithmetic_ops)
     tok = CharTokenizer()
     if tok.vocab_size > (cfg.model.tiny.vocab_size if cfg.model.tiny else 1 << 30):
         raise DataError(f"model.tiny.vocab_size is smaller than the arithmetic vocabulary ({tok.vocab_size})")
-    val = [
-        Prompt(tok.encode(p.prompt, bos=True), p.answer)
-        for p in task.problems(data.num_val_prompts, _VAL_SEED)
-    ]
+    val = [Prompt(tok.encode(p.prompt, bos=True), p.answer) for p in arithmetic_val_problems(cfg)]
     return PromptSource(None, val, decode=tok.decode, stop_token_ids=[EOS_ID], seed=cfg.grpo.seed, task=task)
 
 

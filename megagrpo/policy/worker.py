@@ -17,120 +17,36 @@ ranks), so neither packing nor DP size changes the result.
 
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
 from megagrpo.algorithms.grpo import METRIC_REDUCTIONS, LossConfig, combine_metrics, grpo_loss, reduce_metrics
-from megagrpo.ckpt.durable import atomic_write
-from megagrpo.ckpt.hf_files import HFCheckpoint
-from megagrpo.ckpt.hf_weights import load_hf_into_stage
-from megagrpo.ckpt.megatron import load_megatron, save_dist_checkpoint, save_megatron, write_checkpoint_meta
-from megagrpo.compat.megatron_optimizer import adam_step_kept_on_load
 from megagrpo.config import Config
-from megagrpo.models.description import ModelDescription, describe_model
-from megagrpo.models.shape import padded_vocab_size
-from megagrpo.parallel import ParallelContext, ParallelSizes, init_parallel
-from megagrpo.policy.engine import (
-    OptimizerSettings,
-    build_engine,
-    build_lr_scheduler,
-    forward_backward,
-    optimizer_step,
-)
-from megagrpo.policy.logprobs import vocab_parallel_logprobs
-from megagrpo.policy.packing import (
-    context_parallel_positions,
-    pack_by_token_budget,
-    pack_sequences,
-    place_positions,
-    round_up,
-)
-from megagrpo.types import TrainBatch, TrainMetrics, balanced_shards
+from megagrpo.models.description import ModelDescription
+from megagrpo.parallel import ParallelContext
+from megagrpo.policy.engine import forward_backward, optimizer_step
+from megagrpo.policy.rank import HostWeights, MegatronRank
+from megagrpo.types import TrainBatch, TrainMetrics
 from megagrpo.weight_sync.trainer import WeightSyncEndpoints
 
-# Canonical per-parameter optimizer state: reloads at any TP/PP/DP (Megatron's default for the
-# distributed optimizer in 0.16, "fully_sharded_model_space", is deprecated and fails validation).
-_OPTIMIZER_CKPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+__all__ = ["HostWeights", "PolicyWorker"]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
-class HostWeights:
-    """A copy of a model stage's parameters in host memory (the frozen reference policy).
-
-    Swapping it in for a forward pass costs two host<->device copies of this rank's shard and no
-    second model on the accelerator.
-    """
-
-    def __init__(self, module: torch.nn.Module):
-        pin = torch.cuda.is_available()
-        self.tensors = {
-            name: p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone()
-            for name, p in module.named_parameters()
-        }
-
-    def swap(self, module: torch.nn.Module) -> None:
-        """Exchange the module's parameters with the held ones (calling twice restores both)."""
-        with torch.no_grad():
-            for name, p in module.named_parameters():
-                held = self.tensors[name]
-                current = p.detach().to("cpu", copy=True)
-                p.copy_(held, non_blocking=True)
-                self.tensors[name] = current
-
-
-class PolicyWorker(WeightSyncEndpoints):
-    """One rank of the policy; its weight-sync methods come from ``WeightSyncEndpoints``."""
+class PolicyWorker(MegatronRank, WeightSyncEndpoints):
+    """One rank of the GRPO policy (model, logprobs, reference, save/load: ``MegatronRank``); its
+    weight-sync methods come from ``WeightSyncEndpoints``."""
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.model_info = describe_model(cfg)
-        self.ctx = init_parallel(
-            ParallelSizes.from_config(cfg.parallel), backend=cfg.parallel.backend, seed=cfg.grpo.seed + 1234
+        super().__init__(
+            cfg,
+            seed=cfg.grpo.seed + 1234,
+            total_steps=cfg.grpo.num_steps * cfg.mini_batches_per_step,
+            # Without KL no reference model is needed.
+            keep_reference=cfg.grpo.kl_coef > 0,
+            temperature=cfg.generation.temperature,
         )
-        pol = cfg.policy
-        # THD micro-batches need fused attention (Transformer Engine) to keep sequences apart.
-        te_layers = cfg.parallel.resolved_transformer_impl == "transformer_engine"
-        # Context parallelism splits padded rows (TE's THD split over CP ranks is not wired up).
-        self.packed = pol.sequence_packing == "auto" and te_layers and cfg.parallel.context_parallel_size == 1
-        settings = OptimizerSettings(
-            lr=pol.lr,
-            min_lr=pol.min_lr,
-            weight_decay=pol.weight_decay,
-            adam_beta1=pol.adam_beta1,
-            adam_beta2=pol.adam_beta2,
-            adam_eps=pol.adam_eps,
-            clip_grad=pol.clip_grad,
-            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        )
-        loads_weights = cfg.model.tiny is None
-        self.engine = build_engine(
-            self.ctx,
-            self.model_info.shape,
-            settings,
-            dtype=self.model_info.dtype,
-            transformer_impl=cfg.parallel.transformer_impl,
-            sequence_parallel=cfg.parallel.sequence_parallel,
-            initialize=not loads_weights,
-            recompute=pol.recompute,
-            recompute_num_layers=pol.recompute_num_layers,
-        )
-        total_steps = max(1, cfg.grpo.num_steps * cfg.mini_batches_per_step)
-        self.scheduler = build_lr_scheduler(
-            self.engine,
-            lr=pol.lr,
-            min_lr=pol.min_lr,
-            warmup_steps=pol.lr_warmup_steps,
-            total_steps=total_steps,
-            style=pol.lr_schedule,
-            weight_decay=pol.weight_decay,
-        )
-        if loads_weights:
-            self._load_initial_weights()
         self.loss_cfg = LossConfig(
             clip_eps_low=cfg.grpo.clip_eps_low,
             clip_eps_high=cfg.grpo.clip_eps_high,
@@ -141,180 +57,6 @@ class PolicyWorker(WeightSyncEndpoints):
             tis_mode=cfg.grpo.tis_mode,
             loss_agg=cfg.grpo.loss_agg,
         )
-        # The reference policy is the initial weights, parked in host memory; none without KL.
-        self.reference = HostWeights(self.engine.module) if cfg.grpo.kl_coef > 0 else None
-        self.steps_done = 0
-
-    # ----------------------------------------------------------------------------------- weights
-
-    def _load_initial_weights(self) -> None:
-        info = self.model_info
-        if info.megatron_ckpt is not None:
-            load_megatron(self.engine.module, info.megatron_ckpt / "megatron")
-        else:
-            hf = HFCheckpoint(info.hf_dir)
-            load_hf_into_stage(self.engine.module, self.ctx, hf, info.shape, info.arch.rules(info.shape))
-        self.engine.optimizer.reload_model_params()
-
-    # ------------------------------------------------------------------------------- micro-batches
-
-    def _my_shard(self, batch: TrainBatch) -> list[int]:
-        return balanced_shards(batch.lengths.tolist(), self.ctx.dp_size)[self.ctx.dp_rank]
-
-    def micro_batches(self, batch: TrainBatch, indices: list[int]) -> list[tuple[list[int], dict]]:
-        """This rank's sequences (``indices`` of ``batch``) grouped by the token budget: per group, its
-        rows and the micro-batch ``forward_backward`` takes, padded or packed (THD)."""
-        lengths = [int(batch.lengths[i]) for i in indices]
-        groups = pack_by_token_budget(lengths, self.cfg.policy.micro_batch_max_tokens, padded=not self.packed)
-        out = []
-        for group in groups:
-            rows = [indices[g] for g in group]
-            sub = batch.select(rows)
-            make = self._packed_micro_batch if self.packed else self._padded_micro_batch
-            out.append((rows, make(sub)))
-        return out
-
-    def _padded_micro_batch(self, sub: TrainBatch) -> dict:
-        """[b, s] right-padded, s rounded up for sequence parallelism (a multiple of TP) and context
-        parallelism (2 x CP chunks; this rank keeps its two, see ``context_parallel_positions``)."""
-        cp, tp = self.ctx.sizes.cp, self.ctx.sizes.tp
-        multiple = math.lcm(tp if self.cfg.parallel.sequence_parallel else 1, 2 * cp if cp > 1 else 1)
-        seq = sub.input_ids.shape[1]
-        tokens = torch.nn.functional.pad(sub.input_ids, (0, round_up(seq, multiple) - seq))
-        micro = {
-            "tokens": tokens,
-            "position_ids": torch.arange(tokens.shape[1]).expand(sub.size, -1),
-            # The ids rolled by one; targets past the sequence are dummies, dropped after scoring.
-            "targets": torch.roll(tokens, -1, dims=1),
-            "sub": sub,
-        }
-        if cp > 1:
-            # Targets are rolled before the split: a chunk's last target lives in the next chunk.
-            held = context_parallel_positions(tokens.shape[1], cp, self.ctx.cp_rank)
-            for key in ("tokens", "position_ids", "targets"):
-                micro[key] = micro[key][:, held]
-            micro["cp_positions"] = held
-        return micro
-
-    def _packed_micro_batch(self, sub: TrainBatch) -> dict:
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        # Sequence parallelism splits the packed row over TP ranks.
-        total_multiple = self.ctx.sizes.tp if self.cfg.parallel.sequence_parallel else 1
-        packed = pack_sequences(sub.input_ids, sub.lengths, total_multiple=total_multiple)
-        cu = packed.cu_seqlens.to(self.ctx.device)
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            cu_seqlens_q_padded=cu,
-            cu_seqlens_kv_padded=cu,
-            max_seqlen_q=packed.max_seqlen,
-            max_seqlen_kv=packed.max_seqlen,
-        )
-        return {
-            "tokens": packed.tokens,
-            "position_ids": packed.position_ids,
-            "targets": packed.targets,
-            "packed_seq_params": params,
-            "packed": packed,
-            "sub": sub,
-        }
-
-    def _token_logprobs(self, logits: torch.Tensor, micro: dict, *, with_entropy: bool, temperature=None):
-        """[b, s - 1] fp32 logprobs (and entropy) of each next token, from vocab-parallel logits.
-
-        Every position of the logits is scored against ``micro["targets"]`` (a flatten of the whole
-        logits is free, of ``logits[:, :-1]`` a copy), then laid out as [b, s - 1].
-        """
-        tp, tp_rank = self.ctx.sizes.tp, self.ctx.tp_rank
-        local_vocab = padded_vocab_size(self.model_info.shape.vocab_size, tp) // tp
-        logprobs, entropy = vocab_parallel_logprobs(
-            logits,
-            micro["targets"].to(logits.device),
-            group=self.ctx.pgs.tp,
-            vocab_start=tp_rank * local_vocab,
-            vocab_size=self.model_info.shape.vocab_size,
-            temperature=self.cfg.generation.temperature if temperature is None else temperature,
-            chunk_size=self.cfg.policy.logprob_chunk_size,
-            with_entropy=with_entropy,
-        )
-        packed = micro.get("packed")
-        if packed is not None:
-            return packed.unpack(logprobs), (packed.unpack(entropy) if entropy is not None else None)
-        width = micro["sub"].input_ids.shape[1] - 1
-        held = micro.get("cp_positions")
-
-        def layout(values):  # [b, s - 1]; under CP, zero where another CP rank holds the position
-            if values is None:
-                return None
-            if held is not None:
-                values = place_positions(values, held, micro["tokens"].shape[1] * self.ctx.sizes.cp)
-            return values[:, :width]
-
-        return layout(logprobs), layout(entropy)
-
-    def _loss_mask(self, micro: dict) -> torch.Tensor:
-        """Response positions this rank scores (under CP: those of its own chunks)."""
-        mask = micro["sub"].response_mask()
-        held = micro.get("cp_positions")
-        if held is not None:
-            row = micro["tokens"].shape[1] * self.ctx.sizes.cp
-            mine = place_positions(torch.ones(1, len(held)), held, row)[0].bool()
-            mask = mask & mine[: mask.shape[1]]
-        return mask
-
-    # ------------------------------------------------------------------------------------ logprobs
-
-    def logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
-        """[B, S - 1] fp32 logprobs of every next token under the current policy (all ranks).
-
-        ``temperature`` defaults to ``generation.temperature`` (the distribution rollouts are
-        sampled from); the weight-sync probe uses 1.0.
-        """
-        mine = self._my_shard(batch)
-        result = torch.zeros(batch.size, batch.input_ids.shape[1] - 1)
-        collected: list[tuple[list[int], torch.Tensor]] = []
-
-        def record(logits, micro):
-            lp, _ = self._token_logprobs(logits, micro, with_entropy=False, temperature=temperature)
-            collected.append((micro["rows"], lp.detach().float().cpu()))
-            return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), {}
-
-        micro = [{**m, "rows": rows} for rows, m in self.micro_batches(batch, mine)]
-        self.engine.model[0].eval()
-        try:
-            with torch.no_grad():
-                forward_backward(self.engine, micro, record, forward_only=True)
-        finally:
-            self.engine.model[0].train()
-        for rows, lp in collected:
-            result[rows, : lp.shape[1]] = lp
-        return self._share_rows(result, mine)
-
-    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Logprobs under the frozen initial weights (swapped in from host memory)."""
-        if self.reference is None:
-            raise RuntimeError("reference logprobs need grpo.kl_coef > 0 (no reference policy is kept)")
-        self.reference.swap(self.engine.module)
-        try:
-            return self.logprobs(batch)
-        finally:
-            self.reference.swap(self.engine.module)
-
-    def _share_rows(self, result: torch.Tensor, mine: list[int]) -> torch.Tensor:
-        """Combine each DP rank's rows (computed on the last pipeline stage) onto every rank."""
-        if not self.ctx.is_last_stage:
-            result.zero_()
-        else:
-            keep = torch.zeros(result.shape[0], dtype=torch.bool)
-            keep[mine] = True
-            result[~keep] = 0
-            if self.ctx.tp_rank != 0:  # TP peers hold identical rows; count them once
-                result.zero_()
-        # One sum over all ranks: exactly one rank contributes each row.
-        dist.all_reduce(result)
-        return result
 
     # --------------------------------------------------------------------------------------- train
 
@@ -396,66 +138,3 @@ class PolicyWorker(WeightSyncEndpoints):
     def weight_source(self) -> tuple[ParallelContext, torch.nn.Module, ModelDescription]:
         """(parallel context, model stage, model description): what the weight-sync sender reads."""
         return self.ctx, self.engine.module, self.model_info
-
-    # ---------------------------------------------------------------------------------- checkpoint
-
-    def save(self, path: str | Path) -> None:
-        """Model (a megagrpo checkpoint, exportable to HF) + optimizer + scheduler under ``path``.
-
-        Collective. Layout: ``megatron/`` model, ``optimizer/`` optimizer state (both Megatron
-        distributed checkpoints, loadable at another TP/PP), ``trainer_state.json``.
-        """
-        path = Path(path)
-        model_sd = self.engine.module.sharded_state_dict()
-        save_megatron(self.engine.module, path / "megatron")
-        (path / "optimizer").mkdir(parents=True, exist_ok=True)
-        opt_sd = self.engine.optimizer.sharded_state_dict(model_sd, metadata=_OPTIMIZER_CKPT_FORMAT)
-        save_dist_checkpoint(opt_sd, path / "optimizer")
-        if self.ctx.rank == 0:
-            state = {"steps_done": self.steps_done, "scheduler": self.scheduler.state_dict()}
-            atomic_write(path / "trainer_state.json", json.dumps(state, indent=2) + "\n")
-            info = self.model_info
-            write_checkpoint_meta(
-                path,
-                info.arch,
-                info.shape,
-                info.dtype,
-                tp=self.ctx.sizes.tp,
-                pp=self.ctx.sizes.pp,
-                hf_files=info.hf_dir,
-            )
-        dist.barrier()
-
-    def load(self, path: str | Path) -> None:
-        """Restore what ``save`` wrote (at this job's TP/PP/DP, whatever it was saved with)."""
-        from megatron.core import dist_checkpointing
-
-        path = Path(path)
-        load_megatron(self.engine.module, path / "megatron")
-        self._materialize_optimizer_state()
-        model_sd = self.engine.module.sharded_state_dict()
-        opt_sd = self.engine.optimizer.sharded_state_dict(
-            model_sd, is_loading=True, metadata=_OPTIMIZER_CKPT_FORMAT
-        )
-        with adam_step_kept_on_load():
-            self.engine.optimizer.load_state_dict(dist_checkpointing.load(opt_sd, str(path / "optimizer")))
-        state = json.loads((path / "trainer_state.json").read_text())
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.steps_done = state["steps_done"]
-
-    def _materialize_optimizer_state(self) -> None:
-        """Give a fresh optimizer the Adam state tensors a checkpoint is loaded into, in place.
-
-        Megatron's own initializer leaves out torch Adam's ``step``, which the distributed
-        optimizer's state_dict requires; a dummy optimizer step would move the weights instead.
-        """
-        chained = getattr(self.engine.optimizer, "chained_optimizers", [self.engine.optimizer])
-        for opt in chained:
-            inner = opt.optimizer
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    state = inner.state[p]
-                    if not state:
-                        state["step"] = torch.tensor(0.0)
-                        state["exp_avg"] = torch.zeros_like(p.data)
-                        state["exp_avg_sq"] = torch.zeros_like(p.data)

@@ -1,0 +1,199 @@
+"""What every trainer does around its loop: the run directory, checkpoint-directory checks, metrics
+sinks, HF export, and, for the trainer-only jobs (SFT, DPO, the warm-up), running as SPMD ranks.
+
+Trainer-only jobs run one process per Megatron rank: ``run_ranks`` spawns ``parallel.world_size`` local
+processes, or, under torchrun (``launch/torchrun.sh``, one or many nodes), runs in this process as its
+rank. Every rank runs the same trainer loop and calls its own worker through :class:`LocalGroup`, which
+has the typed-call surface of ``megagrpo.cluster.RankGroup`` (``call_first(SFTWorker.train_step,
+batch)``); global rank 0 is the controller that logs metrics and commits checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megagrpo.ckpt import run as ckpt_io
+from megagrpo.ckpt.convert import megatron_to_hf
+from megagrpo.ckpt.durable import publish
+from megagrpo.config import Config, config_to_dict
+from megagrpo.metrics import MetricsLogger, WandbSettings, require_wandb
+
+__all__ = [
+    "LocalGroup",
+    "check_checkpoint_dir",
+    "export_final",
+    "metrics_logger",
+    "prefixed",
+    "restore_checkpoint",
+    "run_ranks",
+    "save_checkpoint",
+    "save_model",
+    "wandb_settings",
+]
+
+
+def prefixed(prefix: str, metrics: dict) -> dict:
+    return {f"{prefix}/{k}": v for k, v in metrics.items()}
+
+
+def check_checkpoint_dir(cfg: Config, resume: bool) -> None:
+    """A fresh run must not mix its checkpoints with an earlier run's (--resume would pick the
+    wrong one): refuse before anything starts."""
+    if cfg.checkpoint.dir is None or resume or cfg.checkpoint.resume:
+        return
+    existing = ckpt_io.step_dirs(Path(cfg.checkpoint.dir))
+    if existing:
+        raise FileExistsError(
+            f"checkpoint.dir {cfg.checkpoint.dir} already holds checkpoints (latest: {existing[-1][1].name}) "
+            "from an earlier run: continue it with --resume, choose another checkpoint.dir, or remove them"
+        )
+
+
+def export_final(ckpt: Path, out: Path) -> Path:
+    """HF export of the final policy, replacing this run's previous export (written aside, then swapped)."""
+    staging = out.with_name(out.name + ".new")
+    shutil.rmtree(staging, ignore_errors=True)
+    megatron_to_hf(ckpt, staging)
+    return publish(staging, out)
+
+
+def wandb_settings(cfg: Config) -> WandbSettings | None:
+    """The W&B sink of ``logging.wandb`` (ConfigError now, before any worker, when wandb is missing)."""
+    if not cfg.logging.wandb:
+        return None
+    require_wandb()
+    return WandbSettings(
+        project=cfg.logging.wandb_project,
+        name=cfg.run_name,
+        mode=cfg.logging.wandb_mode,
+        config=config_to_dict(cfg),
+    )
+
+
+def metrics_logger(cfg: Config, run_dir: Path, total_steps: int, start_step: int, **kind) -> MetricsLogger:
+    """The run's metrics sinks as ``logging`` configures them; ``kind``: title, summary_keys, panels."""
+    return MetricsLogger(
+        run_dir,
+        tensorboard=cfg.logging.tensorboard,
+        progress=cfg.logging.progress_bar,
+        print_every=cfg.logging.log_every,
+        total_steps=total_steps,
+        start_step=start_step,
+        resume=start_step > 0,
+        wandb=wandb_settings(cfg),
+        **kind,
+    )
+
+
+# ----------------------------------------------------------------------------------- SPMD ranks
+
+
+class LocalGroup:
+    """The rank group of an SPMD job as seen from one of its ranks: calls run on this rank's worker."""
+
+    def __init__(self, worker: Any):
+        import torch.distributed as dist
+
+        self.worker = worker
+        self.is_controller = dist.get_rank() == 0
+
+    def call_all(self, method: Callable, *args: Any, **kwargs: Any) -> list[Any]:
+        """This rank's result of ``method`` (a method of the worker's class), as a one-element list."""
+        from megagrpo.cluster import method_name  # the same check as the Ray group's
+
+        return [getattr(self.worker, method_name(type(self.worker), method))(*args, **kwargs)]
+
+    def call_first(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``method``'s result on this rank (the workers return the same result on every rank)."""
+        return self.call_all(method, *args, **kwargs)[0]
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def controller_only(self, make: Callable[[], Any]):
+        """``make()`` on the controller (a context manager, e.g. the metrics logger); elsewhere a no-op."""
+        return make() if self.is_controller else nullcontext()
+
+
+def run_ranks(fn: Callable, cfg: Config, *args: Any, timeout_s: float = 86_400.0) -> Any:
+    """``fn(rank, world_size, cfg, *args)`` on every rank of the job; the controller's (rank 0's) result.
+
+    Under torchrun this process is one rank (other ranks return None here); otherwise
+    ``parallel.world_size`` local processes are spawned.
+    """
+    from megagrpo.parallel.local import run_local_ranks
+
+    world = cfg.parallel.world_size
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise ValueError(
+                f"torchrun started {os.environ['WORLD_SIZE']} ranks but the config's parallel layout "
+                f"needs DP x TP x PP x CP = {world}"
+            )
+        rank = int(os.environ["RANK"])
+        result = fn(rank, world, cfg, *args)
+        return result if rank == 0 else None
+    return run_local_ranks(fn, world, cfg, *args, timeout_s=timeout_s)[0]
+
+
+def save_checkpoint(
+    cfg: Config, group: LocalGroup, save: Callable, step: int, position: int, extra: Callable | None = None
+) -> Path:
+    """``checkpoint.dir/step_N`` written by every rank (``save``: the worker's save method), then
+    committed by the controller; ``extra(tmp)`` adds files on the controller before the commit."""
+    root = Path(cfg.checkpoint.dir)
+    tmp = root / f".step_{step}.tmp"
+    if group.is_controller:
+        tmp = ckpt_io.begin(root, step)
+    group.barrier()
+    group.call_all(save, str(tmp))
+    if group.is_controller:
+        if extra is not None:
+            extra(tmp)
+        config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+        ckpt_io.commit(
+            tmp, ckpt_io.DriverState.capture(step, position), config_yaml, cfg.checkpoint.keep_last
+        )
+    group.barrier()
+    return root / f"step_{step}"
+
+
+def save_model(group: LocalGroup, save: Callable, out: Path, extra: Callable | None = None) -> Path:
+    """The model (a megagrpo checkpoint, loadable and exportable) at ``out``, written aside and renamed."""
+    tmp = out.parent / f".{out.name}.tmp"
+    if group.is_controller:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    group.barrier()
+    group.call_all(save, str(tmp))
+    if group.is_controller:
+        if extra is not None:
+            extra(tmp)
+        publish(tmp, out)
+    group.barrier()
+    return out
+
+
+def restore_checkpoint(cfg: Config, group: LocalGroup, load: Callable, resume: bool) -> tuple[int, int]:
+    """(last completed step, data position): from the latest complete checkpoint when resuming."""
+    if not (resume or cfg.checkpoint.resume):
+        return 0, 0
+    latest = ckpt_io.latest(Path(cfg.checkpoint.dir)) if cfg.checkpoint.dir else None
+    if latest is None:
+        if group.is_controller:
+            print("resume: no complete checkpoint found; starting from step 0", flush=True)
+        return 0, 0
+    group.call_all(load, str(latest))
+    state = ckpt_io.load_driver_state(latest)
+    if group.is_controller:
+        print(f"resume: continuing after step {state.step} from {latest}", flush=True)
+    return state.step, state.data_position
