@@ -19,6 +19,7 @@ import numbers
 import os
 import sys
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -285,7 +286,7 @@ def _start_wandb(settings: WandbSettings, run_dir: Path, resume: bool):
     if resume and id_file.is_file():
         run_id = id_file.read_text().strip()
     else:
-        run_id = wandb.util.generate_id()
+        run_id = uuid.uuid4().hex[:12]
         atomic_write(id_file, run_id + "\n")
     return wandb.init(
         project=settings.project,

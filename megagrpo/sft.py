@@ -41,9 +41,9 @@ from megagrpo.types import SequenceBatch
 SFT_SUMMARY = (
     ("train/loss", "loss", "{:.4f}"),
     ("val/loss", "val", "{:.4f}"),
-    ("val/accuracy", "acc", "{:.2f}"),
+    ("val/greedy_accuracy", "acc", "{:.2f}"),
 )
-SFT_PANELS = (("loss", ("train/loss", "val/loss")), ("greedy accuracy", ("val/accuracy",)))
+SFT_PANELS = (("loss", ("train/loss", "val/loss")), ("greedy accuracy", ("val/greedy_accuracy",)))
 
 
 @dataclass(frozen=True)
@@ -174,14 +174,14 @@ def train(
 
 
 def validate(group: LocalGroup, source: SFTSource) -> dict[str, float]:
-    """``val/loss`` on the validation examples; with the synthetic task, ``val/accuracy`` (greedy)."""
+    """``val/loss`` on the validation examples; with the synthetic task, ``val/greedy_accuracy``."""
     from megagrpo.policy.supervised import SFTWorker
 
     out = {}
     if source.val:
         out["val/loss"] = group.call_first(SFTWorker.evaluate, SequenceBatch.from_examples(source.val)).loss
     if source.val_problems:
-        out["val/accuracy"] = greedy_accuracy(
+        out["val/greedy_accuracy"] = greedy_accuracy(
             group, SFTWorker.complete, source.tok, source.val_problems, source.cfg
         )
     return out

@@ -78,8 +78,8 @@ def run_warmup(cfg: Config, *, ckpt: Path | None = None) -> WarmupResult | None:
     if res is None:
         return None
     return WarmupResult(
-        accuracy_before=res.first["val/accuracy"],
-        accuracy_after=res.last["val/accuracy"],
+        accuracy_before=res.first["val/greedy_accuracy"],
+        accuracy_after=res.last["val/greedy_accuracy"],
         final_loss=res.final_loss,
         steps=res.steps,
         seconds=res.seconds,

@@ -187,8 +187,8 @@ def preference_pair(tok, record: dict, cfg: Config) -> Pair:
     )
     if pair.chosen.input_ids == pair.rejected.input_ids:
         raise ValueError(f"{data.chosen_key!r} and {data.rejected_key!r} give the same tokens")
-    _check_length(pair.chosen, cfg, data.chosen_key)
-    _check_length(pair.rejected, cfg, data.rejected_key)
+    _check_length(pair.chosen, cfg, repr(data.chosen_key))
+    _check_length(pair.rejected, cfg, repr(data.rejected_key))
     return pair
 
 

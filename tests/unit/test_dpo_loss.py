@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 
 
 def _loss(pc, pr, rc, rr, **cfg) -> torch.Tensor:
-    t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    t = lambda v: torch.tensor(v, dtype=torch.float64)
     out = preference_loss(t(pc), t(pr), t(rc), t(rr), PreferenceLossConfig(**cfg))
     return out
 
@@ -100,6 +100,8 @@ def test_sequence_logps_sum_and_length_normalised():
 
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match=r"\[P\]"):
-        preference_loss(torch.zeros(2), torch.zeros(3), torch.zeros(2), torch.zeros(2), PreferenceLossConfig())
+        preference_loss(
+            torch.zeros(2), torch.zeros(3), torch.zeros(2), torch.zeros(2), PreferenceLossConfig()
+        )
     with pytest.raises(ValueError, match="label_smoothing"):
         PreferenceLossConfig(label_smoothing=0.5)

@@ -185,3 +185,58 @@ def test_print_every_thins_the_printed_line_not_the_records(tmp_path, capsys):
 def test_print_every_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="print_every must be >= 1"):
         quiet(tmp_path, print_every=0)
+
+
+def test_wandb_offline_run_records_the_logged_steps(tmp_path, monkeypatch):
+    """logging.wandb with wandb_mode offline: the run is written under the run directory."""
+    from megagrpo.metrics import WandbSettings  # wandb itself comes with the dev extra
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    settings = WandbSettings(project="megagrpo-test", name="offline", mode="offline", config={"lr": 0.1})
+    with MetricsLogger(tmp_path, tensorboard=False, progress=False, total_steps=3, wandb=settings) as log:
+        for step in (1, 2, 3):
+            log.log(step, {"train/loss": 1.0 / step, "val/accuracy": 0.25 * step})
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    (record,) = run.glob("run-*.wandb")  # what `wandb sync` uploads
+    history = _wandb_history(record.read_bytes())
+    assert [h["_step"] for h in history] == [1, 2, 3]
+    assert [h["train/loss"] for h in history] == [1.0, 0.5, pytest.approx(1 / 3)]
+    assert [h["val/accuracy"] for h in history] == [0.25, 0.5, 0.75]
+    assert (tmp_path / "wandb_run_id").read_text().strip() in run.name
+
+
+def _wandb_history(data: bytes) -> list[dict]:
+    """History rows of a W&B run file: a LevelDB-style log (7-byte file header, 32 KiB blocks, records
+    of [crc32, length, type] + payload, types FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4) of protobuf Records."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rows, pos, payload, block = [], 7, b"", 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            break
+        payload += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(payload)
+            payload = b""
+            if record.WhichOneof("record_type") == "history":
+                items = record.history.item
+                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in items})
+    return rows
+
+
+def test_wandb_requested_but_missing_is_a_config_error(monkeypatch):
+    import sys
+
+    from megagrpo.config import ConfigError, load_config
+    from megagrpo.runs import wandb_settings
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if the package were not installed
+    with pytest.raises(ConfigError, match=r"logging\.wandb.*pip install 'megagrpo\[wandb\]'"):
+        wandb_settings(load_config(None, ["logging.wandb=true"]))
+    assert wandb_settings(load_config(None)) is None

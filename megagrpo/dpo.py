@@ -1,0 +1,284 @@
+"""Direct preference optimisation: ``megagrpo dpo --config FILE``.
+
+    pairs (JSONL / JSON / Parquet, or sampled from the initial policy on the synthetic task)
+        -> chat template -> chosen and rejected token ids, response masks
+        -> per step: dpo.batch_size pairs -> reference logprobs (initial weights, swapped in from host memory)
+        -> DP shards and micro-batches of whole pairs -> DPO / IPO loss -> optimizer step
+        -> metrics, validation, checkpoint
+
+Losses (``megagrpo.algorithms.dpo``): sigmoid DPO (Rafailov et al. 2023) with optional label smoothing,
+IPO (Azar et al. 2023), each optionally on length-normalised (mean per token) logprobs. The reference
+policy is the initial policy, frozen; its logprobs are computed once per batch, just before the step.
+Validation (loss, preference accuracy, margins) on the validation pairs at the start, every
+``dpo.val_every`` steps and at the end; with the synthetic task also greedy accuracy on the held-out
+problems GRPO validates on.
+
+The synthetic task's pairs (``data.train_path: null``): for each problem, ``dpo.synthetic_samples`` answers
+are sampled (temperature 1) from the initial policy; a problem with a wrong answer gives a pair whose chosen
+response is a right sample (or the reference answer when none is right) and whose rejected one is the most
+frequent wrong sample. They are written to ``<run dir>/data/`` and read back like any dataset. A tiny model
+starts from its warm-up (``megagrpo.warmup``), as GRPO does.
+
+It runs as one process per Megatron rank (spawned locally, or under torchrun; ``megagrpo.runs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from megagrpo.config import Config, ConfigError, save_config
+from megagrpo.data.arithmetic import ArithmeticTask, Problem
+from megagrpo.data.prompts import arithmetic_val_problems
+from megagrpo.data.supervised import (
+    VAL_SEED_OFFSET,
+    PreferenceSource,
+    build_preference_source,
+    prompt_ids,
+    write_records,
+)
+from megagrpo.data.tokenizer import load_tokenizer
+from megagrpo.rewards.arithmetic import arithmetic_reward
+from megagrpo.runs import (
+    LocalGroup,
+    check_checkpoint_dir,
+    export_final,
+    metrics_logger,
+    prefixed,
+    restore_checkpoint,
+    run_ranks,
+    save_checkpoint,
+    wandb_settings,
+)
+from megagrpo.sft import decode_answer, greedy_accuracy
+from megagrpo.types import SequenceBatch
+
+DPO_SUMMARY = (
+    ("train/loss", "loss", "{:.4f}"),
+    ("train/accuracy", "pref acc", "{:.2f}"),
+    ("train/margin_mean", "margin", "{:.3f}"),
+    ("val/greedy_accuracy", "greedy acc", "{:.2f}"),
+)
+DPO_PANELS = (
+    ("loss", ("train/loss", "val/loss")),
+    ("preference accuracy", ("train/accuracy", "val/accuracy")),
+    ("reward margin", ("train/margin_mean", "val/margin_mean")),
+    ("chosen / rejected rewards", ("train/chosen_reward_mean", "train/rejected_reward_mean")),
+    ("greedy accuracy", ("val/greedy_accuracy",)),
+)
+
+
+@dataclass(frozen=True)
+class DPOResult:
+    run_dir: str
+    steps: int
+    first: dict
+    """Validation metrics before the first step (empty when the run was resumed)."""
+    last: dict
+    """Validation metrics after the last step."""
+    seconds: float
+    """Step time (reference logprobs + training) of this process's steps."""
+    skipped_rows: int
+    checkpoint: str | None
+    export: str | None
+
+
+def run_dpo(cfg: Config, *, resume: bool = False) -> DPOResult | None:
+    """Run DPO as configured; the controller's result (None on the other ranks under torchrun)."""
+    from megagrpo.warmup import warmed_up_model
+
+    run_dir = Path(cfg.logging.dir) / cfg.run_name
+    check_checkpoint_dir(cfg, resume)
+    check_layout(cfg)
+    tok = load_tokenizer(cfg)
+    # Datasets are read and checked before anything starts; synthetic pairs need the model first.
+    source = build_preference_source(cfg, tok) if cfg.data.train_path is not None else None
+    wandb_settings(cfg)
+    synthetic_task = None
+    if source is None:
+        synthetic_task = ArithmeticTask(
+            max_operand=cfg.data.arithmetic_max_operand, ops=cfg.data.arithmetic_ops
+        )
+    cfg, _ = warmed_up_model(cfg, run_dir)  # a tiny model starts from its warm-up, as in GRPO
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    return run_ranks(_dpo_rank, cfg, tok, source, synthetic_task, str(run_dir), resume)
+
+
+def check_layout(cfg: Config) -> None:
+    """What DPO needs of the layout, as ConfigErrors before anything starts."""
+    par, budget, seq = cfg.parallel, cfg.policy.micro_batch_max_tokens, cfg.model.seq_length
+    if par.context_parallel_size > 1:
+        raise ConfigError(
+            ("parallel.context_parallel_size",), "DPO does not support context parallelism yet (set 1)"
+        )
+    if budget < 2 * seq:
+        raise ConfigError(
+            ("policy.micro_batch_max_tokens", "model.seq_length"),
+            f"micro_batch_max_tokens {budget} cannot hold a pair (two sequences of up to seq_length {seq}) "
+            "in one micro-batch: it must be >= 2 * seq_length",
+        )
+    if cfg.dpo.batch_size < par.data_parallel_size:
+        raise ConfigError(
+            ("dpo.batch_size", "parallel.data_parallel_size"),
+            f"batch_size {cfg.dpo.batch_size} leaves some of the {par.data_parallel_size} data-parallel "
+            "ranks without pairs",
+        )
+
+
+def _dpo_rank(rank: int, world_size: int, cfg: Config, tok, source, task, run_dir: str, resume: bool):
+    from megagrpo.parallel import destroy_parallel
+    from megagrpo.policy.supervised import DPOWorker
+
+    worker = DPOWorker(cfg)
+    try:
+        group = LocalGroup(worker)
+        if source is None:
+            source = synthetic_pairs(cfg, group, tok, task, Path(run_dir) / "data")
+        return train(cfg, group, tok, source, Path(run_dir), resume)
+    finally:
+        destroy_parallel()
+
+
+def train(
+    cfg: Config, group: LocalGroup, tok, source: PreferenceSource, run_dir: Path, resume: bool
+) -> DPOResult | None:
+    """The DPO loop, on every rank (``group`` calls this rank's worker; the controller logs and saves)."""
+    from megagrpo.policy.supervised import DPOWorker
+
+    dpo = cfg.dpo
+    step, _ = restore_checkpoint(cfg, group, DPOWorker.load, resume)
+    val = None
+    if source.val:
+        val = SequenceBatch.from_pairs(source.val)
+        val = val.replace(ref_logps=group.call_first(DPOWorker.reference_logps, val))
+    problems = (
+        arithmetic_val_problems(cfg) if cfg.data.train_path is None and cfg.data.num_val_prompts else []
+    )
+    first, last, step_time = {}, {}, 0.0
+
+    def logger():
+        return metrics_logger(
+            cfg, run_dir, dpo.num_steps, step, title="DPO", summary_keys=DPO_SUMMARY, panels=DPO_PANELS
+        )
+
+    with group.controller_only(logger) as log:
+        if step == 0:
+            first = last = validate(cfg, group, tok, val, problems)
+            if log:
+                log.log(0, first)
+        while step < dpo.num_steps:
+            step += 1
+            batch = SequenceBatch.from_pairs(source.batch(step, dpo.batch_size))
+            t0 = time.perf_counter()
+            batch = batch.replace(ref_logps=group.call_first(DPOWorker.reference_logps, batch))
+            t1 = time.perf_counter()
+            train_metrics = group.call_first(DPOWorker.train_step, batch)
+            t2 = time.perf_counter()
+            step_time += t2 - t0
+            metrics = {
+                **prefixed("train", train_metrics.as_dict()),
+                "data/skipped_rows": source.skipped_rows,
+                "timing/reference_s": t1 - t0,
+                "timing/train_s": t2 - t1,
+                "timing/step_s": t2 - t0,
+                "throughput/tokens_per_s": batch.num_tokens / (t2 - t0),
+            }
+            if step == dpo.num_steps or (dpo.val_every and step % dpo.val_every == 0):
+                last = validate(cfg, group, tok, val, problems)
+                metrics |= last
+            if log:
+                log.log(step, metrics)
+            if cfg.checkpoint.dir and cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+                save_checkpoint(cfg, group, DPOWorker.save, step, step * dpo.batch_size)
+        curves = log.write_curves() if log else None
+    final = (
+        save_checkpoint(cfg, group, DPOWorker.save, step, step * dpo.batch_size)
+        if cfg.checkpoint.dir
+        else None
+    )
+    if not group.is_controller:
+        return None
+    export = export_final(final, run_dir / "hf_export") if final and cfg.checkpoint.export_hf_at_end else None
+    print(f"\nrun directory: {run_dir}\n  metrics: {run_dir / 'metrics.jsonl'}\n  curves:  {curves}")
+    if export:
+        print(f"  HF export: {export}")
+    return DPOResult(
+        run_dir=str(run_dir),
+        steps=step,
+        first=first,
+        last=last,
+        seconds=step_time,
+        skipped_rows=source.skipped_rows,
+        checkpoint=str(final) if final else None,
+        export=str(export) if export else None,
+    )
+
+
+def validate(cfg: Config, group: LocalGroup, tok, val: SequenceBatch | None, problems: list[Problem]) -> dict:
+    """``val/*`` preference metrics on the validation pairs; ``val/greedy_accuracy`` on held-out problems."""
+    from megagrpo.policy.supervised import DPOWorker
+
+    out = {}
+    if val is not None:
+        metrics = group.call_first(DPOWorker.evaluate, val).as_dict()
+        out |= prefixed("val", {k: v for k, v in metrics.items() if k != "pairs"})
+    if problems:
+        out["val/greedy_accuracy"] = greedy_accuracy(group, DPOWorker.complete, tok, problems, cfg)
+    return out
+
+
+# ------------------------------------------------------------------------------ synthetic pairs
+
+
+def synthetic_pairs(
+    cfg: Config, group: LocalGroup, tok, task: ArithmeticTask, out_dir: Path
+) -> PreferenceSource:
+    """Pairs sampled from the initial policy (before a resumed run loads its checkpoint, so the same pairs
+    again), written to ``out_dir/{train,val}.jsonl`` by the controller and read back by every rank."""
+    dpo = cfg.dpo
+    train_path, val_path = out_dir / "train.jsonl", out_dir / "val.jsonl"
+    train = _sample_pairs(cfg, group, tok, task, dpo.num_synthetic_pairs, dpo.seed * 1_000_000)
+    val = _sample_pairs(cfg, group, tok, task, dpo.num_val_pairs, dpo.seed * 1_000_000 + VAL_SEED_OFFSET)
+    if group.is_controller:
+        write_records(train_path, train)
+        if val:
+            write_records(val_path, val)
+        print(
+            f"dpo: {len(train)} training and {len(val)} validation pairs sampled into {out_dir}", flush=True
+        )
+    group.barrier()
+    data = dataclasses.replace(cfg.data, val_path=str(val_path) if val else None)
+    return build_preference_source(dataclasses.replace(cfg, data=data), tok, train_path=str(train_path))
+
+
+def _sample_pairs(
+    cfg: Config, group: LocalGroup, tok, task: ArithmeticTask, count: int, seed: int
+) -> list[dict]:
+    from megagrpo.policy.supervised import DPOWorker
+
+    data, k = cfg.data, cfg.dpo.synthetic_samples
+    rows: list[dict] = []
+    for attempt in range(20):  # a well-trained policy makes few mistakes: draw until enough pairs
+        if len(rows) >= count:
+            break
+        problems = task.problems(2 * (count - len(rows)), seed=seed + attempt)
+        prompts = [prompt_ids(tok, p.prompt, chat_template=data.apply_chat_template) for p in problems]
+        max_new = max(len(p.answer) for p in problems) + 1
+        answers = group.call_first(
+            DPOWorker.complete, [p for p in prompts for _ in range(k)], max_new, 1.0, seed + attempt
+        )
+        for i, problem in enumerate(problems):
+            texts = [decode_answer(tok, ids).strip() for ids in answers[i * k : (i + 1) * k]]
+            right = [t for t in texts if arithmetic_reward(t, problem.answer) == 1.0]
+            wrong = [t for t in texts if t and arithmetic_reward(t, problem.answer) == 0.0]
+            if wrong and len(rows) < count:
+                chosen = right[0] if right else problem.answer
+                rejected = Counter(wrong).most_common(1)[0][0]
+                rows.append(
+                    {data.prompt_key: problem.prompt, data.chosen_key: chosen, data.rejected_key: rejected}
+                )
+    return rows
