@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megagrpo-$(EXTRAS)-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-unit test-dist test-e2e test-gpu lint bench clean
+.PHONY: setup demo sft-demo dpo-demo test test-unit test-dist test-e2e test-gpu lint bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,16 @@ demo: setup
 	@# A fresh demo run each time (the warm-up checkpoint under runs/tiny-cpu/warmup is reused).
 	rm -rf runs/tiny-cpu/checkpoints
 	$(VENV)/bin/megagrpo train
+
+# SFT of the tiny model on generated arithmetic solutions (a few minutes on 2 cores).
+sft-demo: setup
+	rm -rf runs/tiny-sft/checkpoints
+	$(VENV)/bin/megagrpo sft --config tiny_sft
+
+# DPO of the warmed-up tiny model on pairs sampled from it (the warm-up is cached like the GRPO demo's).
+dpo-demo: setup
+	rm -rf runs/tiny-dpo/checkpoints
+	$(VENV)/bin/megagrpo dpo --config tiny_dpo
 
 test: setup
 	$(PY) -m pytest -m "unit or dist or e2e" $(PYTEST_ARGS)

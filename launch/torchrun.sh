@@ -6,7 +6,7 @@
 #   single node, 2 ranks:   NPROC_PER_NODE=2 launch/torchrun.sh warmup --config configs/tiny_cpu.yaml
 #   node i of N:            NNODES=N NODE_RANK=i MASTER_ADDR=head-host NPROC_PER_NODE=8 launch/torchrun.sh warmup ...
 #
-# Only trainer-only commands run this way (today: `warmup`). GRPO (`megagrpo train`) also drives
+# Only trainer-only commands run this way (`sft`, `dpo`, `warmup`). GRPO (`megagrpo train`) also drives
 # vLLM engines and is launched through Ray instead (launch/ray_head.sh, launch/slurm.sbatch).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hf_models import make_tiny_hf
 from policy_cases import LARGE_BUDGET, SMALL_BUDGET
 from supervised_cases import dpo_batch, sft_batch, supervised_config
@@ -16,30 +17,28 @@ from megagrpo.parallel.local import run_local_ranks
 pytestmark = pytest.mark.dist
 
 
-def _steps(rank: int, world_size: int, cfg) -> dict:
-    """Two SFT steps, then (a fresh job on the same ranks) two DPO steps with their reference logprobs."""
+def _steps(rank: int, world_size: int, cfg, kind: str) -> dict:
+    """Two SFT steps and a validation pass, or two DPO steps with their reference logprobs."""
     from megagrpo.policy.supervised import DPOWorker, SFTWorker
 
     out = {}
-    worker = SFTWorker(cfg)
     try:
-        out["sft"] = [worker.train_step(sft_batch(0)), worker.train_step(sft_batch(1))]
-        out["sft_val"] = worker.evaluate(sft_batch(2))
-    finally:
-        destroy_parallel()
-    worker = DPOWorker(cfg)
-    try:
-        batch = dpo_batch(0)
+        if kind == "sft":
+            worker = SFTWorker(cfg)
+            out["steps"] = [worker.train_step(sft_batch(0)), worker.train_step(sft_batch(1))]
+            out["val"] = worker.evaluate(sft_batch(2))
+            return out
+        worker = DPOWorker(cfg)
+        batch, nxt = dpo_batch(0), dpo_batch(1)
         out["pair_rows"] = [rows for rows, _ in worker.pair_micro_batches(batch)]
-        ref = worker.reference_logps(batch)
-        out["dpo"] = [worker.train_step(batch.replace(ref_logps=ref))]
-        nxt = dpo_batch(1)
+        out["ref"] = worker.reference_logps(batch)
+        out["steps"] = [worker.train_step(batch.replace(ref_logps=out["ref"]))]
         out["ref_again"] = worker.reference_logps(batch)
-        out["dpo"].append(worker.train_step(nxt.replace(ref_logps=worker.reference_logps(nxt))))
-        out["ref"] = ref
+        out["steps"].append(worker.train_step(nxt.replace(ref_logps=worker.reference_logps(nxt))))
+        out["val"] = worker.evaluate(batch.replace(ref_logps=out["ref"]))
+        return out
     finally:
         destroy_parallel()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -49,51 +48,57 @@ def hf_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(hf_dir) -> dict:
-    (res,) = run_local_ranks(_steps, 1, supervised_config(hf_dir), timeout_s=600)
-    return res
+    return {kind: run_local_ranks(_steps, 1, supervised_config(hf_dir), kind, timeout_s=600)[0] for kind in KINDS}
+
+
+KINDS = ("sft", "dpo")
 
 
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "layout",
     [dict(tp=2, budget=SMALL_BUDGET), dict(pp=2, budget=SMALL_BUDGET), dict(dp=2, budget=LARGE_BUDGET)],
     ids=["tp2-small", "pp2-small", "dp2-large"],
 )
-def test_sft_and_dpo_do_not_depend_on_layout_or_budget(layout, hf_dir, reference):
-    results = run_local_ranks(_steps, 2, supervised_config(hf_dir, **layout), timeout_s=600)
+def test_loss_and_grad_norm_do_not_depend_on_layout_or_budget(kind, layout, hf_dir, reference):
+    want = reference[kind]
+    results = run_local_ranks(_steps, 2, supervised_config(hf_dir, **layout), kind, timeout_s=600)
     for res in results:
-        for kind in ("sft", "dpo"):
-            for got, want in zip(res[kind], reference[kind], strict=True):
-                assert _rel(got.loss, want.loss) <= 1e-5, (kind, got.loss, want.loss)
-                assert _rel(got.grad_norm, want.grad_norm) <= 1e-5, (kind, got.grad_norm, want.grad_norm)
-        assert [m.tokens for m in res["sft"]] == [m.tokens for m in reference["sft"]]
-        assert _rel(res["sft_val"].loss, reference["sft_val"].loss) <= 1e-5
-        for got, want in zip(res["dpo"], reference["dpo"], strict=True):
-            assert got.pairs == want.pairs == 6
-            assert _rel(got.margin_mean, want.margin_mean) <= 1e-4 or abs(got.margin_mean) < 1e-9
-            assert got.accuracy == want.accuracy
-    # A pair is never split: every micro-batch holds whole pairs, and each pair is on exactly one DP rank.
-    rows = [r for res in results for group in res["pair_rows"] for r in group]
-    for res in results:
-        for group in res["pair_rows"]:
-            assert sorted(group) == sorted({2 * (r // 2) for r in group} | {2 * (r // 2) + 1 for r in group})
-    if layout.get("dp", 1) == 2:
-        assert sorted(rows) == list(range(12))  # the two DP ranks split the pairs between them
-    if layout.get("budget") == SMALL_BUDGET:
-        assert max(len(g) for g in results[0]["pair_rows"]) < 12  # the small budget did split the batch
+        for got, exp in zip(res["steps"], want["steps"], strict=True):
+            assert _rel(got.loss, exp.loss) <= 1e-5, (got.loss, exp.loss)
+            assert _rel(got.grad_norm, exp.grad_norm) <= 1e-5, (got.grad_norm, exp.grad_norm)
+        assert _rel(res["val"].loss, want["val"].loss) <= 1e-5
+        if kind == "sft":
+            assert [m.tokens for m in res["steps"]] == [m.tokens for m in want["steps"]]
+            continue
+        for got, exp in zip(res["steps"], want["steps"], strict=True):
+            assert got.pairs == exp.pairs == 6 and got.accuracy == exp.accuracy
+        torch.testing.assert_close(res["ref"], want["ref"], rtol=1e-5, atol=1e-5)
+        # A pair is never split: every micro-batch holds whole pairs.
+        for rows in res["pair_rows"]:
+            assert sorted(rows) == sorted({2 * (r // 2) + k for r in rows for k in (0, 1)})
+    if kind == "dpo":
+        # Each pair is on exactly one data-parallel rank (DP=2: the two ranks split the pairs).
+        per_rank = [sorted(r for rows in res["pair_rows"] for r in rows) for res in results]
+        if layout.get("dp", 1) == 2:
+            assert sorted(per_rank[0] + per_rank[1]) == list(range(12)) and per_rank[0] != per_rank[1]
+        else:
+            assert per_rank[0] == per_rank[1] == list(range(12))
+        if layout.get("budget") == SMALL_BUDGET:
+            assert len(results[0]["pair_rows"]) > 1  # the small budget did split the batch into micro-batches
 
 
 def test_dpo_first_step_is_at_the_reference(reference):
-    first = reference["dpo"][0]
+    first, second = reference["dpo"]["steps"]
     # Policy == reference: every implicit reward is exactly 0, the sigmoid loss log 2 (with label
     # smoothing eps: -(1 - eps) log 1/2 - eps log 1/2 = log 2 as well).
     assert first.margin_mean == 0.0 and first.chosen_reward_mean == 0.0 and first.rejected_reward_mean == 0.0
     assert first.accuracy == 0.0
     assert first.loss == pytest.approx(math.log(2), rel=1e-6)
-    # The step moved the policy, not the reference: the next step's reference logprobs are the same.
-    assert reference["ref_again"].equal(reference["ref"])
-    second = reference["dpo"][1]
+    # The step moved the policy, not the reference: the reference logprobs did not change.
+    assert torch.equal(reference["dpo"]["ref_again"], reference["dpo"]["ref"])
     assert second.margin_mean != 0.0

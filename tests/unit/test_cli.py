@@ -14,7 +14,7 @@ def test_help_lists_every_subcommand(capsys):
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for sub in ("train", "eval", "plan", "export", "warmup"):
+    for sub in ("train", "sft", "dpo", "eval", "plan", "export", "warmup"):
         assert sub in out
 
 
@@ -91,3 +91,16 @@ def test_the_program_entry_point_exits_with_the_command_status(capsys):
         run(["eval"])
     assert exc.value.code == 2
     assert "not implemented" in capsys.readouterr().err
+
+
+def test_dpo_reports_a_layout_it_cannot_run_before_starting(capsys, tmp_path):
+    argv = ["dpo", f"logging.dir={tmp_path}", "policy.micro_batch_max_tokens=300"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "policy.micro_batch_max_tokens" in err and "2 * seq_length" in err
+    assert not (tmp_path / "tiny-cpu").exists()  # no warm-up started
+
+
+def test_sft_reports_a_missing_dataset_by_file(capsys, tmp_path):
+    assert main(["sft", f"data.train_path={tmp_path / 'nope.jsonl'}"]) == 1
+    assert "nope.jsonl: dataset file not found" in capsys.readouterr().err
