@@ -55,7 +55,8 @@ PATCHES = (
         "megatron_optimizer",
         "megatron-core",
         ("0.16.1",),
-        "Megatron 0.16's reshardable load asks torch Adam for a per-parameter step it never saved",
+        "Megatron 0.16's reshardable load asks torch Adam for a per-parameter step it never saved, and "
+        "then shares one step tensor among all parameters (Adam advances it once per parameter)",
     ),
 )
 

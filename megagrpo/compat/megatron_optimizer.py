@@ -6,12 +6,20 @@ including Adam's ``step``, which the checkpoint does not carry per parameter (it
 the param groups just before): a KeyError. ``adam_step_kept_on_load`` replaces
 ``DistributedOptimizer._set_main_param_and_optimizer_states`` for the block with a version that
 supplies the already-restored step, making that copy a no-op, and restores the original on exit.
+
+The same loader (``DistributedOptimizer.load_state_dict``, without Apex/TE) gives every parameter's state
+one and the same ``step`` tensor; torch's Adam increments each parameter's step in place, so after a load
+the shared tensor advanced once per parameter at every step and the bias correction went wrong from the
+first step after a resume (seen with DP=2: a resumed run's second step differed). ``untie_adam_steps``
+gives each parameter a step tensor of its own after a load; nothing to restore.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+
+import torch
 
 
 @contextlib.contextmanager
@@ -37,3 +45,18 @@ def adam_step_kept_on_load() -> Iterator[None]:
         yield
     finally:
         DistributedOptimizer._set_main_param_and_optimizer_states = original
+
+
+def untie_adam_steps(optimizer) -> None:
+    """Give each parameter of a (chained) Megatron optimizer its own torch Adam ``step`` tensor."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        seen: set[int] = set()
+        for state in inner.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.detach().clone()
+                seen.add(id(state["step"]))

@@ -23,7 +23,7 @@ from megagrpo.ckpt.durable import atomic_write
 from megagrpo.ckpt.hf_files import HFCheckpoint
 from megagrpo.ckpt.hf_weights import load_hf_into_stage
 from megagrpo.ckpt.megatron import load_megatron, save_dist_checkpoint, save_megatron, write_checkpoint_meta
-from megagrpo.compat.megatron_optimizer import adam_step_kept_on_load
+from megagrpo.compat.megatron_optimizer import adam_step_kept_on_load, untie_adam_steps
 from megagrpo.config import Config
 from megagrpo.models.description import describe_model
 from megagrpo.models.shape import padded_vocab_size
@@ -349,6 +349,7 @@ class MegatronRank:
         )
         with adam_step_kept_on_load():
             self.engine.optimizer.load_state_dict(dist_checkpointing.load(opt_sd, str(path / "optimizer")))
+        untie_adam_steps(self.engine.optimizer)
         state = json.loads((path / "trainer_state.json").read_text())
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps_done = state["steps_done"]

@@ -64,7 +64,10 @@ def test_sft_resume_reproduces_the_next_steps(tmp_path):
                 "sft.batch_size=8",
                 f"sft.num_steps={steps}",
                 "sft.num_val_examples=8",
-                "policy.lr_warmup_steps=1",
+                # The stopped run is configured for 2 steps, so a schedule that depends on the run's length
+                # (cosine) would differ; a warm-up over 3 steps checks that the scheduler state comes back.
+                "policy.lr_schedule=constant",
+                "policy.lr_warmup_steps=3",
                 f"checkpoint.dir={root / 'ckpt'}",
                 "checkpoint.save_every=2",
                 f"checkpoint.export_hf_at_end={str(export).lower()}",
@@ -114,6 +117,7 @@ def test_dpo_resume_reproduces_the_next_steps(tmp_path):
                 "dpo.loss=ipo",
                 "dpo.length_normalize=true",
                 "policy.micro_batch_max_tokens=64",
+                "policy.lr_warmup_steps=3",
                 f"checkpoint.dir={root / 'ckpt'}",
                 "checkpoint.save_every=2",
                 f"checkpoint.export_hf_at_end={str(export).lower()}",

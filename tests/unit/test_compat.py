@@ -74,3 +74,26 @@ def test_distributed_optimizer_method_is_restored():
         patched = DistributedOptimizer._set_main_param_and_optimizer_states
         assert patched is not original and patched._keeps_adam_step
     assert DistributedOptimizer._set_main_param_and_optimizer_states is original
+
+
+def test_untie_adam_steps_gives_each_parameter_its_own_step():
+    import torch
+
+    from megagrpo.compat.megatron_optimizer import untie_adam_steps
+
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    adam = torch.optim.Adam(params, lr=0.1)
+    shared = torch.tensor(5.0)
+    for p in params:  # what Megatron's loader leaves behind
+        adam.state[p] = {"step": shared, "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
+
+    class Wrapped:  # a Megatron optimizer holds torch's as .optimizer
+        optimizer = adam
+
+    untie_adam_steps(Wrapped())
+    steps = [adam.state[p]["step"] for p in params]
+    assert len({id(s) for s in steps}) == 3 and all(float(s) == 5.0 for s in steps)
+    for p in params:
+        p.grad = torch.ones(2)
+    adam.step()
+    assert [float(adam.state[p]["step"]) for p in params] == [6.0, 6.0, 6.0]
