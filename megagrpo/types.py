@@ -277,6 +277,8 @@ class DPOMetrics:
     """Policy logprob of the chosen response (mean per token when length-normalised)."""
     rejected_logp_mean: float
     """Policy logprob of the rejected response."""
+    chosen_nll_mean: float
+    """Mean token NLL of the chosen response (the term dpo.nll_weight weighs)."""
     grad_norm: float | None = None
     lr: float | None = None
     update_applied: float | None = None

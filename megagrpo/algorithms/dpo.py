@@ -11,6 +11,10 @@ With h = (logp_chosen - ref_chosen) - (logp_rejected - ref_rejected), the log-ra
 - ipo (IPO, Azar et al. 2023, eq. 17, with its regularisation tau called beta here):
   loss = (h - 1 / (2 beta))^2.
 
+Optionally, ``nll_weight`` alpha adds alpha times the chosen response's mean token negative log-likelihood
+to each pair's loss (the NLL term of Iterative RPO, Pang et al. 2024, eq. 1), which keeps the chosen
+responses likely: DPO alone tends to lower both responses' likelihood, and with them greedy accuracy.
+
 Implicit rewards (reported, not differentiated): r_chosen = beta (logp_chosen - ref_chosen), likewise
 r_rejected; the reward margin is r_chosen - r_rejected = beta h, and a pair is "right" when it is > 0.
 At the first step (policy == reference) every margin is exactly 0 and the sigmoid loss is log 2.
@@ -48,6 +52,7 @@ class PreferenceLossConfig:
     beta: float = 0.1
     label_smoothing: float = 0.0
     length_normalize: bool = False
+    nll_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.loss not in ("sigmoid", "ipo"):
@@ -56,6 +61,8 @@ class PreferenceLossConfig:
             raise ValueError(f"beta must be finite and > 0, got {self.beta!r}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}")
+        if not (math.isfinite(self.nll_weight) and self.nll_weight >= 0):
+            raise ValueError(f"nll_weight must be finite and >= 0, got {self.nll_weight!r}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ PREFERENCE_METRICS = (
     "rejected_reward_sum",
     "chosen_logp_sum",
     "rejected_logp_sum",
+    "chosen_nll_sum",
 )
 """Keys of :attr:`PreferenceLossOutput.metrics`; each sums over pairs (micro-batches and ranks add up)."""
 
@@ -100,8 +108,11 @@ def preference_loss(
     ref_chosen_logps: Tensor,
     ref_rejected_logps: Tensor,
     cfg: PreferenceLossConfig,
+    *,
+    chosen_nll: Tensor | None = None,
 ) -> PreferenceLossOutput:
-    """DPO / IPO loss of P pairs from [P] sequence logprobs (policy with grad, reference without)."""
+    """DPO / IPO loss of P pairs from [P] sequence logprobs (policy with grad, reference without);
+    ``chosen_nll`` [P] (with grad): the chosen responses' mean token NLL, needed when nll_weight > 0."""
     shapes = {t.shape for t in (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)}
     if len(shapes) != 1 or chosen_logps.dim() != 1:
         raise ValueError(f"all four logprob tensors must be [P], got shapes {sorted(map(tuple, shapes))}")
@@ -115,6 +126,10 @@ def preference_loss(
             loss_P = loss_P - eps * F.logsigmoid(-cfg.beta * h_P)
     else:
         loss_P = (h_P - 1 / (2 * cfg.beta)).square()
+    if cfg.nll_weight > 0:
+        if chosen_nll is None or chosen_nll.shape != h_P.shape:
+            raise ValueError("nll_weight > 0 needs chosen_nll of shape [P]")
+        loss_P = loss_P + cfg.nll_weight * chosen_nll
     chosen_reward_P = cfg.beta * chosen_ratio_P.detach().double()
     rejected_reward_P = cfg.beta * rejected_ratio_P.detach().double()
     margin_P = chosen_reward_P - rejected_reward_P
@@ -126,6 +141,9 @@ def preference_loss(
         "rejected_reward_sum": rejected_reward_P.sum(),
         "chosen_logp_sum": chosen_logps.detach().double().sum(),
         "rejected_logp_sum": rejected_logps.detach().double().sum(),
+        "chosen_nll_sum": chosen_nll.detach().double().sum()
+        if chosen_nll is not None
+        else h_P.new_zeros((), dtype=torch.float64),
     }
     return PreferenceLossOutput(
         loss_sum=loss_P.sum(),
@@ -140,5 +158,7 @@ def preference_metrics(sums: dict[str, float]) -> dict[str, float]:
     out = {"pairs": pairs}
     for key in PREFERENCE_METRICS[1:]:
         name = key.removesuffix("_sum")
-        out[name if name == "accuracy" else f"{name}_mean"] = sums[key] / pairs if pairs else math.nan
+        out[name if name == "accuracy" else f"{name}_mean"] = (
+            sums.get(key, 0.0) / pairs if pairs else math.nan
+        )
     return out

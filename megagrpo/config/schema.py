@@ -456,6 +456,9 @@ class DPOConfig:
     """sigmoid only: assumed probability that a pair's preference label is flipped, in [0, 0.5)."""
     length_normalize: bool = False
     """Use each response's mean token logprob instead of its sum (policy and reference alike)."""
+    nll_weight: float = 0.0
+    """Weight of the chosen response's mean token NLL added to each pair's loss (Iterative RPO's NLL term);
+    0: the plain DPO / IPO loss."""
     num_steps: int = 100
     """Optimizer steps of the run."""
     batch_size: int = 32
@@ -480,6 +483,7 @@ class DPOConfig:
             ("label_smoothing", "loss"),
             "label_smoothing applies to the sigmoid loss only",
         )
+        check(self, "nll_weight", math.isfinite(self.nll_weight) and self.nll_weight >= 0, "finite and >= 0")
         positive(self, "num_steps", "batch_size", "num_synthetic_pairs")
         check(self, "synthetic_samples", self.synthetic_samples >= 2, ">= 2")
         check(self, "val_every", self.val_every >= 0, ">= 0")

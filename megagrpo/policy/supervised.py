@@ -159,7 +159,11 @@ class DPOWorker(_SupervisedRank):
         )
         d = cfg.dpo
         self.loss_cfg = PreferenceLossConfig(
-            loss=d.loss, beta=d.beta, label_smoothing=d.label_smoothing, length_normalize=d.length_normalize
+            loss=d.loss,
+            beta=d.beta,
+            label_smoothing=d.label_smoothing,
+            length_normalize=d.length_normalize,
+            nll_weight=d.nll_weight,
         )
 
     # ------------------------------------------------------------------------------ pair layout
@@ -184,11 +188,15 @@ class DPOWorker(_SupervisedRank):
             )
         return out
 
-    def _sequence_logps(self, logits, micro: dict) -> torch.Tensor:
-        """[b] response logprob of each row of the micro-batch (sum or mean over its scored tokens)."""
+    def _sequence_logps(self, logits, micro: dict, *, with_mean: bool = False):
+        """[b] response logprob of each row of the micro-batch (sum or mean over its scored tokens);
+        ``with_mean``: also the [b] mean token logprob."""
         token_logps, _ = self._token_logprobs(logits, micro, with_entropy=False, temperature=1.0)
         mask = micro["sub"].loss_mask.to(token_logps.device)
-        return sequence_logps(token_logps, mask, length_normalize=self.loss_cfg.length_normalize)
+        seq = sequence_logps(token_logps, mask, length_normalize=self.loss_cfg.length_normalize)
+        if not with_mean:
+            return seq
+        return seq, sequence_logps(token_logps, mask, length_normalize=True)
 
     # ----------------------------------------------------------------------------------- steps
 
@@ -230,9 +238,18 @@ class DPOWorker(_SupervisedRank):
         sums = dict.fromkeys(("loss_sum", *PREFERENCE_METRICS), 0.0)
 
         def loss_fn(logits, micro):
-            seq_logps = self._sequence_logps(logits, micro)  # [2p]: chosen, rejected, chosen, ...
+            seq_logps, mean_logps = self._sequence_logps(
+                logits, micro, with_mean=True
+            )  # [2p]: chosen, rejected, ...
             ref = micro["sub"].ref_logps.to(seq_logps.device, seq_logps.dtype)
-            out = preference_loss(seq_logps[0::2], seq_logps[1::2], ref[0::2], ref[1::2], self.loss_cfg)
+            out = preference_loss(
+                seq_logps[0::2],
+                seq_logps[1::2],
+                ref[0::2],
+                ref[1::2],
+                self.loss_cfg,
+                chosen_nll=-mean_logps[0::2],
+            )
             sums["loss_sum"] += float(out.loss_sum.detach())
             for key, value in out.metrics.items():
                 sums[key] += float(value)

@@ -81,7 +81,7 @@ def test_sft_resume_reproduces_the_next_steps(tmp_path):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-6), (step, key)
     assert got[4]["val/loss"] == pytest.approx(want[4]["val/loss"], rel=1e-6)
     assert want[4]["train/loss"] < want[1]["train/loss"]
-    assert got[4]["data/skipped_rows"] == 1
+    assert got[4]["data/skipped_rows"] == 2  # the bad row, once as training and once as validation data
     export = run_dir / "hf_export"
     assert (export / "model.safetensors").is_file() and (export / "chat_template.jinja").is_file()
 

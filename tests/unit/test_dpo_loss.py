@@ -105,3 +105,17 @@ def test_bad_inputs_are_named():
         )
     with pytest.raises(ValueError, match="label_smoothing"):
         PreferenceLossConfig(label_smoothing=0.5)
+
+
+def test_nll_term_adds_the_chosen_mean_nll():
+    t = lambda v: torch.tensor(v, dtype=torch.float64)
+    nll = t([0.5, 2.0]).requires_grad_()
+    args = (t([-3.0, -1.0]), t([-5.0, -2.0]), t([-4.0, -1.0]), t([-4.0, -2.0]))
+    plain = preference_loss(*args, PreferenceLossConfig(beta=0.5), chosen_nll=nll)
+    with_nll = preference_loss(*args, PreferenceLossConfig(beta=0.5, nll_weight=0.3), chosen_nll=nll)
+    assert float(with_nll.loss_sum) == pytest.approx(float(plain.loss_sum) + 0.3 * 2.5, abs=1e-12)
+    assert float(with_nll.metrics["chosen_nll_sum"]) == 2.5
+    with_nll.loss_sum.backward()
+    torch.testing.assert_close(nll.grad, t([0.3, 0.3]))
+    with pytest.raises(ValueError, match="chosen_nll"):
+        preference_loss(*args, PreferenceLossConfig(nll_weight=0.3))
