@@ -22,6 +22,7 @@ __all__ = [
     "resolve_backend",
     "resolve_transformer_impl",
     "transformer_engine_available",
+    "weight_sync_backend",
 ]
 
 Backend = Literal["gloo", "nccl"]
@@ -76,3 +77,13 @@ def resolve_transformer_impl(name: str = "auto", *, check_available: bool = Fals
             "parallel.transformer_impl='transformer_engine' but transformer_engine is not installed"
         )
     return name
+
+
+def weight_sync_backend(trainer_backend: str) -> Backend:
+    """The weight-sync transport: the trainer's backend, so NCCL with CUDA and gloo without.
+
+    ``trainer_backend`` is ``parallel.backend`` (``auto`` resolved here as above) or the already
+    resolved ``parallel.resolved_backend``. The trainer ranks' and the vLLM workers' GPUs exchange the
+    weights over NCCL where the trainer uses NCCL; gloo moves them through host memory and TCP.
+    """
+    return resolve_backend(trainer_backend)
