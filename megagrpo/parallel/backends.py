@@ -17,6 +17,7 @@ from typing import Literal
 
 __all__ = [
     "BACKENDS",
+    "IMPL_FEATURES",
     "TRANSFORMER_IMPLS",
     "cuda_available",
     "resolve_backend",
@@ -32,6 +33,14 @@ BACKENDS: tuple[Backend, ...] = ("gloo", "nccl")
 """Concrete torch.distributed backends ``parallel.backend`` may name besides ``"auto"``."""
 TRANSFORMER_IMPLS: tuple[TransformerImpl, ...] = ("local", "transformer_engine")
 """Concrete Megatron layer implementations ``parallel.transformer_impl`` may name besides ``"auto"``."""
+
+IMPL_FEATURES: dict[str, frozenset[str]] = {
+    "local": frozenset(),
+    "transformer_engine": frozenset({"sequence_parallel", "context_parallel", "thd"}),
+}
+"""What each layer implementation supports beyond plain TP/PP/DP: ``sequence_parallel`` (Megatron SP),
+``context_parallel`` (CP ring attention), ``thd`` (packed variable-length attention). A new
+implementation adds its row here; ``megagrpo plan`` reads this table."""
 
 
 def cuda_available() -> bool:
