@@ -116,7 +116,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
     else:
-        render(plan)
+        render(plan, cfg)
     return 1 if plan.errors else 0
 
 

@@ -84,10 +84,17 @@ def read_shape(cfg: Config, hf_config: str | None) -> tuple[GPTShape, str]:
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(f"--hf-config {path}: {err}") from err
+            raise ConfigError((), f"--hf-config {path}: {err}") from None
         return shape_from_hf_config(data, str(path))[1], str(path)
-    where = "model.tiny" if cfg.model.tiny is not None else f"{cfg.model.hf_dir}/config.json"
-    return describe_model(cfg).shape, where
+    if cfg.model.tiny is not None:
+        return describe_model(cfg).shape, "model.tiny"
+    config_json = Path(cfg.model.hf_dir) / "config.json"
+    if not config_json.is_file():
+        raise ConfigError(
+            "model.hf_dir",
+            f"{config_json} not found: the plan reads the model's shape from it (or pass --hf-config FILE)",
+        )
+    return describe_model(cfg).shape, str(config_json)
 
 
 def _layer_params(s: GPTShape) -> int:
@@ -254,12 +261,33 @@ def _size(n: float) -> str:
     return f"{n / GIB:.1f}G" if n >= GIB / 10 else f"{n / 2**20:.1f}M"
 
 
-def render(plan: Plan) -> None:
-    """Print ``plan`` as tables (rich)."""
+def render(plan: Plan, cfg: Config) -> None:
+    """Print the run's layout and ``plan`` as tables (rich)."""
     from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=120)
+    con = Console(width=120, highlight=False)
+    par, gen, grpo = cfg.parallel, cfg.generation, cfg.grpo
+    model = f"tiny {cfg.model.arch}" if cfg.model.tiny else f"HF {cfg.model.hf_dir}"
+    con.print(f"run            {cfg.run_name}")
+    con.print(
+        f"model          {model}, {plan.params / 1e9:.2f}B parameters, {cfg.model.dtype}, "
+        f"seq_length {cfg.model.seq_length}"
+    )
+    con.print(
+        f"trainer        {par.world_size} ranks = DP {par.data_parallel_size} x TP "
+        f"{par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x CP "
+        f"{par.context_parallel_size}; backend {plan.backend}; layers {plan.transformer_impl}"
+    )
+    con.print(
+        f"rollout        {gen.num_engines} vLLM engine(s) x TP {gen.engine_tensor_parallel_size}, "
+        f"{gen.placement}; {plan.gpus} GPUs of {plan.gpu_memory_bytes / GIB:g} GiB"
+    )
+    con.print(
+        f"step           {grpo.num_prompts_per_step} prompts x {grpo.num_generations} = "
+        f"{cfg.rollouts_per_step} rollouts, {cfg.mini_batches_per_step} optimizer step(s) of "
+        f"{cfg.policy.mini_batch_size}"
+    )
     t = Table(
         title=f"Trainer: {plan.world_size} ranks, {plan.transformer_impl}, {plan.backend} (bytes per rank)"
     )
