@@ -1,7 +1,9 @@
 """Rules that span fields or components, and the one decision of ``parallel``'s ``"auto"`` values.
 
 Everything here runs once, while a config is built (at load, or by direct construction): the schema's
-``__post_init__`` methods call :func:`resolve_parallel` and :func:`check_run`. Errors are
+``__post_init__`` methods call :func:`resolve_parallel` and :func:`check_run`. ``megagrpo plan``
+(:mod:`megagrpo.plan`) also applies :func:`check_shape` to an HF model's config.json, :func:`check_features`
+to the layer implementation the trainer will resolve, and :func:`check_engine_share`. Errors are
 :class:`~megagrpo.config.errors.ConfigError`; keys are relative to the section in
 :func:`resolve_parallel` (the loader adds ``parallel.``) and fully dotted in :func:`check_run`.
 """
