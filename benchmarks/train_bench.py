@@ -42,6 +42,7 @@ from common.models import qwen2_params
 from common.sampling import machine_info
 from common.tables import md_table, write_results
 
+from megagrpo.parallel.backends import weight_sync_backend
 from megagrpo.types import TrainBatch
 
 # Model shapes: the CPU default is small enough for a 2-core machine; qwen2-1.5b is the real shape.
@@ -280,7 +281,7 @@ def time_weight_sender(worker, args) -> dict:
     plan = worker.weight_sync_plan(int(args.sync_bucket_mb * 2**20))
     if address is None or plan is None:
         raise RuntimeError("--sync-bucket-mb times one sender: run it with --tp 1")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = weight_sync_backend(worker.cfg.parallel.resolved_backend)
     worker.open_weight_sync([GroupAddress(*address, 1)], backend, 300.0)
     total = sum(b.nbytes for b in plan)
 

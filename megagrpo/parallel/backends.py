@@ -17,11 +17,13 @@ from typing import Literal
 
 __all__ = [
     "BACKENDS",
+    "IMPL_FEATURES",
     "TRANSFORMER_IMPLS",
     "cuda_available",
     "resolve_backend",
     "resolve_transformer_impl",
     "transformer_engine_available",
+    "weight_sync_backend",
 ]
 
 Backend = Literal["gloo", "nccl"]
@@ -31,6 +33,14 @@ BACKENDS: tuple[Backend, ...] = ("gloo", "nccl")
 """Concrete torch.distributed backends ``parallel.backend`` may name besides ``"auto"``."""
 TRANSFORMER_IMPLS: tuple[TransformerImpl, ...] = ("local", "transformer_engine")
 """Concrete Megatron layer implementations ``parallel.transformer_impl`` may name besides ``"auto"``."""
+
+IMPL_FEATURES: dict[str, frozenset[str]] = {
+    "local": frozenset(),
+    "transformer_engine": frozenset({"sequence_parallel", "context_parallel", "thd"}),
+}
+"""What each layer implementation supports beyond plain TP/PP/DP: ``sequence_parallel`` (Megatron SP),
+``context_parallel`` (CP ring attention), ``thd`` (packed variable-length attention). A new
+implementation adds its row here; ``megagrpo plan`` reads this table."""
 
 
 def cuda_available() -> bool:
@@ -76,3 +86,13 @@ def resolve_transformer_impl(name: str = "auto", *, check_available: bool = Fals
             "parallel.transformer_impl='transformer_engine' but transformer_engine is not installed"
         )
     return name
+
+
+def weight_sync_backend(trainer_backend: str) -> Backend:
+    """The weight-sync transport: the trainer's backend, so NCCL with CUDA and gloo without.
+
+    ``trainer_backend`` is ``parallel.backend`` (``auto`` resolved here as above) or the already
+    resolved ``parallel.resolved_backend``. The trainer ranks' and the vLLM workers' GPUs exchange the
+    weights over NCCL where the trainer uses NCCL; gloo moves them through host memory and TCP.
+    """
+    return resolve_backend(trainer_backend)

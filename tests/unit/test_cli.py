@@ -30,7 +30,7 @@ def test_plan_validates_the_default(capsys):
     assert main(["plan"]) == 0
     out = capsys.readouterr().out
     assert "2 ranks = DP 1 x TP 2 x PP 1 x CP 1" in out
-    assert "config OK" in out
+    assert "plan OK" in out
 
 
 def test_plan_reports_bad_override_by_key(capsys):
