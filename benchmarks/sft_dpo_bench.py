@@ -123,7 +123,9 @@ def rank_main(rank: int, world_size: int, args) -> dict:
         out["sft_tokens"] = batch.num_tokens
         out["sft_micro_batches"] = [list(m["tokens"].shape) for m in micro]
     finally:
-        destroy_parallel()
+        # The DPO job follows in this process: keep the default group (a new gloo rendezvous races
+        # the old store's shutdown).
+        destroy_parallel(keep_world=True)
 
     worker = DPOWorker(cfg)
     try:

@@ -45,6 +45,7 @@ from megagrpo.rewards.arithmetic import arithmetic_reward
 from megagrpo.runs import (
     LocalGroup,
     check_checkpoint_dir,
+    end_rank,
     export_final,
     metrics_logger,
     prefixed,
@@ -130,7 +131,6 @@ def check_layout(cfg: Config) -> None:
 
 
 def _dpo_rank(rank: int, world_size: int, cfg: Config, tok, source, task, run_dir: str, resume: bool):
-    from megagrpo.parallel import destroy_parallel
     from megagrpo.policy.supervised import DPOWorker
 
     worker = DPOWorker(cfg)
@@ -140,7 +140,7 @@ def _dpo_rank(rank: int, world_size: int, cfg: Config, tok, source, task, run_di
             source = synthetic_pairs(cfg, group, tok, task, Path(run_dir) / "data")
         return train(cfg, group, tok, source, Path(run_dir), resume)
     finally:
-        destroy_parallel()
+        end_rank()
 
 
 def train(

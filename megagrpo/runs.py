@@ -28,6 +28,7 @@ from megagrpo.metrics import MetricsLogger, WandbSettings, require_wandb
 __all__ = [
     "LocalGroup",
     "check_checkpoint_dir",
+    "end_rank",
     "export_final",
     "metrics_logger",
     "prefixed",
@@ -143,6 +144,15 @@ def run_ranks(fn: Callable, cfg: Config, *args: Any, timeout_s: float = 86_400.0
         result = fn(rank, world, cfg, *args)
         return result if rank == 0 else None
     return run_local_ranks(fn, world, cfg, *args, timeout_s=timeout_s)[0]
+
+
+def end_rank() -> None:
+    """Tear down this rank's parallel state after a job. Under torchrun the process may run another job
+    next (``megagrpo dpo`` on a tiny model first runs its warm-up): the default group is kept for it,
+    since a new rendezvous on gloo races the old store's shutdown (seen as a hang)."""
+    from megagrpo.parallel import destroy_parallel
+
+    destroy_parallel(keep_world="TORCHELASTIC_RUN_ID" in os.environ)
 
 
 def save_checkpoint(

@@ -27,6 +27,7 @@ from megagrpo.rewards.arithmetic import arithmetic_reward
 from megagrpo.runs import (
     LocalGroup,
     check_checkpoint_dir,
+    end_rank,
     export_final,
     metrics_logger,
     prefixed,
@@ -93,14 +94,13 @@ def check_layout(cfg: Config) -> None:
 
 
 def _sft_rank(rank: int, world_size: int, cfg: Config, source: SFTSource, run_dir: str, resume: bool, final):
-    from megagrpo.parallel import destroy_parallel
     from megagrpo.policy.supervised import SFTWorker
 
     worker = SFTWorker(cfg)
     try:
         return train(cfg, LocalGroup(worker), source, Path(run_dir), resume, Path(final) if final else None)
     finally:
-        destroy_parallel()
+        end_rank()
 
 
 def train(

@@ -76,6 +76,10 @@ class _SupervisedRank(MegatronRank):
         if train:
             forward_backward(self.engine, micro, loss_fn)
             return
+        if not micro:
+            # Fewer validation rows than DP ranks: this replica has none (its TP/PP peers neither), and a
+            # forward pass has no collective outside the replica.
+            return
         for module in self.engine.model:
             module.eval()
         try:
