@@ -25,31 +25,38 @@ __all__ = ["check_run", "resolve_parallel"]
 
 
 def resolve_parallel(par: ParallelConfig) -> tuple[backends.Backend, backends.TransformerImpl]:
-    """(backend, transformer_impl) with "auto" decided by this process, after the layer-dependent checks.
+    """(backend, transformer_impl) with "auto" decided by this process, and the features the parallel
+    sizes need checked against what that layer implementation supports (``backends.LAYER_FEATURES``).
 
     Explicit values are taken as they are: a config may name NCCL or Transformer Engine for the trainer's
     machines while it is loaded elsewhere; the ranks check availability when they use them.
     """
-    require(
-        not par.sequence_parallel or par.transformer_impl != "local",
-        ("sequence_parallel", "transformer_impl"),
-        "sequence_parallel needs transformer_impl 'transformer_engine' (Megatron's local norms refuse it)",
-    )
     transformer_impl = backends.resolve_transformer_impl(par.transformer_impl)
-    if par.context_parallel_size > 1:
-        # Megatron's local attention has no context-parallel path; only TE's ring attention does.
-        require(
-            par.transformer_impl != "local",
-            ("context_parallel_size", "transformer_impl"),
-            "context_parallel_size > 1 needs transformer_impl 'transformer_engine', not 'local'",
-        )
-        require(
-            transformer_impl != "local",
-            ("context_parallel_size", "transformer_impl"),
-            "context_parallel_size > 1 needs Transformer Engine, but transformer_impl 'auto' "
-            "resolves to 'local' here (transformer_engine is not importable)",
-        )
+    features = backends.LAYER_FEATURES[transformer_impl]
+    here = ""
+    if par.transformer_impl == "auto":
+        te = "importable" if backends.transformer_engine_available() else "not importable"
+        here = f" ('auto' resolves to '{transformer_impl}' here: transformer_engine is {te})"
+    require(
+        not par.sequence_parallel or features.sequence_parallel,
+        ("sequence_parallel", "transformer_impl"),
+        f"sequence_parallel needs transformer_impl {_supporting('sequence_parallel')}, not "
+        f"'{transformer_impl}' (Megatron's local norms refuse it){here}",
+    )
+    # Megatron's local attention and the torch layers have no context-parallel path; TE's ring attention does.
+    require(
+        par.context_parallel_size == 1 or features.context_parallel,
+        ("context_parallel_size", "transformer_impl"),
+        f"context_parallel_size > 1 needs transformer_impl {_supporting('context_parallel')}, not "
+        f"'{transformer_impl}'{here}",
+    )
     return backends.resolve_backend(par.backend), transformer_impl
+
+
+def _supporting(feature: str) -> str:
+    """The layer implementations that support ``feature`` (a ``LayerFeatures`` field), quoted."""
+    names = [name for name, features in backends.LAYER_FEATURES.items() if getattr(features, feature)]
+    return " or ".join(f"'{name}'" for name in names)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from megagrpo.config import Config
 from megagrpo.models.description import ModelDescription, describe_model
 from megagrpo.models.shape import padded_vocab_size
 from megagrpo.parallel import ParallelContext, ParallelSizes, init_parallel
+from megagrpo.parallel.backends import LAYER_FEATURES
 from megagrpo.policy.engine import (
     OptimizerSettings,
     build_engine,
@@ -93,10 +94,14 @@ class PolicyWorker(WeightSyncEndpoints):
             ParallelSizes.from_config(cfg.parallel), backend=cfg.parallel.backend, seed=cfg.grpo.seed + 1234
         )
         pol = cfg.policy
-        # THD micro-batches need fused attention (Transformer Engine) to keep sequences apart.
-        te_layers = cfg.parallel.resolved_transformer_impl == "transformer_engine"
+        layers = cfg.parallel.resolved_transformer_impl
+        # THD micro-batches need attention that keeps the sequences of a row apart (torch, TE layers).
         # Context parallelism splits padded rows (TE's THD split over CP ranks is not wired up).
-        self.packed = pol.sequence_packing == "auto" and te_layers and cfg.parallel.context_parallel_size == 1
+        self.packed = (
+            pol.sequence_packing == "auto"
+            and LAYER_FEATURES[layers].packed_sequences
+            and cfg.parallel.context_parallel_size == 1
+        )
         settings = OptimizerSettings(
             lr=pol.lr,
             min_lr=pol.min_lr,
@@ -113,7 +118,7 @@ class PolicyWorker(WeightSyncEndpoints):
             self.model_info.shape,
             settings,
             dtype=self.model_info.dtype,
-            transformer_impl=cfg.parallel.transformer_impl,
+            transformer_impl=layers,
             sequence_parallel=cfg.parallel.sequence_parallel,
             initialize=not loads_weights,
             recompute=pol.recompute,
