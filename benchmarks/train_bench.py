@@ -22,7 +22,9 @@ policy issue is train/bare >= 0.85. With ``--profile`` rank 0 also records one s
 cProfile (Python time by function) and torch.profiler (op time), summarized into the JSON.
 
 ``--impl local torch`` runs each layer implementation (``parallel.transformer_impl``) in turn, on the
-same batch, so their tokens/s sit side by side; ``--steps train`` leaves out the bare step. Every run
+same batch, so their tokens/s sit side by side (``--packing off`` keeps padded rows with every
+layer implementation; ``--append`` adds runs to an existing report); ``--steps train`` leaves out
+the bare step. Every run
 also reports activation memory: the peak bytes autograd holds for the backward pass during one
 step (``common.memory.SavedActivations``; parameters excluded), on any device. ``--compile``
 switches on Megatron's ``torch.compile``'d fusions (SwiGLU, bias-dropout-add) in the built model.
@@ -103,6 +105,7 @@ def bench_config(args, tp: int, impl: str = "local"):
             "policy.mini_batch_size": args.batch,
             "policy.logprob_chunk_size": args.chunk,
             "policy.recompute": args.recompute,
+            "policy.sequence_packing": args.packing,
             # The loss as the tiny default runs it, pinned: no reference model (its logprobs would be
             # one more forward outside the step), TIS on the generator's logprobs.
             "grpo.kl_coef": 0.0,
@@ -421,7 +424,7 @@ def summarize(args, tp: int, ranks: list[dict]) -> dict:
 
 
 def _layers(run: dict) -> str:
-    return run["impl"] + (" + compile" if run.get("compile") else "")
+    return run["impl"] + (" packed" if run["packed"] else "") + (" + compile" if run.get("compile") else "")
 
 
 def markdown(report: dict) -> str:
@@ -442,16 +445,16 @@ def markdown(report: dict) -> str:
         f"{int(a['seq'] * a['min_len_frac'])}-{a['seq']} tokens, micro-batch budget {a['budget']}, "
         f"logprob chunk {a['chunk']}, recompute {a['recompute']}; {a['warmup']} warm-up + {a['iters']} "
         "timed iterations of each step, alternating; medians. Layers: `parallel.transformer_impl` "
-        "(packed: THD micro-batches). Activation MiB: peak bytes saved for backward during one step. "
+        "(packed: THD micro-batches, else padded rows). Activation MiB: peak bytes saved for backward "
+        "during one step. "
         "Command: `" + report["command"] + "`",
         "",
     ]
-    header = "layers | TP | packed | tokens/step | train tokens/s | train tokens/CPU-s | activation MiB"
+    header = "layers | TP | tokens/step | train tokens/s | train tokens/CPU-s | activation MiB"
     rows = [
         [
             _layers(r),
             r["tp"],
-            "yes" if r["packed"] else "no",
             r["tokens_per_step"],
             f"{r['train']['tokens_per_s_median']:.1f}",
             f"{r['train']['tokens_per_cpu_s']:.1f}",
@@ -560,6 +563,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--steps", nargs="+", default=["train", "bare"], choices=["train", "bare"])
     p.add_argument("--compile", action="store_true", help="Megatron's torch.compile'd fusions on")
+    p.add_argument(
+        "--packing",
+        default="auto",
+        choices=["auto", "off"],
+        help="policy.sequence_packing (auto: THD micro-batches where the layers support them)",
+    )
     p.add_argument("--batch", type=int, default=16, help="sequences (one optimizer step)")
     p.add_argument("--seq", type=int, default=512, help="longest sequence")
     p.add_argument("--min-len-frac", type=float, default=0.5, help="shortest sequence as a fraction of --seq")
