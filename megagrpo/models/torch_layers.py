@@ -25,6 +25,8 @@ own: the linears and the schedule are unchanged, and the norms' weights carry th
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import math
 
@@ -44,15 +46,24 @@ def _gqa_native(query: torch.Tensor) -> bool:
     return query.device.type != "cuda" or query.dtype in _GQA_NATIVE_CUDA_DTYPES
 
 
+@functools.cache
+def _varlen_options() -> frozenset[str] | None:
+    """The keyword arguments of this PyTorch's ``varlen_attn``, None without it. Its signature has moved
+    between releases: causal is ``window_size=(-1, 0)`` or ``is_causal=True``, and ``enable_gqa``
+    (K/V with fewer heads) is in some releases only."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _varlen_available(query: torch.Tensor) -> bool:
-    """Whether PyTorch's variable-length flash attention can run on ``query``."""
+    """Whether PyTorch's variable-length flash attention can run on ``query`` (CUDA, fp16/bf16)."""
     if query.device.type != "cuda" or query.dtype not in _GQA_NATIVE_CUDA_DTYPES:
         return False
-    try:
-        from torch.nn.attention import varlen  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    options = _varlen_options()
+    return options is not None and ("window_size" in options or "is_causal" in options)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -170,23 +181,7 @@ class SDPAttention(torch.nn.Module):
             raise ValueError("self-attention over packed sequences needs the same boundaries for q and kv")
         t = query.shape[0]
         if dropout == 0.0 and _varlen_available(query):
-            from torch.nn.attention.varlen import varlen_attn
-
-            max_len = params.max_seqlen_q  # of the padded segments, as the worker packs them
-            cu32 = cu.to(device=query.device, dtype=torch.int32)
-            out_THD = varlen_attn(
-                query,
-                key,
-                value,
-                cu32,
-                cu32,
-                max_len,
-                max_len,
-                scale=self.scale,
-                window_size=(-1, 0),  # causal
-                enable_gqa=self.heads != self.groups,
-            )
-            return out_THD.reshape(t, -1)
+            return self._varlen(query, key, value, cu, params.max_seqlen_q).reshape(t, -1)
         bounds = [int(x) for x in cu.tolist()]
         outs = []
         for start, end in itertools.pairwise(bounds):
@@ -198,6 +193,28 @@ class SDPAttention(torch.nn.Module):
         if bounds[-1] != t:
             raise ValueError(f"packed boundaries end at {bounds[-1]}, the row holds {t} tokens")
         return torch.cat(outs, dim=0).reshape(t, -1)
+
+    def _varlen(self, query, key, value, cu: torch.Tensor, max_len: int) -> torch.Tensor:
+        """``varlen_attn`` over THD q [t, heads, d], k/v [t, groups, d] -> [t, heads, d], causal.
+
+        ``max_len``: the longest segment (``max_seqlen_q`` of the padded segments, as the worker packs).
+        """
+        from torch.nn.attention.varlen import varlen_attn
+
+        options = _varlen_options()
+        kwargs = {"scale": self.scale}
+        if "window_size" in options:
+            kwargs["window_size"] = (-1, 0)
+        else:
+            kwargs["is_causal"] = True
+        if self.heads != self.groups:
+            if "enable_gqa" in options:
+                kwargs["enable_gqa"] = True
+            else:  # a release that checks head counts without a GQA switch
+                key = key.repeat_interleave(self.heads // self.groups, dim=1)
+                value = value.repeat_interleave(self.heads // self.groups, dim=1)
+        cu32 = cu.to(device=query.device, dtype=torch.int32)
+        return varlen_attn(query, key, value, cu32, cu32, max_len, max_len, **kwargs)
 
 
 def layer_spec(qk_layernorm: bool = False):

@@ -1,6 +1,8 @@
 """The torch layers' modules on their own: SDPA core attention against softmax attention written out,
-packed (THD) rows against their sequences one by one, and the RMSNorm's sequence-parallel mark."""
+packed (THD) rows against their sequences one by one, the arguments of the CUDA varlen call under
+both of its signatures, and the RMSNorm's sequence-parallel mark."""
 
+import itertools
 import math
 
 import pytest
@@ -36,8 +38,8 @@ def _attention(**overrides) -> SDPAttention:
 def _reference(q_SBHD, k_SBGD, v_SBGD) -> torch.Tensor:
     """Causal softmax attention, K/V heads repeated per query group: [s, b, heads * d]."""
     s = q_SBHD.shape[0]
-    k = k_SBGD.repeat_interleave(HEADS // GROUPS, dim=2)
-    v = v_SBGD.repeat_interleave(HEADS // GROUPS, dim=2)
+    k = k_SBGD.repeat_interleave(q_SBHD.shape[2] // k_SBGD.shape[2], dim=2)
+    v = v_SBGD.repeat_interleave(q_SBHD.shape[2] // v_SBGD.shape[2], dim=2)
     scores_BHSS = torch.einsum("qbhd,kbhd->bhqk", q_SBHD, k) / math.sqrt(HEAD_DIM)
     blocked = torch.ones(s, s, dtype=torch.bool).triu(1)
     probs = scores_BHSS.masked_fill(blocked, float("-inf")).softmax(-1)
@@ -115,3 +117,59 @@ def test_rms_norm_is_torchs_and_marks_sequence_parallel_weights():
         torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-6)
         # Megatron's finalize_model_grads all-reduces over TP the weights marked so.
         assert norm.weight.sequence_parallel is sp
+
+
+def _fake_varlen(with_gqa_switch: bool):
+    """A CPU stand-in for ``varlen_attn`` (CUDA-only) with one of its two signatures: causal attention
+    per segment, refusing what the real one refuses (no causal flag; fewer K/V heads without the switch)."""
+
+    def attend(query, key, value, cu, cu_k, max_q, max_k, causal, gqa):  # [t, heads, d], [t, kv heads, d]
+        assert causal, "called without the causal flag"
+        assert cu is cu_k and cu.dtype == torch.int32
+        assert max_q == max_k == int((cu[1:] - cu[:-1]).max())
+        assert gqa or key.shape[1] == query.shape[1], "K/V with fewer heads without enable_gqa"
+        bounds = cu.tolist()
+        return torch.cat(
+            [
+                _reference(*(x[a:b].unsqueeze(1) for x in (query, key, value)))[:, 0]
+                for a, b in itertools.pairwise(bounds)
+            ]
+        ).reshape(query.shape)
+
+    if with_gqa_switch:
+
+        def varlen_attn(
+            q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+        ):
+            return attend(q, k, v, cu_q, cu_k, max_q, max_k, window_size == (-1, 0), enable_gqa)
+
+    else:
+
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, is_causal=False):
+            return attend(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, False)
+
+    return varlen_attn
+
+
+@pytest.mark.parametrize("with_gqa_switch", [True, False], ids=["window-size-enable-gqa", "is-causal"])
+def test_varlen_call_follows_the_signature_of_this_torch(monkeypatch, with_gqa_switch):
+    # The CUDA path's arguments, checked on the CPU: what the kernel computes is PyTorch's to test.
+    import inspect
+
+    from torch.nn.attention import varlen
+
+    from megagrpo.models import torch_layers
+
+    fake = _fake_varlen(with_gqa_switch)
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    monkeypatch.setattr(
+        torch_layers, "_varlen_options", lambda: frozenset(inspect.signature(fake).parameters)
+    )
+    lengths = [3, 6, 4]
+    q, k, v = (x[:, 0] for x in _qkv(sum(lengths), 1, seed=5))  # THD
+    cu = torch.tensor([0, 3, 9, 13], dtype=torch.int32)
+    got = _attention()._varlen(q, k, v, cu, max(lengths))
+    alone = torch.cat(
+        [_reference(*(x[a:b].unsqueeze(1) for x in (q, k, v)))[:, 0] for a, b in ((0, 3), (3, 9), (9, 13))]
+    )
+    torch.testing.assert_close(got.reshape(sum(lengths), -1), alone, rtol=1e-5, atol=1e-6)
