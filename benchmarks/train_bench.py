@@ -22,12 +22,13 @@ policy issue is train/bare >= 0.85. With ``--profile`` rank 0 also records one s
 cProfile (Python time by function) and torch.profiler (op time), summarized into the JSON.
 
 ``--impl local torch`` runs each layer implementation (``parallel.transformer_impl``) in turn, on the
-same batch, so their tokens/s sit side by side (``--packing off`` keeps padded rows with every
-layer implementation; ``--append`` adds runs to an existing report); ``--steps train`` leaves out
-the bare step. Every run
-also reports activation memory: the peak bytes autograd holds for the backward pass during one
-step (``common.memory.SavedActivations``; parameters excluded), on any device. ``--compile``
-switches on Megatron's ``torch.compile``'d fusions (SwiGLU, bias-dropout-add) in the built model.
+same batch, so their tokens/s sit side by side, with ratios to the local layers' run. ``--packing
+off`` keeps padded rows with every layer implementation; ``--append`` adds runs to an existing
+report (another sequence length, recompute mode or ``--compile``); ``--steps train`` leaves out the
+bare step. Every run also reports activation memory: the peak bytes autograd holds for the backward
+pass during one step (``common.memory.SavedActivations``; parameters excluded), on any device.
+``--compile`` switches on Megatron's ``torch.compile``'d fusions (SwiGLU, bias-dropout-add) in the
+built model.
 
 On CUDA the JSON also has peak memory and MFU: model FLOPs per token ``6 N`` (N = all parameters,
 the tied embedding counted once: that is the output projection's matmul) and, separately,
@@ -424,7 +425,13 @@ def summarize(args, tp: int, ranks: list[dict]) -> dict:
 
 
 def _layers(run: dict) -> str:
-    return run["impl"] + (" packed" if run["packed"] else "") + (" + compile" if run.get("compile") else "")
+    recompute = {"selective": " + recompute attn", "full": " + recompute full"}.get(run["recompute"], "")
+    return (
+        run["impl"]
+        + (" packed" if run["packed"] else "")
+        + recompute
+        + (" + compile" if run.get("compile") else "")
+    )
 
 
 def markdown(report: dict) -> str:
@@ -443,10 +450,10 @@ def markdown(report: dict) -> str:
         ),
         f"Model `{a['preset']}` {report['shape']} ({a['dtype']}), {a['batch']} sequences of "
         f"{int(a['seq'] * a['min_len_frac'])}-{a['seq']} tokens, micro-batch budget {a['budget']}, "
-        f"logprob chunk {a['chunk']}, recompute {a['recompute']}; {a['warmup']} warm-up + {a['iters']} "
+        f"logprob chunk {a['chunk']}; {a['warmup']} warm-up + {a['iters']} "
         "timed iterations of each step, alternating; medians. Layers: `parallel.transformer_impl` "
-        "(packed: THD micro-batches, else padded rows). Activation MiB: peak bytes saved for backward "
-        "during one step. "
+        "(packed: THD micro-batches, else padded rows; recompute attn: Megatron's selective recompute "
+        "of core attention). Activation MiB: peak bytes saved for backward during one step. "
         "Command: `" + report["command"] + "`",
         "",
     ]
@@ -463,9 +470,10 @@ def markdown(report: dict) -> str:
         for r in runs
     ]
     lines += md_table(header, rows)
-    baseline: dict[int, dict] = {}  # per TP, the first run (the first --impl): what ratios divide by
+    baseline: dict[int, dict] = {}  # per TP, the first local run, else the first run: what ratios divide by
     for r in runs:
-        baseline.setdefault(r["tp"], r)
+        if r["tp"] not in baseline or (r["impl"] == "local" and baseline[r["tp"]]["impl"] != "local"):
+            baseline[r["tp"]] = r
     others = [r for r in runs if r is not baseline[r["tp"]]]
     if others:
         rows = []
@@ -559,7 +567,7 @@ def parse_args(argv=None):
         nargs="+",
         default=["local"],
         choices=["local", "torch", "transformer_engine"],
-        help="parallel.transformer_impl: one run per value (and TP); the first is the baseline of the ratios",
+        help="parallel.transformer_impl: one run per value (and TP); ratios are to the local layers' run",
     )
     p.add_argument("--steps", nargs="+", default=["train", "bare"], choices=["train", "bare"])
     p.add_argument("--compile", action="store_true", help="Megatron's torch.compile'd fusions on")
