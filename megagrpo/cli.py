@@ -91,6 +91,8 @@ def _load(args: argparse.Namespace):
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from megagrpo.config.rules import layer_features
+
     cfg = _load(args)
     par, gen, grpo = cfg.parallel, cfg.generation, cfg.grpo
     model = (
@@ -102,6 +104,13 @@ def _plan(args: argparse.Namespace) -> int:
         f"trainer        {par.world_size} ranks = DP {par.data_parallel_size} x TP "
         f"{par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x CP "
         f"{par.context_parallel_size}; backend {par.backend}; layers {par.resolved_transformer_impl}"
+    )
+    layers = layer_features(par)
+    print(
+        f"layers         {layers.attention}; micro-batches "
+        f"{'packed end to end (THD)' if cfg.packs_sequences else 'padded'}; sequence parallel "
+        f"{'supported' if layers.sequence_parallel else 'not supported'}, context parallel "
+        f"{'supported' if layers.context_parallel else 'not supported'}"
     )
     print(
         f"rollout        {gen.num_engines} vLLM engine(s) x TP {gen.engine_tensor_parallel_size}, "

@@ -16,7 +16,7 @@ from megagrpo.parallel import backends
 if TYPE_CHECKING:
     from megagrpo.config.schema import Config, ParallelConfig
 
-__all__ = ["check_run", "resolve_parallel"]
+__all__ = ["check_run", "layer_features", "resolve_parallel"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -51,6 +51,11 @@ def resolve_parallel(par: ParallelConfig) -> tuple[backends.Backend, backends.Tr
         f"'{transformer_impl}'{here}",
     )
     return backends.resolve_backend(par.backend), transformer_impl
+
+
+def layer_features(par: ParallelConfig) -> backends.LayerFeatures:
+    """What the loaded config's layer implementation (``resolved_transformer_impl``) supports."""
+    return backends.LAYER_FEATURES[par.resolved_transformer_impl]
 
 
 def _supporting(feature: str) -> str:

@@ -534,3 +534,14 @@ class Config:
     def mini_batches_per_step(self) -> int:
         """Optimizer steps per GRPO step."""
         return self.rollouts_per_step // self.policy.mini_batch_size
+
+    @property
+    def packs_sequences(self) -> bool:
+        """Whether the policy's micro-batches are packed end to end (THD): policy.sequence_packing "auto",
+        layers that keep packed sequences apart (torch, TE) and no context parallelism (its split of
+        packed rows over CP ranks is not wired up)."""
+        return (
+            self.policy.sequence_packing == "auto"
+            and rules.layer_features(self.parallel).packed_sequences
+            and self.parallel.context_parallel_size == 1
+        )

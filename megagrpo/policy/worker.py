@@ -34,7 +34,6 @@ from megagrpo.config import Config
 from megagrpo.models.description import ModelDescription, describe_model
 from megagrpo.models.shape import padded_vocab_size
 from megagrpo.parallel import ParallelContext, ParallelSizes, init_parallel
-from megagrpo.parallel.backends import LAYER_FEATURES
 from megagrpo.policy.engine import (
     OptimizerSettings,
     build_engine,
@@ -94,14 +93,8 @@ class PolicyWorker(WeightSyncEndpoints):
             ParallelSizes.from_config(cfg.parallel), backend=cfg.parallel.backend, seed=cfg.grpo.seed + 1234
         )
         pol = cfg.policy
-        layers = cfg.parallel.resolved_transformer_impl
-        # THD micro-batches need attention that keeps the sequences of a row apart (torch, TE layers).
-        # Context parallelism splits padded rows (TE's THD split over CP ranks is not wired up).
-        self.packed = (
-            pol.sequence_packing == "auto"
-            and LAYER_FEATURES[layers].packed_sequences
-            and cfg.parallel.context_parallel_size == 1
-        )
+        # THD micro-batches where the layers keep a row's sequences apart (torch, TE), without CP.
+        self.packed = cfg.packs_sequences
         settings = OptimizerSettings(
             lr=pol.lr,
             min_lr=pol.min_lr,
@@ -118,7 +111,7 @@ class PolicyWorker(WeightSyncEndpoints):
             self.model_info.shape,
             settings,
             dtype=self.model_info.dtype,
-            transformer_impl=layers,
+            transformer_impl=cfg.parallel.resolved_transformer_impl,
             sequence_parallel=cfg.parallel.sequence_parallel,
             initialize=not loads_weights,
             recompute=pol.recompute,
