@@ -68,6 +68,23 @@ def test_sdpa_is_causal_grouped_query_attention():
     assert not torch.allclose(again[-1], got[-1])
 
 
+def test_no_seq_by_seq_tensor_is_saved_for_backward():
+    s = 64
+    shapes = []
+
+    def keep_shape(tensor):
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    q, k, v = (x.requires_grad_() for x in _qkv(s=s, b=2))
+    with torch.autograd.graph.saved_tensors_hooks(keep_shape, lambda t: t):
+        out = _attention()(q, k, v, attention_mask=None)
+    out.sum().backward()
+    assert shapes  # the hook saw what autograd keeps
+    assert all(shape.count(s) < 2 for shape in shapes), shapes
+    assert q.grad is not None and k.grad.abs().sum() > 0
+
+
 def test_packed_rows_equal_their_sequences_alone():
     from megatron.core.packed_seq_params import PackedSeqParams
 
