@@ -457,6 +457,17 @@ def markdown(report: dict) -> str:
         "Command: `" + report["command"] + "`",
         "",
     ]
+    commits = sorted({str(r.get("git_commit", m["git_commit"]))[:10] for r in runs})
+    if len(commits) > 1:
+        lines[3:3] = [
+            "Appended runs: "
+            + "; ".join(
+                f"{_layers(r)} TP {r['tp']} at commit {str(r['git_commit'])[:10]}, load average at start "
+                f"{', '.join(f'{x:.1f}' for x in r['loadavg_at_start'])}"
+                for r in runs
+            )
+            + ".",
+        ]
     header = "layers | TP | tokens/step | train tokens/s | train tokens/CPU-s | activation MiB"
     rows = [
         [
@@ -620,6 +631,9 @@ def main(argv=None) -> dict:
     if args.append and args.out.exists():
         previous = read_results(args.out)
         report["runs"] = previous["runs"]
+        for run in report["runs"]:  # the code each run measured, and how busy the machine was
+            run.setdefault("git_commit", previous["machine"]["git_commit"])
+            run.setdefault("loadavg_at_start", previous["machine"]["loadavg_at_start"])
         report["command"] = previous["command"] + "` then `" + report["command"]
     cpus = report["machine"]["cpus_usable"] or os.cpu_count() or 1
     for impl in args.impl:
@@ -631,6 +645,8 @@ def main(argv=None) -> dict:
             print(f"[train_bench] {label}: {args.warmup} warm-up + {args.iters} timed iterations", flush=True)
             ranks = run_local_ranks(rank_main, tp, run_args, timeout_s=args.timeout)
             run = summarize(run_args, tp, ranks)
+            run["git_commit"] = report["machine"]["git_commit"]
+            run["loadavg_at_start"] = report["machine"]["loadavg_at_start"]
             report["runs"].append(run)
             report["machine"]["loadavg_at_end"] = os.getloadavg()
             # Written after every run, so a later run that fails or times out loses nothing.
