@@ -85,6 +85,12 @@ if sys.argv[1] == '0':
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
   "$PYTHON" -c "import megatron.core as m; print('megatron-core', m.__version__)"
+  # The backend the runs below use: parallel.backend=auto for the trainer, and the weight sync follows it.
+  "$PYTHON" -c "
+from megagrpo.parallel.backends import resolve_backend, weight_sync_backend
+b = resolve_backend('auto', check_available=True)
+print('backend: trainer', b, '(parallel.backend=auto), weight sync', weight_sync_backend(b))
+"
 }
 
 # One train_bench run (appended to train_<seq>.json), if the plan has time left:

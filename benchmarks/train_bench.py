@@ -53,6 +53,7 @@ from common.models import qwen2_params
 from common.sampling import machine_info
 from common.tables import md_table, read_results, write_results
 
+from megagrpo.parallel.backends import weight_sync_backend
 from megagrpo.types import TrainBatch
 
 # Model shapes: the CPU default is small enough for a 2-core machine; qwen2-1.5b is the real shape.
@@ -106,7 +107,7 @@ def bench_config(args, tp: int, impl: str = "local"):
             "policy.mini_batch_size": args.batch,
             "policy.logprob_chunk_size": args.chunk,
             "policy.recompute": args.recompute,
-            "policy.sequence_packing": args.packing,
+            "policy.sequence_packing": getattr(args, "packing", "auto"),  # results before --packing
             # The loss as the tiny default runs it, pinned: no reference model (its logprobs would be
             # one more forward outside the step), TIS on the generator's logprobs.
             "grpo.kl_coef": 0.0,
@@ -293,7 +294,7 @@ def time_weight_sender(worker, args) -> dict:
     plan = worker.weight_sync_plan(int(args.sync_bucket_mb * 2**20))
     if address is None or plan is None:
         raise RuntimeError("--sync-bucket-mb times one sender: run it with --tp 1")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = weight_sync_backend(worker.cfg.parallel.resolved_backend)
     worker.open_weight_sync([GroupAddress(*address, 1)], backend, 300.0)
     total = sum(b.nbytes for b in plan)
 
@@ -645,6 +646,7 @@ def main(argv=None) -> dict:
             print(f"[train_bench] {label}: {args.warmup} warm-up + {args.iters} timed iterations", flush=True)
             ranks = run_local_ranks(rank_main, tp, run_args, timeout_s=args.timeout)
             run = summarize(run_args, tp, ranks)
+            run["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(run_args).items()}
             run["git_commit"] = report["machine"]["git_commit"]
             run["loadavg_at_start"] = report["machine"]["loadavg_at_start"]
             report["runs"].append(run)

@@ -60,6 +60,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     policy = RankGroup(cfg, PolicyWorker)
     engines = start_engines(cfg, model_dir, policy=policy)
     sync = WeightSync(cfg, policy, engines, vocab_size=describe_model(cfg).shape.vocab_size)
+    print(f"weight sync: {sync.backend}, {sync.total_bytes / 2**20:.1f} MiB to {len(engines)} engine(s)")
     step, position = restore(cfg, policy, resume)
     timings = {"sync_s": sync.sync()}
     sync.probe()

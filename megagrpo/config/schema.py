@@ -537,11 +537,6 @@ class Config:
 
     @property
     def packs_sequences(self) -> bool:
-        """Whether the policy's micro-batches are packed end to end (THD): policy.sequence_packing "auto",
-        layers that keep packed sequences apart (torch, TE) and no context parallelism (its split of
-        packed rows over CP ranks is not wired up)."""
-        return (
-            self.policy.sequence_packing == "auto"
-            and rules.layer_features(self.parallel).packed_sequences
-            and self.parallel.context_parallel_size == 1
-        )
+        """Whether the policy's micro-batches are packed end to end (THD), with the layers this config
+        resolved to (``rules.packs_sequences``)."""
+        return rules.packs_sequences(self, self.parallel.resolved_transformer_impl)

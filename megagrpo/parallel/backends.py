@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
     "BACKENDS",
-    "LAYER_FEATURES",
+    "IMPL_FEATURES",
     "TRANSFORMER_IMPLS",
-    "LayerFeatures",
     "cuda_available",
     "resolve_backend",
     "resolve_transformer_impl",
     "torch_layers_available",
     "transformer_engine_available",
+    "weight_sync_backend",
 ]
 
 Backend = Literal["gloo", "nccl"]
@@ -38,41 +37,14 @@ BACKENDS: tuple[Backend, ...] = ("gloo", "nccl")
 TRANSFORMER_IMPLS: tuple[TransformerImpl, ...] = ("local", "torch", "transformer_engine")
 """Concrete Megatron layer implementations ``parallel.transformer_impl`` may name besides ``"auto"``."""
 
-
-@dataclass(frozen=True)
-class LayerFeatures:
-    """What a layer implementation supports (the config checks and ``megagrpo plan`` read it)."""
-
-    attention: str
-    """Its core attention, in words."""
-    sequence_parallel: bool
-    """Megatron sequence parallelism (its norms run on a TP rank's slice of the sequence)."""
-    context_parallel: bool
-    """Context parallelism (attention across the CP ranks' chunks of a sequence)."""
-    packed_sequences: bool
-    """THD micro-batches: sequences end to end in one row, kept apart by their boundaries."""
-
-
-LAYER_FEATURES: dict[TransformerImpl, LayerFeatures] = {
-    "local": LayerFeatures(
-        attention="Megatron's unfused attention ([b, heads, s, s] fp32 probabilities)",
-        sequence_parallel=False,  # Megatron's wrapper of torch's norms asserts it away
-        context_parallel=False,
-        packed_sequences=False,
-    ),
-    "torch": LayerFeatures(
-        attention="PyTorch scaled_dot_product_attention (causal, GQA) and varlen attention",
-        sequence_parallel=True,
-        context_parallel=False,  # no ring attention of our own; TE's is the one wired up
-        packed_sequences=True,
-    ),
-    "transformer_engine": LayerFeatures(
-        attention="Transformer Engine fused attention",
-        sequence_parallel=True,
-        context_parallel=True,
-        packed_sequences=True,
-    ),
+IMPL_FEATURES: dict[str, frozenset[str]] = {
+    "local": frozenset(),  # Megatron's wrapper of torch's norms refuses SP; its attention takes no THD
+    "torch": frozenset({"sequence_parallel", "thd"}),  # no ring attention of our own: CP needs TE's
+    "transformer_engine": frozenset({"sequence_parallel", "context_parallel", "thd"}),
 }
+"""What each layer implementation supports beyond plain TP/PP/DP: ``sequence_parallel`` (Megatron SP),
+``context_parallel`` (CP ring attention), ``thd`` (packed variable-length attention). A new
+implementation adds its row here; the config checks and ``megagrpo plan`` read this table."""
 
 # The torch layers need torch.nn.functional.rms_norm (2.4) and SDPA's enable_gqa (2.5).
 _TORCH_LAYERS_MIN = (2, 5)
@@ -144,3 +116,13 @@ def resolve_transformer_impl(name: str = "auto", *, check_available: bool = Fals
             f"{'.'.join(map(str, _TORCH_LAYERS_MIN))} (scaled_dot_product_attention with enable_gqa)"
         )
     return name
+
+
+def weight_sync_backend(trainer_backend: str) -> Backend:
+    """The weight-sync transport: the trainer's backend, so NCCL with CUDA and gloo without.
+
+    ``trainer_backend`` is ``parallel.backend`` (``auto`` resolved here as above) or the already
+    resolved ``parallel.resolved_backend``. The trainer ranks' and the vLLM workers' GPUs exchange the
+    weights over NCCL where the trainer uses NCCL; gloo moves them through host memory and TCP.
+    """
+    return resolve_backend(trainer_backend)

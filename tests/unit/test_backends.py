@@ -48,12 +48,10 @@ def test_explicit_names_are_checked_only_where_they_are_used(monkeypatch):
 
 
 def test_layer_features_name_every_implementation():
-    assert set(backends.LAYER_FEATURES) == set(backends.TRANSFORMER_IMPLS)
-    local, torch_layers, te = (backends.LAYER_FEATURES[n] for n in ("local", "torch", "transformer_engine"))
-    assert not (local.sequence_parallel or local.context_parallel or local.packed_sequences)
-    assert torch_layers.sequence_parallel and torch_layers.packed_sequences
-    assert not torch_layers.context_parallel
-    assert te.sequence_parallel and te.context_parallel and te.packed_sequences
+    assert set(backends.IMPL_FEATURES) == set(backends.TRANSFORMER_IMPLS)
+    assert backends.IMPL_FEATURES["local"] == frozenset()
+    assert backends.IMPL_FEATURES["torch"] == {"sequence_parallel", "thd"}  # CP needs TE's ring attention
+    assert backends.IMPL_FEATURES["transformer_engine"] == {"sequence_parallel", "context_parallel", "thd"}
 
 
 def test_unknown_names_are_refused():
@@ -70,3 +68,26 @@ def test_init_parallel_and_the_model_builder_use_this_resolver():
 
     assert groups.resolve_backend is backends.resolve_backend
     assert builder.resolve_transformer_impl is backends.resolve_transformer_impl
+
+
+def test_weight_sync_follows_the_trainer_backend(monkeypatch):
+    """NCCL with CUDA, gloo without: the sync transport is the trainer's backend, resolved in one place."""
+    for cuda, want in ((True, "nccl"), (False, "gloo")):
+        monkeypatch.setattr(backends, "cuda_available", lambda cuda=cuda: cuda)
+        assert backends.weight_sync_backend("auto") == want
+        assert backends.weight_sync_backend(backends.resolve_backend("auto")) == want
+    assert backends.weight_sync_backend("gloo") == "gloo"
+    assert backends.weight_sync_backend("nccl") == "nccl"
+
+
+def test_the_weight_sync_and_the_driver_use_this_choice():
+    import inspect
+
+    from megagrpo import driver
+    from megagrpo.weight_sync import sync
+
+    assert sync.weight_sync_backend is backends.weight_sync_backend
+    # No backend argument to override it: WeightSync reads the config's resolved trainer backend.
+    assert "backend" not in inspect.signature(sync.WeightSync.__init__).parameters
+    assert "weight_sync_backend(cfg.parallel.resolved_backend)" in inspect.getsource(sync.WeightSync.__init__)
+    assert "sync.backend" in inspect.getsource(driver.train)

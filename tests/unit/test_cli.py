@@ -30,16 +30,15 @@ def test_plan_validates_the_default(capsys):
     assert main(["plan"]) == 0
     out = capsys.readouterr().out
     assert "2 ranks = DP 1 x TP 2 x PP 1 x CP 1" in out
-    assert "layers local" in out and "micro-batches padded" in out
-    assert "config OK" in out
+    assert "local: sequence parallel no, context parallel no; micro-batches padded" in out
+    assert "plan OK" in out
 
 
 def test_plan_says_what_the_layers_support(capsys):
     assert main(["plan", "parallel.transformer_impl=torch", "parallel.sequence_parallel=true"]) == 0
     out = capsys.readouterr().out
-    assert "layers torch" in out and "scaled_dot_product_attention" in out
+    assert "torch: sequence parallel yes, context parallel no" in out
     assert "micro-batches packed end to end (THD)" in out
-    assert "sequence parallel supported, context parallel not supported" in out
     assert main(["plan", "parallel.transformer_impl=torch", 'policy.sequence_packing="off"']) == 0
     assert "micro-batches padded" in capsys.readouterr().out
 
