@@ -174,7 +174,11 @@ def make_plan(
     par, gen = cfg.parallel, cfg.generation
     impl = par.resolved_transformer_impl
     if par.transformer_impl == "auto" and transformer_engine is not None:
-        impl = "transformer_engine" if transformer_engine else "local"
+        # as backends.resolve_transformer_impl resolves "auto" on the trainer's machines
+        if transformer_engine:
+            impl = "transformer_engine"
+        else:
+            impl = "torch" if backends.torch_layers_available() else "local"
     errors = []
     for rule in (
         lambda: rules.check_shape(cfg, shape, where),
@@ -278,6 +282,13 @@ def render(plan: Plan, cfg: Config) -> None:
         f"trainer        {par.world_size} ranks = DP {par.data_parallel_size} x TP "
         f"{par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x CP "
         f"{par.context_parallel_size}; backend {plan.backend}; layers {plan.transformer_impl}"
+    )
+    has = backends.IMPL_FEATURES.get(plan.transformer_impl, frozenset())
+    con.print(
+        f"layers         {plan.transformer_impl}: sequence parallel "
+        f"{'yes' if 'sequence_parallel' in has else 'no'}, context parallel "
+        f"{'yes' if 'context_parallel' in has else 'no'}; micro-batches "
+        f"{'packed end to end (THD)' if rules.packs_sequences(cfg, plan.transformer_impl) else 'padded'}"
     )
     con.print(
         f"rollout        {gen.num_engines} vLLM engine(s) x TP {gen.engine_tensor_parallel_size}, "

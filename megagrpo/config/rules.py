@@ -18,7 +18,14 @@ from megagrpo.parallel import backends
 if TYPE_CHECKING:
     from megagrpo.config.schema import Config, ParallelConfig
 
-__all__ = ["check_engine_share", "check_features", "check_run", "check_shape", "resolve_parallel"]
+__all__ = [
+    "check_engine_share",
+    "check_features",
+    "check_run",
+    "check_shape",
+    "packs_sequences",
+    "resolve_parallel",
+]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -27,31 +34,48 @@ __all__ = ["check_engine_share", "check_features", "check_run", "check_shape", "
 
 
 def resolve_parallel(par: ParallelConfig) -> tuple[backends.Backend, backends.TransformerImpl]:
-    """(backend, transformer_impl) with "auto" decided by this process, after the layer-dependent checks.
+    """(backend, transformer_impl) with "auto" decided by this process, and sequence and context
+    parallelism checked against what that layer implementation supports (``backends.IMPL_FEATURES``).
 
     Explicit values are taken as they are: a config may name NCCL or Transformer Engine for the trainer's
     machines while it is loaded elsewhere; the ranks check availability when they use them.
     """
-    require(
-        not par.sequence_parallel or par.transformer_impl != "local",
-        ("sequence_parallel", "transformer_impl"),
-        "sequence_parallel needs transformer_impl 'transformer_engine' (Megatron's local norms refuse it)",
-    )
     transformer_impl = backends.resolve_transformer_impl(par.transformer_impl)
-    if par.context_parallel_size > 1:
-        # Megatron's local attention has no context-parallel path; only TE's ring attention does.
-        require(
-            par.transformer_impl != "local",
-            ("context_parallel_size", "transformer_impl"),
-            "context_parallel_size > 1 needs transformer_impl 'transformer_engine', not 'local'",
-        )
-        require(
-            transformer_impl != "local",
-            ("context_parallel_size", "transformer_impl"),
-            "context_parallel_size > 1 needs Transformer Engine, but transformer_impl 'auto' "
-            "resolves to 'local' here (transformer_engine is not importable)",
-        )
+    has = backends.IMPL_FEATURES[transformer_impl]
+    here = ""
+    if par.transformer_impl == "auto":
+        te = "importable" if backends.transformer_engine_available() else "not importable"
+        here = f" ('auto' resolves to '{transformer_impl}' here: transformer_engine is {te})"
+    require(
+        not par.sequence_parallel or "sequence_parallel" in has,
+        ("sequence_parallel", "transformer_impl"),
+        f"sequence_parallel needs transformer_impl {_supporting('sequence_parallel')}, not "
+        f"'{transformer_impl}' (Megatron's local norms refuse it){here}",
+    )
+    # Megatron's local attention and the torch layers have no context-parallel path; TE's ring attention does.
+    require(
+        par.context_parallel_size == 1 or "context_parallel" in has,
+        ("context_parallel_size", "transformer_impl"),
+        f"context_parallel_size > 1 needs transformer_impl {_supporting('context_parallel')}, not "
+        f"'{transformer_impl}'{here}",
+    )
     return backends.resolve_backend(par.backend), transformer_impl
+
+
+def _supporting(feature: str) -> str:
+    """The layer implementations that support ``feature`` (an ``IMPL_FEATURES`` entry), quoted."""
+    return " or ".join(f"'{name}'" for name, has in backends.IMPL_FEATURES.items() if feature in has)
+
+
+def packs_sequences(cfg: Config, transformer_impl: str) -> bool:
+    """Whether the policy's micro-batches are packed end to end (THD) with ``transformer_impl``:
+    policy.sequence_packing "auto", layers that keep packed sequences apart (``thd``), and no context
+    parallelism (its split of packed rows over CP ranks is not wired up)."""
+    return (
+        cfg.policy.sequence_packing == "auto"
+        and "thd" in backends.IMPL_FEATURES.get(transformer_impl, frozenset())
+        and cfg.parallel.context_parallel_size == 1
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 
 from megagrpo.cli import main
 from megagrpo.config import ConfigError, load_config
+from megagrpo.parallel import backends
 from megagrpo.plan import GIB, make_plan, read_shape
 
 pytestmark = pytest.mark.unit
@@ -91,7 +92,7 @@ def errors_of(overrides, path=None, **kw) -> str:
         return str(err)
 
 
-def test_deepscaler_8k_on_one_node_of_8_gpus_fits(tmp_path):
+def test_deepscaler_8k_on_one_node_of_8_gpus_fits(tmp_path, monkeypatch):
     model = hf_dir(tmp_path, QWEN_1_5B)
     path = REPO / "configs" / "deepscaler" / "8k.yaml"
     plan = plan_of([f"model.hf_dir={model}"], path, gpu_memory_gib=80, transformer_engine=True)
@@ -103,9 +104,13 @@ def test_deepscaler_8k_on_one_node_of_8_gpus_fits(tmp_path):
     assert r.optimizer == pytest.approx(r.optimizer_without_distributed / 4, abs=1)
     e = plan.engine_worker_bytes
     assert e["weights"] + e["kv_cache"] < e["claimed"]
-    # sequence_parallel with transformer_impl auto on a machine without Transformer Engine
-    no_te = errors_of([f"model.hf_dir={model}"], path, gpu_memory_gib=80, transformer_engine=False)
-    assert "parallel.sequence_parallel" in no_te and "parallel.transformer_impl" in no_te
+    # transformer_impl auto on machines without Transformer Engine: the torch layers, which take SP
+    no_te = plan_of([f"model.hf_dir={model}"], path, gpu_memory_gib=80, transformer_engine=False)
+    assert no_te.transformer_impl == "torch" and no_te.errors == []
+    # and where PyTorch has no torch layers either: Megatron's local ones, which refuse it
+    monkeypatch.setattr(backends, "torch_layers_available", lambda: False)
+    local = errors_of([f"model.hf_dir={model}"], path, gpu_memory_gib=80, transformer_engine=False)
+    assert "parallel.sequence_parallel" in local and "parallel.transformer_impl" in local
 
 
 def test_llama_3_70b_on_128_nodes_of_8_gpus_fits(tmp_path):
