@@ -142,6 +142,8 @@ def _warmup(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from megagrpo.ckpt.run import CheckpointWriteError
+    from megagrpo.cluster import FAULT_EXIT, RunFault
     from megagrpo.driver import train
 
     cfg = _load(args)
@@ -149,13 +151,28 @@ def _train(args: argparse.Namespace) -> int:
         train(cfg, resume=args.resume)
     except KeyboardInterrupt:
         return 130
+    except RunFault as err:
+        # A supervisor (launch/supervise.sh) relaunches with --resume on this status.
+        print(f"megagrpo train: stopped: {err}", file=sys.stderr)
+        return FAULT_EXIT
+    except CheckpointWriteError as err:
+        print(f"megagrpo train: stopped: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megagrpo.ckpt import manifest
     from megagrpo.ckpt.convert import megatron_to_hf
 
     try:
+        ckpt = Path(args.ckpt)
+        if (ckpt / manifest.MANIFEST_NAME).is_file() or (ckpt / "driver_state.json").is_file():
+            # A run checkpoint (step_N/) is exported only once every file matches its manifest.
+            nbytes = manifest.verify(ckpt)
+            print(f"verified {ckpt}: {nbytes / 1e6:.1f} MB match {manifest.MANIFEST_NAME}")
         out = megatron_to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, in_process=True)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"megagrpo export: error: {err}", file=sys.stderr)
