@@ -217,11 +217,23 @@ class RankGroup:
             try:
                 results[done[0]] = ray.get(done[0])
             except ray.exceptions.RayActorError as err:
-                rank = refs.index(done[0])
-                raise RankFailure(
-                    f"{self.name} rank {rank} on {self.nodes[rank]} died: {_first_line(err)}"
-                ) from err
+                raise self._died(refs, done[0], err) from err
+            except ray.exceptions.RayTaskError as err:
+                # A rank whose peer died fails in its next collective: name the dead one instead.
+                ready, _ = ray.wait(pending, num_returns=len(pending), timeout=5.0)
+                for ref in ready:
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayActorError as dead:
+                        raise self._died(refs, ref, dead) from err
+                    except Exception:  # the first error is the one raised
+                        continue
+                raise
         return [results[r] for r in refs]
+
+    def _died(self, refs: list, ref, err: BaseException) -> RankFailure:
+        rank = refs.index(ref)
+        return RankFailure(f"{self.name} rank {rank} on {self.nodes[rank]} died: {_first_line(err)}")
 
     def submit_all(self, method: Callable, *args: Any, **kwargs: Any) -> list:
         """Start ``method`` on every rank; returns the pending results (see ``wait``)."""
