@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import socket
 from collections.abc import Iterator
 
@@ -51,8 +52,8 @@ def bound_tcp_store(host: str, port: int, world_size: int, *, is_master: bool, t
 def stores_listen_on_their_host() -> Iterator[bool]:
     """Within the block, rank 0 of an ``env://`` or ``tcp://`` rendezvous hosts a store listening on
     the rendezvous host only; yields whether the patch is in effect."""
-    from torch.distributed import rendezvous
-
+    # The module: ``torch.distributed.rendezvous`` as an attribute is a function of that name.
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
     original = getattr(rendezvous, "_create_c10d_store", None)
     agent_store = getattr(rendezvous, "_torchelastic_use_agent_store", None)
     if original is None or agent_store is None:
