@@ -7,7 +7,8 @@ Every faulty run is compared with one undisturbed run of the same config (fixed 
 - kill -9 of the driver during a checkpoint write and during training, each followed by
   ``--resume`` (the second one past a truncated shard of the latest checkpoint) reproduces the
   undisturbed run and leaves no process of the killed runs behind;
-- a dead policy rank ends the call that waits for it, naming the rank and its node.
+- a dead policy rank ends the call that waits for it, naming the rank and its node (and a local
+  Ray starts no dashboard).
 """
 
 from __future__ import annotations
@@ -277,6 +278,9 @@ def test_dead_policy_rank_is_named_with_its_node(tmp_path):
     cfg = policy_config(str(make_tiny_hf("qwen2", tmp_path / "qwen2")), tp=2)
     start_ray(cfg.cluster, num_cpus=2)
     try:
+        from ray._private.worker import get_dashboard_url
+
+        assert get_dashboard_url() == ""  # a local Ray starts no dashboard
         group = RankGroup(cfg, PolicyWorker, timeout_s=120)
         node = group.nodes[1]
         pid = int(node.rsplit("pid ", 1)[1].rstrip(")"))

@@ -288,6 +288,52 @@ def test_a_failed_engine_is_replaced_resynced_and_asked_again(monkeypatch, capsy
         pool.call("generate", shares, 5.0)
 
 
+def test_a_stuck_engine_is_killed_and_replaced(monkeypatch):
+    import ray
+
+    from megagrpo.cluster import EnginePool
+
+    killed = []
+
+    def get(ref, timeout):
+        engine, answer = ref
+        if engine.dies:
+            raise ray.exceptions.GetTimeoutError(f"no answer within {timeout}s")
+        return answer
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor))
+    cfg = load_config(None, [])
+    started = []
+
+    def start(indices):
+        started.extend(FakeEngine(i, len(started)) for i in indices)
+        return started[-len(indices) :]
+
+    pool = EnginePool(cfg, start=start, connect=lambda actors: FakeSync(actors, []))
+    stuck = pool.actors[0]
+    stuck.dies = True
+    assert pool.call("generate", {0: ([[5]], None, [3])}, 1.0) == {0: [(0, 1, [5], 3)]}
+    assert killed == [stuck] and pool.actors[0] is started[1]
+
+
+def test_engines_failing_past_their_restarts_checkpoint_what_was_trained(tmp_path):
+    from megagrpo import driver
+    from megagrpo.cluster import EngineFailure
+
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path}"])
+    with (
+        pytest.raises(EngineFailure) as err,
+        driver.checkpoint_if_engines_fail(cfg, FakePolicy(), 4, 64) as trained,
+    ):
+        trained.update(5, 80)
+        raise EngineFailure("vLLM engine 0 failed after 2 engine restart(s); last error: gone", 0)
+    assert str(err.value).endswith(f"; saved {tmp_path / 'step_5'}, continue with --resume")
+    state = ckpt.load_driver_state(tmp_path / "step_5")
+    assert (state.step, state.data_position, err.value.engine) == (5, 80, 0)
+    manifest.verify(tmp_path / "step_5")
+
+
 # --------------------------------------------------------------------------------- local Ray, ports
 
 
