@@ -1,21 +1,19 @@
 """Faults on the real stack (tiny config: TP=2 Megatron over gloo, one vLLM CPU engine, 4 steps).
 
-Every faulty run is compared with one undisturbed run of the same config (fixed seeds):
+Every faulty run is compared with the session's undisturbed run of the same config (fixed seeds,
+``conftest.undisturbed``):
 - an engine killed mid-generation is replaced and the run's metrics equal the undisturbed run's,
   while checkpoints that no longer fit a size-limited filesystem are skipped
   (``checkpoint.on_error: continue``) and every listening socket of the run is on loopback;
 - kill -9 of the driver during a checkpoint write and during training, each followed by
   ``--resume`` (the second one past a truncated shard of the latest checkpoint) reproduces the
   undisturbed run and leaves no process of the killed runs behind;
-- a dead policy rank ends the call that waits for it, naming the rank and its node (and a local
-  Ray starts no dashboard).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,60 +22,13 @@ import time
 from pathlib import Path
 
 import pytest
+from _grpo_runs import assert_same_steps, metrics, reuse_warmup, run_overrides
 
 from megagrpo.config import load_config
 
 pytestmark = pytest.mark.e2e
 
-_DETERMINISTIC = ("reward/mean", "response/length_mean", "train/loss", "train/grad_norm", "train/ratio_mean")
 _LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
-
-
-def _overrides(root: Path, name: str, ckpt: Path, extra=()) -> list[str]:
-    return [
-        f"logging.dir={root / 'runs'}",
-        f"run_name={name}",
-        "logging.tensorboard=false",
-        "logging.progress_bar=false",
-        "logging.val_every=0",
-        "warmup.steps=60",
-        "grpo.num_prompts_per_step=4",
-        "grpo.num_steps=4",
-        "policy.mini_batch_size=16",
-        f"checkpoint.dir={ckpt}",
-        "checkpoint.save_every=1",
-        "checkpoint.keep_last=2",
-        "checkpoint.export_hf_at_end=false",
-        *extra,
-    ]
-
-
-def _metrics(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row for row in rows}
-
-
-def _assert_same_steps(got: dict, want: dict, steps) -> None:
-    for step in steps:
-        for key in _DETERMINISTIC:
-            assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-9), (step, key)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The undisturbed run: (its root, its metrics, its checkpoint directory)."""
-    from megagrpo.driver import train
-
-    root = tmp_path_factory.mktemp("faults")
-    run_dir = train(load_config(None, _overrides(root, "reference", root / "ckpt_ref")))
-    metrics = _metrics(run_dir)
-    assert sorted(metrics) == [1, 2, 3, 4]
-    return root, metrics, root / "ckpt_ref"
-
-
-def _reuse_warmup(root: Path, name: str) -> None:
-    """The warm-up of the reference run (same model, warm-up and data config) is reused as is."""
-    shutil.copytree(root / "runs" / "reference" / "warmup", root / "runs" / name / "warmup")
 
 
 def _session_of(pid: int) -> Path:
@@ -135,7 +86,7 @@ class EngineKiller(threading.Thread):
         from megagrpo.local_ray import session_processes
 
         def logged() -> bool:
-            return self.metrics.is_file() and len(self.metrics.read_text().splitlines()) >= self.after_step
+            return self.metrics.is_file() and self.after_step in metrics(self.metrics.parent)
 
         _wait_until(logged, 900, f"step {self.after_step} to be logged", poll_s=0.2)
         session = cluster._local_session[0]
@@ -160,11 +111,10 @@ def _cmdline(pid: int) -> str:
 
 
 @pytest.fixture
-def small_filesystem(tmp_path, reference):
+def small_filesystem(tmp_path, undisturbed):
     """A tmpfs that holds one checkpoint of the run and half of another (root only); else a plain
     directory."""
-    _, _, ckpt_ref = reference
-    step = sorted(ckpt_ref.glob("step_*"))[-1]
+    step = sorted(undisturbed.ckpt.glob("step_*"))[-1]
     size = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
     mount = tmp_path / "small_fs"
     mount.mkdir()
@@ -182,16 +132,16 @@ def small_filesystem(tmp_path, reference):
 
 
 def test_killed_engine_is_replaced_and_the_run_matches_an_undisturbed_one(
-    reference, small_filesystem, capsys
+    undisturbed, small_filesystem, capsys
 ):
     from megagrpo.ckpt import run as ckpt_io
     from megagrpo.driver import train
 
-    root, want, _ = reference
+    root, want = undisturbed.root, undisturbed.metrics
     mount, mounted = small_filesystem
-    _reuse_warmup(root, "engine_killed")
+    reuse_warmup(root, "engine_killed")
     cfg = load_config(
-        None, _overrides(root, "engine_killed", mount / "ckpt", extra=["checkpoint.on_error=continue"])
+        None, run_overrides(root, "engine_killed", mount / "ckpt", extra=["checkpoint.on_error=continue"])
     )
     killer = EngineKiller(root / "runs" / "engine_killed" / "metrics.jsonl", after_step=1)
     killer.start()
@@ -202,7 +152,7 @@ def test_killed_engine_is_replaced_and_the_run_matches_an_undisturbed_one(
 
     assert killer.killed is not None
     assert "vLLM engine 0 failed" in out and "vLLM engine 0 restarted, weights re-synced and probed" in out
-    _assert_same_steps(_metrics(run_dir), want, (1, 2, 3, 4))
+    assert_same_steps(metrics(run_dir), want, (1, 2, 3, 4))
     # Every port the run listens on is on the loopback interface.
     outside = {addr: pid for addr, pid in killer.listening.items() if addr.rsplit(":", 1)[0] not in _LOOPBACK}
     assert killer.listening and not outside, (outside, [_cmdline(p) for p in outside.values()])
@@ -214,15 +164,15 @@ def test_killed_engine_is_replaced_and_the_run_matches_an_undisturbed_one(
         ckpt_io.manifest.verify(mount / "ckpt" / "step_1")
 
 
-def test_kill_9_during_checkpoint_write_and_training_then_resume(reference, tmp_path, capsys):
+def test_kill_9_during_checkpoint_write_and_training_then_resume(undisturbed, tmp_path, capsys):
     from megagrpo.ckpt import run as ckpt_io
     from megagrpo.driver import train
     from megagrpo.local_ray import session_processes
 
-    root, want, _ = reference
+    root, want = undisturbed.root, undisturbed.metrics
     ckpt = tmp_path / "ckpt"
-    _reuse_warmup(root, "killed")
-    overrides = _overrides(root, "killed", ckpt)
+    reuse_warmup(root, "killed")
+    overrides = run_overrides(root, "killed", ckpt)
     command = [sys.executable, "-m", "megagrpo.cli", "train", *overrides]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 
@@ -260,37 +210,8 @@ def test_kill_9_during_checkpoint_write_and_training_then_resume(reference, tmp_
     assert f"step_2/megatron/__0_0.distcp: size 100 bytes, manifest.json says {full}" in out
     assert "falling back to step_1, the newest checkpoint that verifies" in out
     assert (ckpt / "step_2.corrupt").is_dir()
-    got = _metrics(run_dir)
-    assert sorted(got) == [1, 2, 3, 4]
-    _assert_same_steps(got, want, (2, 3, 4))
+    got = metrics(run_dir)
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    assert_same_steps(got, want, (2, 3, 4))
     for session in (session1, session2):
         assert session_processes(session) == []
-
-
-def test_dead_policy_rank_is_named_with_its_node(tmp_path):
-    import ray
-    from hf_models import make_tiny_hf
-    from policy_cases import policy_batch, policy_config
-
-    from megagrpo.cluster import RankFailure, RankGroup, shutdown_ray, start_ray
-    from megagrpo.policy.worker import PolicyWorker
-
-    cfg = policy_config(str(make_tiny_hf("qwen2", tmp_path / "qwen2")), tp=2)
-    start_ray(cfg.cluster, num_cpus=2)
-    try:
-        from ray._private.worker import get_dashboard_url
-
-        assert get_dashboard_url() == ""  # a local Ray starts no dashboard
-        group = RankGroup(cfg, PolicyWorker, timeout_s=120)
-        node = group.nodes[1]
-        pid = int(node.rsplit("pid ", 1)[1].rstrip(")"))
-        os.kill(pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(RankFailure) as failure:
-            group.call_all(PolicyWorker.logprobs, policy_batch())
-        assert time.monotonic() - start < group.timeout_s
-        assert f"policy rank 1 on {node}" in str(failure.value)
-        assert node.startswith("127.0.0.1 (pid ")
-    finally:
-        shutdown_ray()
-    assert not ray.is_initialized()
