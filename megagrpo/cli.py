@@ -67,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
 
     p = sub.add_parser("export", help="Megatron checkpoint -> HF directory (safetensors, config, tokenizer)")
-    p.add_argument("--ckpt", required=True, help="megagrpo checkpoint directory (from hf_to_megatron)")
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        help="megagrpo checkpoint directory (from hf_to_megatron, or a run's step_N/, verified first)",
+    )
     p.add_argument("--out", required=True, help="HF output directory (must not exist)")
     p.add_argument(
         "--max-shard-size",
