@@ -74,7 +74,8 @@ def save_megatron(
     path.mkdir(parents=True, exist_ok=True)
     state = model.sharded_state_dict()
     gated = set(_gated_factories(state)) if mapped else set()
-    copies = FileCopies(maps)
+    # Only a conversion has bytes to copy from files; a trainer's save lets its writers digest.
+    copies = FileCopies(maps) if maps is not None or pieces else None
     for key, given in (mapped or {}).items():
         if key not in state:
             # A parameter left unfilled would be written as garbage: refuse rather than guess.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from hf_models import make_tiny_hf
-from policy_cases import policy_config
+from policy_cases import policy_batch, policy_config
 
 from megagrpo.ckpt import manifest
 from megagrpo.ckpt import run as ckpt
@@ -26,6 +26,8 @@ def _save(rank: int, world_size: int, cfg, path: str) -> dict:
 
     worker = PolicyWorker(cfg)
     try:
+        batch = policy_batch()  # one optimizer step first: Megatron saves Adam state only once it has one
+        worker.train(batch.replace(old_logprobs=worker.logprobs(batch)))
         return worker.save(path)
     finally:
         destroy_parallel()
