@@ -210,6 +210,17 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one_latest(on_er
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # the failed write is gone
 
 
+def test_an_unwritable_checkpoint_directory_stops_the_run_with_a_clear_message(tmp_path):
+    from megagrpo import driver
+
+    (tmp_path / "file").write_text("not a directory")
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'file' / 'ckpt'}"])
+    with pytest.raises(
+        ckpt.CheckpointWriteError, match=r"checkpoint step_1 could not be written to .*Not a directory"
+    ):
+        driver.save_checkpoint(cfg, FakePolicy(), 1, 64)
+
+
 # -------------------------------------------------------------------------------- engine restarts
 
 
