@@ -16,13 +16,24 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import importlib
 import socket
 from collections.abc import Iterator
 
 
-def bound_tcp_store(host: str, port: int, world_size: int, *, is_master: bool, timeout: datetime.timedelta):
-    """A ``TCPStore`` at ``host:port``; the server (``is_master``) listens on ``host`` only."""
+def bound_tcp_store(
+    host: str,
+    port: int,
+    world_size: int,
+    *,
+    is_master: bool,
+    timeout: datetime.timedelta,
+    multi_tenant: bool = False,
+):
+    """A ``TCPStore`` at ``host:port``; the server (``is_master``) listens on ``host`` only.
+    ``multi_tenant``: as torch's own: later multi-tenant stores of this process at the same port
+    share this one's server."""
     import torch.distributed as dist
 
     if not is_master:
@@ -44,6 +55,7 @@ def bound_tcp_store(host: str, port: int, world_size: int, *, is_master: bool, t
         is_master=True,
         timeout=timeout,
         wait_for_workers=False,
+        multi_tenant=multi_tenant,
         master_listen_fd=sock.detach(),
     )
 
@@ -63,7 +75,16 @@ def stores_listen_on_their_host() -> Iterator[bool]:
     def create(hostname, port, rank, world_size, timeout, use_libuv=True):
         if rank != 0 or agent_store():
             return original(hostname, port, rank, world_size, timeout, use_libuv)
-        return bound_tcp_store(hostname, port, world_size, is_master=True, timeout=timeout)
+        try:
+            # Multi-tenant like torch's own, so that a later rendezvous at this port shares it.
+            return bound_tcp_store(
+                hostname, port, world_size, is_master=True, timeout=timeout, multi_tenant=True
+            )
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            # This process may already serve the port (torch then shares that server).
+            return original(hostname, port, rank, world_size, timeout, use_libuv)
 
     rendezvous._create_c10d_store = create
     try:
