@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import multiprocessing
 import os
 import threading
@@ -36,7 +37,6 @@ from megagrpo.ckpt.durable import atomic_write
 MANIFEST_NAME = "manifest.json"
 ALGORITHM = "xxh3_64"
 FORMAT_VERSION = 1
-_READ_CHUNK = 16 * 1024**2
 _THREADS = 4  # xxhash and file reads release the GIL: a few files are digested at once
 
 
@@ -141,15 +141,16 @@ class DigestCollector:
 
 
 def digest_file(path: Path) -> FileDigest:
-    """Size and xxh3-64 of a file, read in 16 MiB chunks."""
-    hasher, size = xxhash.xxh3_64(), 0
-    buf = bytearray(_READ_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            hasher.update(view[:n])
-            size += n
-    return FileDigest(size, hasher.hexdigest())
+    """Size and xxh3-64 of a file, hashed where it is mapped (no copy of its bytes into this
+    process: from the page cache, several times faster than reading it)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            return FileDigest(0, xxhash.xxh3_64().hexdigest())
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            if hasattr(mmap, "MADV_SEQUENTIAL"):
+                mapped.madvise(mmap.MADV_SEQUENTIAL)
+            return FileDigest(size, xxhash.xxh3_64(mapped).hexdigest())
 
 
 # ----------------------------------------------------------------------------------- the manifest
