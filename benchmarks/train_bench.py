@@ -7,7 +7,8 @@
 
 Both steps run in the same rank processes, on the same model (the worker's own engine, built by
 ``megagrpo.policy.engine.build_engine``: same weights, DDP buffers and optimizer) and on the same
-micro-batches (``pack_by_token_budget`` over the same DP shard, padded layout):
+micro-batches (the worker's own ``micro_batches`` of its DP shard: padded with the local layers,
+packed end to end with the torch and TE layers):
 
 - ``train``: ``worker.train(batch)`` with ``policy.mini_batch_size`` = the whole batch, so one
   optimizer step per call. ``old_logprobs`` (and ``gen_logprobs`` for the TIS weight of the
@@ -19,6 +20,15 @@ Timed iterations alternate the two (ABBA order, so drift on a shared machine hit
 medians are reported. tokens/s counts the real (unpadded) tokens of the batch; the target of the
 policy issue is train/bare >= 0.85. With ``--profile`` rank 0 also records one step of each under
 cProfile (Python time by function) and torch.profiler (op time), summarized into the JSON.
+
+``--impl local torch`` runs each layer implementation (``parallel.transformer_impl``) in turn, on the
+same batch, so their tokens/s sit side by side, with ratios to the local layers' run. ``--packing
+off`` keeps padded rows with every layer implementation; ``--append`` adds runs to an existing
+report (another sequence length, recompute mode or ``--compile``); ``--steps train`` leaves out the
+bare step. Every run also reports activation memory: the peak bytes autograd holds for the backward
+pass during one step (``common.memory.SavedActivations``; parameters excluded), on any device.
+``--compile`` switches on Megatron's ``torch.compile``'d fusions (SwiGLU, bias-dropout-add) in the
+built model.
 
 On CUDA the JSON also has peak memory and MFU: model FLOPs per token ``6 N`` (N = all parameters,
 the tied embedding counted once: that is the output projection's matmul) and, separately,
@@ -38,10 +48,12 @@ from pathlib import Path
 import torch
 from common import RESULTS
 from common.configs import make_config
+from common.memory import SavedActivations
 from common.models import qwen2_params
 from common.sampling import machine_info
-from common.tables import md_table, write_results
+from common.tables import md_table, read_results, write_results
 
+from megagrpo.parallel.backends import weight_sync_backend
 from megagrpo.types import TrainBatch
 
 # Model shapes: the CPU default is small enough for a 2-core machine; qwen2-1.5b is the real shape.
@@ -77,7 +89,7 @@ PRESETS = {
 # ------------------------------------------------------------------------------------ the workload
 
 
-def bench_config(args, tp: int):
+def bench_config(args, tp: int, impl: str = "local"):
     """The run config: the tiny-model defaults with the benchmark's shape, batch and parallelism."""
     shape = PRESETS[args.preset]
     return make_config(
@@ -89,12 +101,13 @@ def bench_config(args, tp: int):
             "model.dtype": args.dtype,
             "generation.max_new_tokens": args.seq - args.seq // 4,
             "parallel.tensor_model_parallel_size": tp,
-            "parallel.transformer_impl": "local",
+            "parallel.transformer_impl": impl,
             "parallel.backend": args.backend,
             "policy.micro_batch_max_tokens": args.budget,
             "policy.mini_batch_size": args.batch,
             "policy.logprob_chunk_size": args.chunk,
             "policy.recompute": args.recompute,
+            "policy.sequence_packing": getattr(args, "packing", "auto"),  # results before --packing
             # The loss as the tiny default runs it, pinned: no reference model (its logprobs would be
             # one more forward outside the step), TIS on the generator's logprobs.
             "grpo.kl_coef": 0.0,
@@ -119,32 +132,22 @@ def make_batch(args, vocab_size: int) -> TrainBatch:
     return batch.replace(advantages=torch.randn(args.batch, generator=gen))
 
 
-def packed_micro_batches(batch: TrainBatch, shard: list[int], budget: int) -> list[dict]:
-    """The micro-batches PolicyWorker packs for ``shard`` (same grouping, same padded tensors)."""
-    from megagrpo.policy.packing import pack_by_token_budget
-
-    lengths = [int(batch.lengths[i]) for i in shard]
-    out = []
-    for group in pack_by_token_budget(lengths, budget, padded=True):
-        sub = batch.select([shard[g] for g in group])
-        seq = sub.input_ids.shape[1]
-        out.append(
-            {"tokens": sub.input_ids, "position_ids": torch.arange(seq).expand(sub.size, -1), "sub": sub}
-        )
-    return out
-
-
 def cross_entropy_loss(logits: torch.Tensor, micro: dict):
-    """Megatron's vocab-parallel cross-entropy, summed over the response tokens (per-token protocol)."""
+    """Megatron's vocab-parallel cross-entropy, summed over the response tokens (per-token protocol).
+
+    ``micro`` is one of ``PolicyWorker.micro_batches``: padded [b, s] rows, or one packed row whose
+    per-position values ``packed.unpack`` lays out as [n, S - 1]."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     sub: TrainBatch = micro["sub"]
-    # Position t predicts token t + 1; the last position's label is a dummy, masked out below.
-    labels_BS = torch.roll(sub.input_ids, -1, dims=1).to(logits.device)  # [b, s]
-    loss_BS = vocab_parallel_cross_entropy(logits, labels_BS)  # [b, s] fp32, logits [b, s, v / tp]
-    mask_BT = sub.response_mask().to(logits.device)  # [b, s - 1]
-    loss = torch.where(mask_BT, loss_BS[:, :-1], torch.zeros_like(loss_BS[:, :-1])).sum()
-    return loss, mask_BT.sum().to(torch.int), {}
+    # Position t predicts token t + 1 of its sequence (targets past a sequence's end are dummies).
+    loss_BS = vocab_parallel_cross_entropy(logits, micro["targets"].to(logits.device))  # [b, s] fp32
+    packed = micro.get("packed")
+    width = sub.input_ids.shape[1] - 1
+    loss_NT = packed.unpack(loss_BS) if packed is not None else loss_BS[:, :width]  # [n, S - 1]
+    mask_NT = sub.response_mask().to(logits.device)
+    loss = torch.where(mask_NT, loss_NT, torch.zeros_like(loss_NT)).sum()
+    return loss, mask_NT.sum().to(torch.int), {}
 
 
 # --------------------------------------------------------------------------------------- the rank
@@ -193,10 +196,15 @@ def rank_main(rank: int, world_size: int, args) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = bench_config(args, world_size)
+    cfg = bench_config(args, world_size, args.impl)
     worker = PolicyWorker(cfg)
     try:
         engine, device = worker.engine, worker.ctx.device
+        if args.compile:
+            # Read by Megatron's MLP and layers at every forward: SwiGLU and bias-dropout-add through
+            # megatron.core.jit.jit_fuser (torch.compile).
+            engine.config.bias_activation_fusion = True
+            engine.config.bias_dropout_fusion = True
         batch = make_batch(args, cfg.model.tiny.vocab_size)
         # Outside the timing, as the driver does before its updates: the PPO denominator, and the
         # generator's logprobs that the default config's TIS weight (grpo.tis_cap) needs.
@@ -204,11 +212,8 @@ def rank_main(rank: int, world_size: int, args) -> dict:
         gen = old + 0.01 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
         batch = batch.replace(old_logprobs=old, gen_logprobs=gen)
         shard = balanced_shards(batch.lengths.tolist(), worker.ctx.dp_size)[worker.ctx.dp_rank]
-        micro = packed_micro_batches(batch, shard, cfg.policy.micro_batch_max_tokens)
-        # The baseline must see exactly the worker's micro-batches (checked against its own packing).
-        theirs = [m["tokens"] for _, m in worker.micro_batches(batch, shard)]
-        if len(theirs) != len(micro) or not all(map(torch.equal, theirs, (m["tokens"] for m in micro))):
-            raise RuntimeError("the baseline's micro-batches differ from PolicyWorker's packing")
+        # The baseline runs exactly the worker's micro-batches (padded, or packed end to end).
+        micro = [m for _, m in worker.micro_batches(batch, shard)]
 
         def train_step():
             (metrics,) = worker.train(batch)
@@ -218,13 +223,13 @@ def rank_main(rank: int, world_size: int, args) -> dict:
             forward_backward(engine, micro, cross_entropy_loss)
             return optimizer_step(engine)
 
-        steps = {"train": train_step, "bare": bare_step}
-        times: dict[str, list[float]] = {"train": [], "bare": []}
-        cpu_times: dict[str, list[float]] = {"train": [], "bare": []}
+        steps = {name: {"train": train_step, "bare": bare_step}[name] for name in args.steps}
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        cpu_times: dict[str, list[float]] = {name: [] for name in steps}
         peak: dict[str, int] = {}
         for i in range(args.warmup + args.iters):
             # ABBA: each pair runs in the opposite order of the previous one.
-            for name in ("train", "bare") if i % 2 == 0 else ("bare", "train"):
+            for name in list(steps) if i % 2 == 0 else list(steps)[::-1]:
                 _sync(device)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
@@ -234,21 +239,30 @@ def rank_main(rank: int, world_size: int, args) -> dict:
                 if i >= args.warmup:
                     times[name].append(time.perf_counter() - start)
                     cpu_times[name].append(time.process_time() - cpu_start)
+                    if device.type == "cuda":
+                        peak[name] = max(peak.get(name, 0), torch.cuda.max_memory_allocated(device))
             if rank == 0:
                 done = {k: f"{v[-1]:.2f}s" for k, v in times.items() if v and i >= args.warmup}
                 print(f"[train_bench] rank 0 iteration {i}: {done or 'warm-up'}", flush=True)
-                if device.type == "cuda":
-                    peak[name] = max(peak.get(name, 0), torch.cuda.max_memory_allocated(device))
+        # Untimed: one more step of each with autograd's saved tensors counted.
+        activations = {}
+        for name, fn in steps.items():
+            with SavedActivations(engine.module) as saved:
+                fn()
+            activations[name] = saved.peak_bytes
         result = {
             "rank": rank,
             "times_s": times,
             "cpu_times_s": cpu_times,
             "peak_mem_bytes": peak,
+            "activation_bytes": activations,
             "threads": torch.get_num_threads(),
             "micro_batches": [list(m["tokens"].shape) for m in micro],
+            "packed": worker.packed,
             "shard_tokens": int(sum(int(batch.lengths[i]) for i in shard)),
             "params_local": sum(p.numel() for p in engine.module.parameters()),
             "recompute": engine.config.recompute_granularity,
+            "transformer_impl": engine.transformer_impl,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         }
         if args.sync_bucket_mb:
@@ -280,7 +294,7 @@ def time_weight_sender(worker, args) -> dict:
     plan = worker.weight_sync_plan(int(args.sync_bucket_mb * 2**20))
     if address is None or plan is None:
         raise RuntimeError("--sync-bucket-mb times one sender: run it with --tp 1")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = weight_sync_backend(worker.cfg.parallel.resolved_backend)
     worker.open_weight_sync([GroupAddress(*address, 1)], backend, 300.0)
     total = sum(b.nbytes for b in plan)
 
@@ -350,10 +364,22 @@ def model_params(shape: dict, tied: bool = True) -> int:
 
 def summarize(args, tp: int, ranks: list[dict]) -> dict:
     tokens = sum(r["shard_tokens"] for r in ranks) // tp  # each TP group of ranks shares one shard
-    out = {"tp": tp, "ranks": tp, "tokens_per_step": tokens}
+    out = {
+        "impl": ranks[0]["transformer_impl"],
+        "compile": args.compile,
+        "tp": tp,
+        "ranks": tp,
+        "tokens_per_step": tokens,
+        "packed": ranks[0]["packed"],
+    }
+    names = list(ranks[0]["times_s"])
     # A step ends when its slowest rank does.
-    per_iter = {
-        k: [max(v) for v in zip(*(r["times_s"][k] for r in ranks), strict=True)] for k in ("train", "bare")
+    per_iter = {k: [max(v) for v in zip(*(r["times_s"][k] for r in ranks), strict=True)] for k in names}
+    # Process CPU time (all threads) per step: less sensitive than wall time to other jobs taking the
+    # cores of a shared machine (a descheduled rank accrues no CPU time).
+    cpu = {
+        k: statistics.median(max(v) for v in zip(*(r["cpu_times_s"][k] for r in ranks), strict=True))
+        for k in names
     }
     for name, times in per_iter.items():
         med = statistics.median(times)
@@ -361,21 +387,21 @@ def summarize(args, tp: int, ranks: list[dict]) -> dict:
             "step_s_median": med,
             "step_s_all": times,
             "tokens_per_s_median": tokens / med,
+            "cpu_time_s_median": cpu[name],
+            "tokens_per_cpu_s": tokens / cpu[name],
+            # The rank that holds the most (TP ranks hold equal shares; PP stages differ).
+            "activation_mib": max(r["activation_bytes"][name] for r in ranks) / 2**20,
         }
-    out["ratio_train_over_bare"] = out["train"]["tokens_per_s_median"] / out["bare"]["tokens_per_s_median"]
-    pairs = [b / t for t, b in zip(per_iter["train"], per_iter["bare"], strict=True)]
-    out["ratio_per_pair_median"] = statistics.median(pairs)
-    # The fastest step of each: the least disturbed by other jobs on a shared machine.
-    out["ratio_min_step"] = min(per_iter["bare"]) / min(per_iter["train"])
-    # Process CPU time (all threads) per step: less sensitive than wall time to other jobs taking the
-    # cores of a shared machine (a descheduled rank accrues no CPU time).
-    cpu = {
-        k: statistics.median(max(v) for v in zip(*(r["cpu_times_s"][k] for r in ranks), strict=True))
-        for k in ("train", "bare")
-    }
-    out["cpu_time_s_median"] = cpu
-    out["ratio_cpu_time"] = cpu["bare"] / cpu["train"]
-    out["target_met"] = out["ratio_train_over_bare"] >= 0.85
+    if "train" in out and "bare" in out:
+        out["ratio_train_over_bare"] = (
+            out["train"]["tokens_per_s_median"] / out["bare"]["tokens_per_s_median"]
+        )
+        pairs = [b / t for t, b in zip(per_iter["train"], per_iter["bare"], strict=True)]
+        out["ratio_per_pair_median"] = statistics.median(pairs)
+        # The fastest step of each: the least disturbed by other jobs on a shared machine.
+        out["ratio_min_step"] = min(per_iter["bare"]) / min(per_iter["train"])
+        out["ratio_cpu_time"] = cpu["bare"] / cpu["train"]
+        out["target_met"] = out["ratio_train_over_bare"] >= 0.85
     out["micro_batches"] = ranks[0]["micro_batches"]
     out["threads_per_rank"] = ranks[0]["threads"]
     out["recompute"] = ranks[0]["recompute"]
@@ -387,7 +413,7 @@ def summarize(args, tp: int, ranks: list[dict]) -> dict:
         attn = 12 * shape["num_layers"] * shape["hidden_size"] * args.seq
         out["params"] = n
         out["params_counted_rank0"] = ranks[0]["params_local"]
-        for name in ("train", "bare"):
+        for name in names:
             rate = out[name]["tokens_per_s_median"]
             out[name]["tflops_6n"] = 6 * n * rate / 1e12
             out[name]["mfu_6n"] = 6 * n * rate / (args.peak_tflops * 1e12 * tp)
@@ -399,8 +425,19 @@ def summarize(args, tp: int, ranks: list[dict]) -> dict:
     return out
 
 
+def _layers(run: dict) -> str:
+    recompute = {"selective": " + recompute attn", "full": " + recompute full"}.get(run["recompute"], "")
+    return (
+        run["impl"]
+        + (" packed" if run["packed"] else "")
+        + recompute
+        + (" + compile" if run.get("compile") else "")
+    )
+
+
 def markdown(report: dict) -> str:
     a, m = report["args"], report["machine"]
+    runs = report["runs"]
     lines = [
         "# Policy train step vs bare Megatron step",
         "",
@@ -414,45 +451,100 @@ def markdown(report: dict) -> str:
         ),
         f"Model `{a['preset']}` {report['shape']} ({a['dtype']}), {a['batch']} sequences of "
         f"{int(a['seq'] * a['min_len_frac'])}-{a['seq']} tokens, micro-batch budget {a['budget']}, "
-        f"logprob chunk {a['chunk']}; {a['warmup']} warm-up + {a['iters']} timed iterations of each, "
-        "alternating; medians. Ratios are train/bare throughput: of the median wall times, the median of "
-        "the per-pair ratios, of the fastest step of each, and of the median CPU time of the rank "
-        "processes. Command: `" + report["command"] + "`",
+        f"logprob chunk {a['chunk']}; {a['warmup']} warm-up + {a['iters']} "
+        "timed iterations of each step, alternating; medians. Layers: `parallel.transformer_impl` "
+        "(packed: THD micro-batches, else padded rows; recompute attn: Megatron's selective recompute "
+        "of core attention). Activation MiB: peak bytes saved for backward during one step. "
+        "Command: `" + report["command"] + "`",
         "",
     ]
-    header = (
-        "TP | tokens/step | train tokens/s | bare tokens/s | ratio | per-pair median | fastest steps "
-        "| CPU-time ratio | target 0.85"
-    )
+    commits = sorted({str(r.get("git_commit", m["git_commit"]))[:10] for r in runs})
+    if len(commits) > 1:
+        lines[3:3] = [
+            "Appended runs: "
+            + "; ".join(
+                f"{_layers(r)} TP {r['tp']} at commit {str(r['git_commit'])[:10]}, load average at start "
+                f"{', '.join(f'{x:.1f}' for x in r['loadavg_at_start'])}"
+                for r in runs
+            )
+            + ".",
+        ]
+    header = "layers | TP | tokens/step | train tokens/s | train tokens/CPU-s | activation MiB"
     rows = [
         [
+            _layers(r),
             r["tp"],
             r["tokens_per_step"],
             f"{r['train']['tokens_per_s_median']:.1f}",
-            f"{r['bare']['tokens_per_s_median']:.1f}",
-            f"{r['ratio_train_over_bare']:.3f}",
-            f"{r['ratio_per_pair_median']:.3f}",
-            f"{r['ratio_min_step']:.3f}",
-            f"{r['ratio_cpu_time']:.3f}",
-            "met" if r["target_met"] else "missed",
+            f"{r['train']['tokens_per_cpu_s']:.1f}",
+            f"{r['train']['activation_mib']:.1f}",
         ]
-        for r in report["runs"]
+        for r in runs
     ]
     lines += md_table(header, rows)
-    if any("mfu_6n" in r["train"] for r in report["runs"]):
+    baseline: dict[int, dict] = {}  # per TP, the first local run, else the first run: what ratios divide by
+    for r in runs:
+        if r["tp"] not in baseline or (r["impl"] == "local" and baseline[r["tp"]]["impl"] != "local"):
+            baseline[r["tp"]] = r
+    others = [r for r in runs if r is not baseline[r["tp"]]]
+    if others:
+        rows = []
+        for r in others:
+            base = baseline[r["tp"]]["train"]
+            rows.append(
+                [
+                    f"{_layers(r)} / {_layers(baseline[r['tp']])}",
+                    r["tp"],
+                    f"{r['train']['tokens_per_s_median'] / base['tokens_per_s_median']:.2f}",
+                    f"{r['train']['tokens_per_cpu_s'] / base['tokens_per_cpu_s']:.2f}",
+                    f"{r['train']['activation_mib'] / base['activation_mib']:.3f}",
+                ]
+            )
+        lines += [
+            "",
+            *md_table("layers | TP | train tokens/s ratio | tokens/CPU-s ratio | activation ratio", rows),
+        ]
+    if all("bare" in r for r in runs):
+        lines += [
+            "",
+            "Train vs bare: ratios of train/bare throughput, of the median wall times, the median of the "
+            "per-pair ratios, of the fastest step of each, and of the median CPU time of the rank processes.",
+            "",
+        ]
+        header = (
+            "layers | TP | bare tokens/s | ratio | per-pair median | fastest steps | CPU-time ratio "
+            "| target 0.85"
+        )
         rows = [
             [
+                _layers(r),
+                r["tp"],
+                f"{r['bare']['tokens_per_s_median']:.1f}",
+                f"{r['ratio_train_over_bare']:.3f}",
+                f"{r['ratio_per_pair_median']:.3f}",
+                f"{r['ratio_min_step']:.3f}",
+                f"{r['ratio_cpu_time']:.3f}",
+                "met" if r["target_met"] else "missed",
+            ]
+            for r in runs
+        ]
+        lines += md_table(header, rows)
+    if any("mfu_6n" in r["train"] for r in runs):
+        rows = [
+            [
+                _layers(r),
                 r["tp"],
                 name,
                 f"{r[name]['mfu_6n']:.3f}",
                 f"{r[name]['mfu_6n_attn']:.3f}",
                 f"{r.get('peak_mem_gib', {}).get(name, float('nan')):.1f}",
             ]
-            for r in report["runs"]
+            for r in runs
             for name in ("train", "bare")
+            if name in r
         ]
-        lines += ["", *md_table("TP | step | MFU 6N | MFU 6N+attn | peak GiB", rows)]
-    for r in report["runs"]:
+        lines += ["", *md_table("layers | TP | step | MFU 6N | MFU 6N+attn | peak GiB", rows)]
+    for r in runs:
         if "sync" in r:
             sy = r["sync"]
             extra = sy["send_extra_mem_bytes"]
@@ -470,9 +562,9 @@ def markdown(report: dict) -> str:
     if not m["cuda"]:
         lines += [
             "",
-            "On a CPU shared with other jobs, wall times of the two steps are disturbed unevenly (each "
-            "step's runs are spread in the `step_s_all` lists of the JSON); the CPU time of single-threaded "
-            "ranks (`--threads 1`) is the steadiest of the four ratios.",
+            "On a CPU shared with other jobs, wall times are disturbed unevenly (each step's runs are "
+            "spread in the `step_s_all` lists of the JSON); the CPU time of single-threaded ranks "
+            "(`--threads 1`) is the steadiest measure.",
         ]
     return "\n".join(lines) + "\n"
 
@@ -482,6 +574,21 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="model shape")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="one run (of TP ranks) per value")
+    p.add_argument(
+        "--impl",
+        nargs="+",
+        default=["local"],
+        choices=["local", "torch", "transformer_engine"],
+        help="parallel.transformer_impl: one run per value (and TP); ratios are to the local layers' run",
+    )
+    p.add_argument("--steps", nargs="+", default=["train", "bare"], choices=["train", "bare"])
+    p.add_argument("--compile", action="store_true", help="Megatron's torch.compile'd fusions on")
+    p.add_argument(
+        "--packing",
+        default="auto",
+        choices=["auto", "off"],
+        help="policy.sequence_packing (auto: THD micro-batches where the layers support them)",
+    )
     p.add_argument("--batch", type=int, default=16, help="sequences (one optimizer step)")
     p.add_argument("--seq", type=int, default=512, help="longest sequence")
     p.add_argument("--min-len-frac", type=float, default=0.5, help="shortest sequence as a fraction of --seq")
@@ -504,6 +611,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true", help="cProfile + torch.profiler one step of each")
     p.add_argument("--out", type=Path, default=RESULTS / "train.json", help=".json; a .md is written beside")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run of ranks")
+    p.add_argument(
+        "--append", action="store_true", help="add the runs to those already in --out (same args otherwise)"
+    )
     return p.parse_args(argv)
 
 
@@ -519,24 +629,37 @@ def main(argv=None) -> dict:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "runs": [],
     }
+    if args.append and args.out.exists():
+        previous = read_results(args.out)
+        report["runs"] = previous["runs"]
+        for run in report["runs"]:  # the code each run measured, and how busy the machine was
+            run.setdefault("git_commit", previous["machine"]["git_commit"])
+            run.setdefault("loadavg_at_start", previous["machine"]["loadavg_at_start"])
+        report["command"] = previous["command"] + "` then `" + report["command"]
     cpus = report["machine"]["cpus_usable"] or os.cpu_count() or 1
-    for tp in args.tp:
-        run_args = argparse.Namespace(**vars(args))
-        if not args.threads and not torch.cuda.is_available():
-            run_args.threads = max(1, cpus // tp)  # no oversubscription of the cores
-        print(f"[train_bench] TP={tp}: {args.warmup} warm-up + {args.iters} timed iterations", flush=True)
-        ranks = run_local_ranks(rank_main, tp, run_args, timeout_s=args.timeout)
-        run = summarize(run_args, tp, ranks)
-        report["runs"].append(run)
-        report["machine"]["loadavg_at_end"] = os.getloadavg()
-        # Written after every run, so a later run that fails or times out loses nothing.
-        write_results(args.out, report, markdown(report))
-        print(
-            f"[train_bench] TP={tp}: train {run['train']['tokens_per_s_median']:.1f} tok/s, "
-            f"bare {run['bare']['tokens_per_s_median']:.1f} tok/s, ratio {run['ratio_train_over_bare']:.3f}"
-            + (f", MFU(6N) train {run['train']['mfu_6n']:.3f}" if "mfu_6n" in run["train"] else ""),
-            flush=True,
-        )
+    for impl in args.impl:
+        for tp in args.tp:
+            run_args = argparse.Namespace(**{**vars(args), "impl": impl})
+            if not args.threads and not torch.cuda.is_available():
+                run_args.threads = max(1, cpus // tp)  # no oversubscription of the cores
+            label = f"{impl}{' + compile' if args.compile else ''} TP={tp}"
+            print(f"[train_bench] {label}: {args.warmup} warm-up + {args.iters} timed iterations", flush=True)
+            ranks = run_local_ranks(rank_main, tp, run_args, timeout_s=args.timeout)
+            run = summarize(run_args, tp, ranks)
+            run["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(run_args).items()}
+            run["git_commit"] = report["machine"]["git_commit"]
+            run["loadavg_at_start"] = report["machine"]["loadavg_at_start"]
+            report["runs"].append(run)
+            report["machine"]["loadavg_at_end"] = os.getloadavg()
+            # Written after every run, so a later run that fails or times out loses nothing.
+            write_results(args.out, report, markdown(report))
+            print(
+                f"[train_bench] {label}: train {run['train']['tokens_per_s_median']:.1f} tok/s, "
+                f"activations {run['train']['activation_mib']:.1f} MiB"
+                + (f", bare ratio {run['ratio_train_over_bare']:.3f}" if "bare" in run else "")
+                + (f", MFU(6N) train {run['train']['mfu_6n']:.3f}" if "mfu_6n" in run["train"] else ""),
+                flush=True,
+            )
     print(f"[train_bench] wrote {args.out} and {args.out.with_suffix('.md')}", flush=True)
     return report
 

@@ -6,7 +6,7 @@
 # --max-restarts K: relaunch the command with --resume after it stops on a fault (launch/supervise.sh).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-supervise=("$here/launch/supervise.sh" --max-restarts 0)
+supervise=()
 if [ "${1:-}" = "--max-restarts" ]; then
   supervise=("$here/launch/supervise.sh" --max-restarts "${2:?--max-restarts needs a number}")
   shift 2

@@ -63,8 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a checkpoint on the validation set (not implemented yet)")
     _add_config_args(p)
 
-    p = sub.add_parser("plan", help="validate a config and print its layout, without starting anything")
+    p = sub.add_parser(
+        "plan",
+        help="check a config against its model shape; per-rank memory and sync traffic (starts nothing)",
+    )
     _add_config_args(p)
+    p.add_argument("--hf-config", help="HF config.json to take the model shape from instead of model.hf_dir")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80)")
+    p.add_argument("--link-gbps", type=float, default=100.0, help="link speed for the sync estimate (Gb/s)")
+    p.add_argument(
+        "--transformer-engine",
+        choices=["here", "yes", "no"],
+        default="here",
+        help="whether the trainer's machines have Transformer Engine (for transformer_impl auto); "
+        "'here' resolves it on this machine, as the runtime does where it runs",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     p = sub.add_parser("export", help="Megatron checkpoint -> HF directory (safetensors, config, tokenizer)")
     p.add_argument(
@@ -95,29 +109,19 @@ def _load(args: argparse.Namespace):
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from megagrpo.plan import make_plan, read_shape, render
+
     cfg = _load(args)
-    par, gen, grpo = cfg.parallel, cfg.generation, cfg.grpo
-    model = (
-        f"tiny {cfg.model.arch} {cfg.model.tiny}" if cfg.model.tiny else f"HF checkpoint {cfg.model.hf_dir}"
+    shape, where = read_shape(cfg, args.hf_config)
+    te = {"here": None, "yes": True, "no": False}[args.transformer_engine]
+    plan = make_plan(
+        cfg, shape, where, gpu_memory_gib=args.gpu_memory_gib, link_gbps=args.link_gbps, transformer_engine=te
     )
-    print(f"run            {cfg.run_name}")
-    print(f"model          {model}, {cfg.model.dtype}, seq_length {cfg.model.seq_length}")
-    print(
-        f"trainer        {par.world_size} ranks = DP {par.data_parallel_size} x TP "
-        f"{par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x CP "
-        f"{par.context_parallel_size}; backend {par.backend}; layers {par.resolved_transformer_impl}"
-    )
-    print(
-        f"rollout        {gen.num_engines} vLLM engine(s) x TP {gen.engine_tensor_parallel_size}, "
-        f"{gen.placement}"
-    )
-    print(
-        f"step           {grpo.num_prompts_per_step} prompts x {grpo.num_generations} = "
-        f"{cfg.rollouts_per_step} rollouts, {cfg.mini_batches_per_step} optimizer step(s) of "
-        f"{cfg.policy.mini_batch_size}"
-    )
-    print("config OK")
-    return 0
+    if args.json:
+        print(plan.to_json())
+    else:
+        render(plan, cfg)
+    return 1 if plan.errors else 0
 
 
 def _warmup(args: argparse.Namespace) -> int:

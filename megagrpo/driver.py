@@ -60,6 +60,8 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     start_ray(cfg.cluster, cfg=cfg)
     policy = RankGroup(cfg, PolicyWorker)
     engines = start_engine_pool(cfg, model_dir, policy)
+    sync, count = engines.sync, len(engines.actors)
+    print(f"weight sync: {sync.backend}, {sync.total_bytes / 2**20:.1f} MiB to {count} engine(s)")
     step, position = restore(cfg, policy, resume_from)
     timings = {}
     with timed(timings, "sync_s"):

@@ -5,7 +5,8 @@
 - ``configs``: megagrpo run configs for a benchmark, from ``{"section.key": value}`` overrides;
 - ``sampling``: the machine and the code measured, and /proc readings: CPU time of processes and of
   the whole machine (contention from other jobs), RSS/PSS, available memory;
-- ``tables``: Markdown table rows and the results files (``<name>.json`` + ``<name>.md``).
+- ``tables``: Markdown table rows and the results files (``<name>.json`` + ``<name>.md``);
+- ``memory``: activation memory on any device (peak bytes autograd saves for backward).
 
 The benchmarks are scripts run from the repository (``python benchmarks/<name>.py``), so this
 folder is on ``sys.path`` and they import ``common.<module>``. Importing ``common`` puts the

@@ -6,13 +6,20 @@ from pathlib import Path
 
 
 def override(key: str, value: object) -> str:
-    """``section.key=value`` as ``load_config`` reads it (None -> null, booleans in lower case)."""
+    """``section.key=value`` as ``load_config`` reads it (None -> null, booleans in lower case, a string
+    that YAML would read as something else quoted: ``off`` is a boolean to YAML)."""
+    import json
+
+    import yaml
+
     if value is None:
         text = "null"
     elif isinstance(value, bool):
         text = str(value).lower()
     else:
         text = str(value)
+        if isinstance(value, str) and yaml.safe_load(text) != value:
+            text = json.dumps(value)
     return f"{key}={text}"
 
 

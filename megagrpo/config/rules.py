@@ -1,14 +1,16 @@
 """Rules that span fields or components, and the one decision of ``parallel``'s ``"auto"`` values.
 
 Everything here runs once, while a config is built (at load, or by direct construction): the schema's
-``__post_init__`` methods call :func:`resolve_parallel` and :func:`check_run`. Errors are
+``__post_init__`` methods call :func:`resolve_parallel` and :func:`check_run`. ``megagrpo plan``
+(:mod:`megagrpo.plan`) also applies :func:`check_shape` to an HF model's config.json, :func:`check_features`
+to the layer implementation the trainer will resolve, and :func:`check_engine_share`. Errors are
 :class:`~megagrpo.config.errors.ConfigError`; keys are relative to the section in
 :func:`resolve_parallel` (the loader adds ``parallel.``) and fully dotted in :func:`check_run`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megagrpo.config.errors import require
 from megagrpo.parallel import backends
@@ -16,7 +18,14 @@ from megagrpo.parallel import backends
 if TYPE_CHECKING:
     from megagrpo.config.schema import Config, ParallelConfig
 
-__all__ = ["check_run", "resolve_parallel"]
+__all__ = [
+    "check_engine_share",
+    "check_features",
+    "check_run",
+    "check_shape",
+    "packs_sequences",
+    "resolve_parallel",
+]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -25,31 +34,48 @@ __all__ = ["check_run", "resolve_parallel"]
 
 
 def resolve_parallel(par: ParallelConfig) -> tuple[backends.Backend, backends.TransformerImpl]:
-    """(backend, transformer_impl) with "auto" decided by this process, after the layer-dependent checks.
+    """(backend, transformer_impl) with "auto" decided by this process, and sequence and context
+    parallelism checked against what that layer implementation supports (``backends.IMPL_FEATURES``).
 
     Explicit values are taken as they are: a config may name NCCL or Transformer Engine for the trainer's
     machines while it is loaded elsewhere; the ranks check availability when they use them.
     """
-    require(
-        not par.sequence_parallel or par.transformer_impl != "local",
-        ("sequence_parallel", "transformer_impl"),
-        "sequence_parallel needs transformer_impl 'transformer_engine' (Megatron's local norms refuse it)",
-    )
     transformer_impl = backends.resolve_transformer_impl(par.transformer_impl)
-    if par.context_parallel_size > 1:
-        # Megatron's local attention has no context-parallel path; only TE's ring attention does.
-        require(
-            par.transformer_impl != "local",
-            ("context_parallel_size", "transformer_impl"),
-            "context_parallel_size > 1 needs transformer_impl 'transformer_engine', not 'local'",
-        )
-        require(
-            transformer_impl != "local",
-            ("context_parallel_size", "transformer_impl"),
-            "context_parallel_size > 1 needs Transformer Engine, but transformer_impl 'auto' "
-            "resolves to 'local' here (transformer_engine is not importable)",
-        )
+    has = backends.IMPL_FEATURES[transformer_impl]
+    here = ""
+    if par.transformer_impl == "auto":
+        te = "importable" if backends.transformer_engine_available() else "not importable"
+        here = f" ('auto' resolves to '{transformer_impl}' here: transformer_engine is {te})"
+    require(
+        not par.sequence_parallel or "sequence_parallel" in has,
+        ("sequence_parallel", "transformer_impl"),
+        f"sequence_parallel needs transformer_impl {_supporting('sequence_parallel')}, not "
+        f"'{transformer_impl}' (Megatron's local norms refuse it){here}",
+    )
+    # Megatron's local attention and the torch layers have no context-parallel path; TE's ring attention does.
+    require(
+        par.context_parallel_size == 1 or "context_parallel" in has,
+        ("context_parallel_size", "transformer_impl"),
+        f"context_parallel_size > 1 needs transformer_impl {_supporting('context_parallel')}, not "
+        f"'{transformer_impl}'{here}",
+    )
     return backends.resolve_backend(par.backend), transformer_impl
+
+
+def _supporting(feature: str) -> str:
+    """The layer implementations that support ``feature`` (an ``IMPL_FEATURES`` entry), quoted."""
+    return " or ".join(f"'{name}'" for name, has in backends.IMPL_FEATURES.items() if feature in has)
+
+
+def packs_sequences(cfg: Config, transformer_impl: str) -> bool:
+    """Whether the policy's micro-batches are packed end to end (THD) with ``transformer_impl``:
+    policy.sequence_packing "auto", layers that keep packed sequences apart (``thd``), and no context
+    parallelism (its split of packed rows over CP ranks is not wired up)."""
+    return (
+        cfg.policy.sequence_packing == "auto"
+        and "thd" in backends.IMPL_FEATURES.get(transformer_impl, frozenset())
+        and cfg.parallel.context_parallel_size == 1
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -73,11 +99,7 @@ def check_run(cfg: Config) -> None:
 def check_model_split(cfg: Config) -> None:
     """TP/PP/CP (and the engines' TP) against the model's shape and the loss aggregation."""
     par, tiny = cfg.parallel, cfg.model.tiny
-    tp, pp, cp = (
-        par.tensor_model_parallel_size,
-        par.pipeline_model_parallel_size,
-        par.context_parallel_size,
-    )
+    cp = par.context_parallel_size
     if cp > 1:
         # Megatron's load-balanced CP splits every sequence into 2 * CP chunks.
         require(
@@ -92,24 +114,75 @@ def check_model_split(cfg: Config) -> None:
             ("parallel.context_parallel_size", "grpo.loss_agg"),
             "context_parallel_size > 1 needs loss_agg 'token'",
         )
-    if tiny is None:
-        return  # An HF model's shape is known only once its config is read.
+    if tiny is not None:
+        check_shape(cfg, tiny, "model.tiny")
+    # An HF model's shape is known only once its config is read: ``megagrpo plan`` checks it then.
+
+
+def check_shape(cfg: Config, shape: Any, where: str) -> None:
+    """TP, PP, the engines' TP and seq_length against a model shape (``model.tiny`` or an HF config.json).
+
+    ``shape`` has num_attention_heads, num_query_groups, num_layers and max_position_embeddings;
+    ``where`` names its keys in the errors (``model.tiny`` or the config.json path).
+    """
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     for name in ("num_attention_heads", "num_query_groups"):
         require(
-            getattr(tiny, name) % tp == 0,
-            ("parallel.tensor_model_parallel_size", f"model.tiny.{name}"),
-            f"tensor_model_parallel_size {tp} must divide {name} {getattr(tiny, name)}",
+            getattr(shape, name) % tp == 0,
+            ("parallel.tensor_model_parallel_size", f"{where}.{name}"),
+            f"tensor_model_parallel_size {tp} must divide {name} {getattr(shape, name)}",
         )
     require(
-        tiny.num_layers % pp == 0,
-        ("parallel.pipeline_model_parallel_size", "model.tiny.num_layers"),
-        f"pipeline_model_parallel_size {pp} must divide num_layers {tiny.num_layers}",
+        shape.num_layers % pp == 0,
+        ("parallel.pipeline_model_parallel_size", f"{where}.num_layers"),
+        f"pipeline_model_parallel_size {pp} must divide num_layers {shape.num_layers}",
     )
     etp = cfg.generation.engine_tensor_parallel_size
     require(
-        tiny.num_attention_heads % etp == 0,
-        ("generation.engine_tensor_parallel_size", "model.tiny.num_attention_heads"),
-        f"engine_tensor_parallel_size {etp} must divide num_attention_heads {tiny.num_attention_heads}",
+        shape.num_attention_heads % etp == 0,
+        ("generation.engine_tensor_parallel_size", f"{where}.num_attention_heads"),
+        f"engine_tensor_parallel_size {etp} must divide num_attention_heads {shape.num_attention_heads}",
+    )
+    if where == "model.tiny":
+        return  # model.tiny's max_position_embeddings is checked with the model section (schema).
+    require(
+        cfg.model.seq_length <= shape.max_position_embeddings,
+        ("model.seq_length", f"{where}.max_position_embeddings"),
+        f"seq_length {cfg.model.seq_length} exceeds max_position_embeddings {shape.max_position_embeddings}",
+    )
+
+
+def check_features(cfg: Config, transformer_impl: str) -> None:
+    """SP and CP against what the layer implementation the trainer will use supports.
+
+    ``transformer_impl`` is resolved (``local``, ``transformer_engine``, ...); the table is
+    :data:`megagrpo.parallel.backends.IMPL_FEATURES`.
+    """
+    par = cfg.parallel
+    has = backends.IMPL_FEATURES.get(transformer_impl, frozenset())
+    require(
+        not par.sequence_parallel or "sequence_parallel" in has,
+        ("parallel.sequence_parallel", "parallel.transformer_impl"),
+        f"sequence_parallel is not supported by transformer_impl {transformer_impl!r} "
+        f"(resolved from {par.transformer_impl!r})",
+    )
+    require(
+        par.context_parallel_size == 1 or "context_parallel" in has,
+        ("parallel.context_parallel_size", "parallel.transformer_impl"),
+        f"context_parallel_size > 1 is not supported by transformer_impl {transformer_impl!r} "
+        f"(resolved from {par.transformer_impl!r})",
+    )
+
+
+def check_engine_share(cfg: Config) -> None:
+    """Every engine gets prompts: the driver gives each engine ceil(P / E) prompts of a step, in order."""
+    engines, prompts = cfg.generation.num_engines, cfg.grpo.num_prompts_per_step
+    used = -(-prompts // -(-prompts // engines))
+    require(
+        used == engines,
+        ("grpo.num_prompts_per_step", "generation.num_engines"),
+        f"{prompts} prompts per step over {engines} engines at ceil({prompts}/{engines}) each leave "
+        f"{engines - used} engine(s) without prompts",
     )
 
 

@@ -128,23 +128,28 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline parallel size (PP); must divide the number of layers."""
     context_parallel_size: int = 1
-    """Context parallel size (CP); > 1 needs Transformer Engine attention and grpo.loss_agg token
+    """Context parallel size (CP); > 1 needs transformer_impl transformer_engine and grpo.loss_agg token
     (sequences are padded, cut into 2 x CP chunks, and each rank scores its own two)."""
     expert_model_parallel_size: int = 1
     """Expert parallel size (EP); must stay 1 until MoE models are supported."""
     data_parallel_size: int = 1
     """Data parallel size (DP): replicas of the TP x PP x CP model; must divide policy.mini_batch_size."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (shards norms/dropout activations over TP); needs TP > 1."""
+    """Megatron sequence parallelism (shards norms/dropout activations over TP); needs TP > 1 and
+    transformer_impl torch or transformer_engine."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (Megatron's DistributedOptimizer)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; "auto" picks nccl when CUDA is available, else gloo."""
-    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
-    """Megatron layer implementation; "auto" picks transformer_engine when importable, else local."""
+    transformer_impl: Literal["auto", "local", "torch", "transformer_engine"] = "auto"
+    """Megatron layer implementation: "local" (Megatron's own, unfused attention), "torch" (PyTorch's
+    SDPA/varlen attention and fused RMSNorm), "transformer_engine"; "auto" picks transformer_engine when
+    importable, else torch (PyTorch >= 2.5), else local."""
     resolved_backend: Literal["gloo", "nccl"] = field(init=False, compare=False)
     """Not a key: backend with "auto" decided at load, by the process that loads the config."""
-    resolved_transformer_impl: Literal["local", "transformer_engine"] = field(init=False, compare=False)
+    resolved_transformer_impl: Literal["local", "torch", "transformer_engine"] = field(
+        init=False, compare=False
+    )
     """Not a key: transformer_impl with "auto" decided at load, by the process that loads the config."""
 
     def __post_init__(self) -> None:
@@ -199,9 +204,9 @@ class PolicyConfig:
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: hold lr, or decay it to min_lr over all optimizer steps of the run."""
     sequence_packing: Literal["auto", "off"] = "auto"
-    """"auto": with Transformer Engine layers, a micro-batch's sequences are laid end to end in one
-    row (THD, no padding; fused attention keeps them apart); "off", or with the local layers: right-
-    padded [batch, seq] micro-batches."""
+    """"auto": with the torch or Transformer Engine layers (and CP 1), a micro-batch's sequences are laid
+    end to end in one row (THD, no padding; the attention keeps them apart); "off", or with the local
+    layers: right-padded [batch, seq] micro-batches."""
     micro_batch_max_tokens: int = 8192
     """Token budget of one packed micro-batch (forward/backward); must fit one model.seq_length sequence."""
     mini_batch_size: int = 64
@@ -210,8 +215,9 @@ class PolicyConfig:
     """Tokens per chunk when turning logits into log-probs, bounding the float32 vocab-sized buffer."""
     recompute: Literal["none", "core_attention", "full"] = "none"
     """Activation recompute in the backward pass: "core_attention" keeps q/k/v and recomputes the
-    attention probabilities (Megatron's selective recompute; needed for long sequences on the local,
-    unfused attention), "full" keeps only each group of recompute_num_layers layers' input."""
+    attention (Megatron's selective recompute; needed for long sequences on the local, unfused
+    attention, little to gain with the fused ones), "full" keeps only each group of
+    recompute_num_layers layers' input."""
     recompute_num_layers: int = 1
     """With recompute "full": layers per recomputed group (uniform split of each pipeline stage)."""
 
@@ -543,3 +549,9 @@ class Config:
     def mini_batches_per_step(self) -> int:
         """Optimizer steps per GRPO step."""
         return self.rollouts_per_step // self.policy.mini_batch_size
+
+    @property
+    def packs_sequences(self) -> bool:
+        """Whether the policy's micro-batches are packed end to end (THD), with the layers this config
+        resolved to (``rules.packs_sequences``)."""
+        return rules.packs_sequences(self, self.parallel.resolved_transformer_impl)

@@ -6,5 +6,7 @@
 - ``mapping``: the declarative HF <-> Megatron parameter map (renames, QKV and gate/up transforms);
 - ``layout``: how a tensor is laid out over TP and PP ranks, and a stage's global parameter names;
 - ``builder``: the Megatron ``TransformerConfig``, layer spec and ``GPTModel`` stage;
+- ``torch_layers``: the ``torch`` layer spec (Megatron's local layer with PyTorch SDPA / varlen
+  attention and ``torch.nn.RMSNorm``);
 - ``description``: ``ModelDescription``, the model a job builds (architecture, shape, dtype, files).
 """

@@ -1,8 +1,10 @@
 """Build Megatron ``GPTModel`` stages from a ``TransformerConfig``.
 
-The layer spec is Transformer Engine's or Megatron's local one, as ``transformer_impl`` says ("auto",
-for callers without a config, is resolved by ``megagrpo.parallel.backends``). Each pipeline stage
-builds only its own layers; the first stage owns the embedding, the last the output layer.
+The layer spec is Transformer Engine's, ours on PyTorch's fused kernels (``torch_layers``) or
+Megatron's local one, as ``transformer_impl`` says ("auto", for callers without a config, is resolved
+by ``megagrpo.parallel.backends``). All three name their parameters alike (up to TE's fused norms,
+which ``mapping.canonical_name`` aliases). Each pipeline stage builds only its own layers; the first
+stage owns the embedding, the last the output layer.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megagrpo.models import torch_layers
 from megagrpo.models.layout import tp_partition_dim
 from megagrpo.models.mapping import canonical_name
 from megagrpo.models.shape import GPTShape, padded_vocab_size
@@ -89,14 +92,19 @@ def transformer_config(
     )
 
 
-def layer_spec(config, transformer_impl: str = "auto"):
+def layer_spec(config, transformer_impl: str = "auto", *, pp_rank: int = 0):
+    """What ``GPTModel`` takes as ``transformer_layer_spec`` for ``transformer_impl`` on pipeline stage
+    ``pp_rank`` (a layer spec; for the torch layers, the stage's block of layers and final norm)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if resolve_transformer_impl(transformer_impl, check_available=True) == "transformer_engine":
+    impl = resolve_transformer_impl(transformer_impl, check_available=True)
+    if impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    if impl == "torch":
+        return torch_layers.block_spec(config, pp_rank)
     return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
 
 
@@ -115,7 +123,7 @@ def build_gpt_model(
     tp = config.tensor_model_parallel_size
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, transformer_impl),
+        transformer_layer_spec=layer_spec(config, transformer_impl, pp_rank=pgs.pp.rank()),
         vocab_size=padded_vocab_size(shape.vocab_size, tp),
         max_sequence_length=shape.max_position_embeddings,
         pre_process=pre_process,

@@ -1,4 +1,5 @@
-"""The one place that turns ``"auto"`` into a torch.distributed backend or a Megatron layer implementation.
+"""The one place that turns ``"auto"`` into a torch.distributed backend or a Megatron layer implementation,
+and says what each layer implementation supports.
 
 ``megagrpo.config`` calls :func:`resolve_backend` and :func:`resolve_transformer_impl` once, when a
 config is loaded, and the loaded config carries the result (``cfg.parallel.resolved_backend``,
@@ -12,25 +13,41 @@ No torch import at module level: loading a config stays cheap unless ``"auto"`` 
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from typing import Literal
 
 __all__ = [
     "BACKENDS",
+    "IMPL_FEATURES",
     "TRANSFORMER_IMPLS",
     "cuda_available",
     "resolve_backend",
     "resolve_transformer_impl",
+    "torch_layers_available",
     "transformer_engine_available",
+    "weight_sync_backend",
 ]
 
 Backend = Literal["gloo", "nccl"]
-TransformerImpl = Literal["local", "transformer_engine"]
+TransformerImpl = Literal["local", "torch", "transformer_engine"]
 
 BACKENDS: tuple[Backend, ...] = ("gloo", "nccl")
 """Concrete torch.distributed backends ``parallel.backend`` may name besides ``"auto"``."""
-TRANSFORMER_IMPLS: tuple[TransformerImpl, ...] = ("local", "transformer_engine")
+TRANSFORMER_IMPLS: tuple[TransformerImpl, ...] = ("local", "torch", "transformer_engine")
 """Concrete Megatron layer implementations ``parallel.transformer_impl`` may name besides ``"auto"``."""
+
+IMPL_FEATURES: dict[str, frozenset[str]] = {
+    "local": frozenset(),  # Megatron's wrapper of torch's norms refuses SP; its attention takes no THD
+    "torch": frozenset({"sequence_parallel", "thd"}),  # no ring attention of our own: CP needs TE's
+    "transformer_engine": frozenset({"sequence_parallel", "context_parallel", "thd"}),
+}
+"""What each layer implementation supports beyond plain TP/PP/DP: ``sequence_parallel`` (Megatron SP),
+``context_parallel`` (CP ring attention), ``thd`` (packed variable-length attention). A new
+implementation adds its row here; the config checks and ``megagrpo plan`` read this table."""
+
+# The torch layers need torch.nn.functional.rms_norm (2.4) and SDPA's enable_gqa (2.5).
+_TORCH_LAYERS_MIN = (2, 5)
 
 
 def cuda_available() -> bool:
@@ -48,6 +65,19 @@ def transformer_engine_available() -> bool:
         return False
 
 
+def torch_layers_available() -> bool:
+    """Whether the installed PyTorch has what the ``torch`` layers call (read from its version, no import)."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= _TORCH_LAYERS_MIN
+
+
 def resolve_backend(name: str = "auto", *, check_available: bool = False) -> Backend:
     """``auto`` means NCCL when CUDA is available, gloo otherwise; other names are returned as they are.
 
@@ -63,16 +93,36 @@ def resolve_backend(name: str = "auto", *, check_available: bool = False) -> Bac
 
 
 def resolve_transformer_impl(name: str = "auto", *, check_available: bool = False) -> TransformerImpl:
-    """``auto`` means Transformer Engine when it is installed, Megatron's local modules otherwise.
+    """``auto`` means Transformer Engine when it is installed, else the ``torch`` layers (PyTorch's fused
+    kernels) when this PyTorch has them, else Megatron's local modules.
 
-    With ``check_available``, ``transformer_engine`` without Transformer Engine installed is an error.
+    With ``check_available``, a named implementation this machine lacks is an error.
     """
     if name == "auto":
-        return "transformer_engine" if transformer_engine_available() else "local"
+        if transformer_engine_available():
+            return "transformer_engine"
+        return "torch" if torch_layers_available() else "local"
     if name not in TRANSFORMER_IMPLS:
-        raise ValueError(f"parallel.transformer_impl must be auto, local or transformer_engine; got {name!r}")
+        raise ValueError(
+            f"parallel.transformer_impl must be auto, local, torch or transformer_engine; got {name!r}"
+        )
     if check_available and name == "transformer_engine" and not transformer_engine_available():
         raise ValueError(
             "parallel.transformer_impl='transformer_engine' but transformer_engine is not installed"
         )
+    if check_available and name == "torch" and not torch_layers_available():
+        raise ValueError(
+            "parallel.transformer_impl='torch' needs PyTorch >= "
+            f"{'.'.join(map(str, _TORCH_LAYERS_MIN))} (scaled_dot_product_attention with enable_gqa)"
+        )
     return name
+
+
+def weight_sync_backend(trainer_backend: str) -> Backend:
+    """The weight-sync transport: the trainer's backend, so NCCL with CUDA and gloo without.
+
+    ``trainer_backend`` is ``parallel.backend`` (``auto`` resolved here as above) or the already
+    resolved ``parallel.resolved_backend``. The trainer ranks' and the vLLM workers' GPUs exchange the
+    weights over NCCL where the trainer uses NCCL; gloo moves them through host memory and TCP.
+    """
+    return resolve_backend(trainer_backend)

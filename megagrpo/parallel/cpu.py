@@ -20,6 +20,11 @@ module redirects the CUDA surface to the CPU in one place:
 4. Megatron's optimizers (and gradient clipping) dispatch on ``tensor.type()`` strings such as
    ``"torch.cuda.FloatTensor"``; under the mode a CPU tensor reports the CUDA type name, which is
    the same statement as 1. made for type strings: "the CUDA device" is the CPU.
+5. The autograd engine runs backward passes without the caller's torch-function modes, so the
+   Python ``backward`` of Megatron's autograd functions would see no redirection: sequence
+   parallelism's reduce-scatter buffers are allocated there with ``torch.cuda.current_device()``.
+   ``torch.autograd.function.BackwardCFunction.apply`` (the engine's entry into a Python
+   ``backward``; torch 2.13) enters the mode around each call.
 
 Nothing here runs when CUDA is present: ``activate()`` returns ``False`` and changes nothing, so
 the GPU path is exactly upstream Megatron. Call it once per process, before building models
@@ -197,4 +202,18 @@ def activate() -> bool:
     # model construction (DDP buckets, pipeline receive buffers, optimizer state).
     _ACTIVE_MODE = _CudaToCpuMode()
     _ACTIVE_MODE.__enter__()
+    _redirect_python_backward()
     return True
+
+
+def _redirect_python_backward() -> None:
+    """Item 5 of the module docstring: Python ``backward`` methods run under the redirection too."""
+    from torch.autograd.function import BackwardCFunction
+
+    original = BackwardCFunction.apply
+
+    def apply(self, *args):
+        with _CudaToCpuMode():
+            return original(self, *args)
+
+    BackwardCFunction.apply = apply

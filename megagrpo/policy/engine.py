@@ -16,6 +16,7 @@ import torch
 from megagrpo.models.builder import build_gpt_model, transformer_config
 from megagrpo.models.shape import GPTShape
 from megagrpo.parallel import ParallelContext
+from megagrpo.parallel.backends import resolve_transformer_impl
 
 # (output_tensor of the last stage, micro-batch) -> (summed loss, token count, metrics to report)
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict]]
@@ -44,6 +45,7 @@ class TrainEngine:
     config: object  # megatron.core.transformer.TransformerConfig shared by model and schedule
     model: list  # [DistributedDataParallel]: one chunk (no virtual pipeline stages yet)
     optimizer: object  # megatron.core.optimizer.MegatronOptimizer
+    transformer_impl: str  # the layers built ("auto" resolved): local, torch or transformer_engine
 
     @property
     def module(self) -> torch.nn.Module:
@@ -69,6 +71,7 @@ def build_engine(
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    transformer_impl = resolve_transformer_impl(transformer_impl, check_available=True)
     sizes = ctx.sizes
     config = transformer_config(
         shape,
@@ -125,7 +128,14 @@ def build_engine(
     optimizer = get_megatron_optimizer(
         opt_config, [ddp], use_gloo_process_groups=False, pg_collection=ctx.pgs
     )
-    return TrainEngine(ctx=ctx, shape=shape, config=config, model=[ddp], optimizer=optimizer)
+    return TrainEngine(
+        ctx=ctx,
+        shape=shape,
+        config=config,
+        model=[ddp],
+        optimizer=optimizer,
+        transformer_impl=transformer_impl,
+    )
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -146,7 +156,8 @@ def forward_backward(
     """Run Megatron's schedule over ``micro_batches`` (each: tokens/position_ids [b, s] + extras).
 
     A micro-batch holding ``packed_seq_params`` (THD: b = 1, the sequences end to end) is run
-    without a mask; fused attention keeps its sequences apart by their boundaries.
+    without a mask; fused attention keeps its sequences apart by their boundaries. The torch layers
+    take no mask at all (causal by construction, no [s, s] tensor); the others get ``causal_mask``.
 
     Returns the metrics dicts of the last pipeline stage (empty list elsewhere). Gradients are
     accumulated into the DDP buffers and finalized (DP all-reduce, embedding tie, per-token
@@ -161,17 +172,14 @@ def forward_backward(
     seq_len = max(b["tokens"].shape[1] for b in batches)
     micro_batch_size = max(b["tokens"].shape[0] for b in batches)
     device = engine.ctx.device
+    takes_mask = engine.transformer_impl != "torch"
 
     def forward_step(data_iterator: Iterator[dict], model):
         batch = next(data_iterator)
         tokens = batch["tokens"].to(device)
         packed = batch.get("packed_seq_params")
-        output = model(
-            tokens,
-            batch["position_ids"].to(device),
-            None if packed is not None else causal_mask(tokens.shape[1], device),
-            packed_seq_params=packed,
-        )
+        mask = causal_mask(tokens.shape[1], device) if takes_mask and packed is None else None
+        output = model(tokens, batch["position_ids"].to(device), mask, packed_seq_params=packed)
         return output, lambda out: loss_fn(out, batch)
 
     if not forward_only:

@@ -94,10 +94,8 @@ class PolicyWorker(WeightSyncEndpoints):
             ParallelSizes.from_config(cfg.parallel), backend=cfg.parallel.backend, seed=cfg.grpo.seed + 1234
         )
         pol = cfg.policy
-        # THD micro-batches need fused attention (Transformer Engine) to keep sequences apart.
-        te_layers = cfg.parallel.resolved_transformer_impl == "transformer_engine"
-        # Context parallelism splits padded rows (TE's THD split over CP ranks is not wired up).
-        self.packed = pol.sequence_packing == "auto" and te_layers and cfg.parallel.context_parallel_size == 1
+        # THD micro-batches where the layers keep a row's sequences apart (torch, TE), without CP.
+        self.packed = cfg.packs_sequences
         settings = OptimizerSettings(
             lr=pol.lr,
             min_lr=pol.min_lr,
@@ -114,7 +112,7 @@ class PolicyWorker(WeightSyncEndpoints):
             self.model_info.shape,
             settings,
             dtype=self.model_info.dtype,
-            transformer_impl=cfg.parallel.transformer_impl,
+            transformer_impl=cfg.parallel.resolved_transformer_impl,
             sequence_parallel=cfg.parallel.sequence_parallel,
             initialize=not loads_weights,
             recompute=pol.recompute,

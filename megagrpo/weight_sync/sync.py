@@ -21,6 +21,7 @@ import ray
 import torch
 
 from megagrpo.config import Config
+from megagrpo.parallel.backends import weight_sync_backend
 from megagrpo.types import TrainBatch
 from megagrpo.weight_sync.buckets import Bucket, SentBuckets
 from megagrpo.weight_sync.trainer import WeightSyncEndpoints
@@ -62,10 +63,15 @@ def probe_sequences(
 
 
 class WeightSync:
-    def __init__(
-        self, cfg: Config, policy: RankGroup, engines: list, vocab_size: int, *, backend: str = "gloo"
-    ):
+    """Broadcast groups from the trainer's senders to every vLLM worker, over the trainer's backend.
+
+    The transport is :func:`~megagrpo.parallel.backends.weight_sync_backend` of
+    ``cfg.parallel.resolved_backend`` (NCCL with CUDA, gloo without), kept as ``self.backend``.
+    """
+
+    def __init__(self, cfg: Config, policy: RankGroup, engines: list, vocab_size: int):
         self.cfg, self.policy, self.engines = cfg, policy, engines
+        self.backend = backend = weight_sync_backend(cfg.parallel.resolved_backend)
         self.timeout_s = cfg.generation.sync_timeout_s
         bucket_bytes = int(cfg.generation.sync_bucket_mb * 2**20)
         stage_plans = [

@@ -14,6 +14,8 @@ from megagrpo.parallel.local import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
+TORCH_LAYERS = "parallel.transformer_impl=torch"
+
 
 def _one_step(rank: int, world_size: int, cfg) -> dict:
     from megagrpo.policy.worker import PolicyWorker
@@ -29,6 +31,7 @@ def _one_step(rank: int, world_size: int, cfg) -> dict:
             "metrics": metrics,
             "new": new,
             "recompute": worker.engine.config.recompute_granularity,
+            "packed": worker.packed,
         }
     finally:
         destroy_parallel()
@@ -58,8 +61,20 @@ def _rel(a: float, b: float) -> float:
         dict(dp=2, budget=SMALL_BUDGET),
         dict(tp=2, extra=("policy.recompute=full", "policy.recompute_num_layers=2")),
         dict(pp=2, extra=("policy.recompute=core_attention",)),
+        # The torch layers pack micro-batches (THD): packed == the padded local reference.
+        dict(tp=2, budget=SMALL_BUDGET, extra=(TORCH_LAYERS, "parallel.sequence_parallel=true")),
+        dict(pp=2, budget=SMALL_BUDGET, extra=(TORCH_LAYERS, "policy.recompute=core_attention")),
     ],
-    ids=["tp2-small", "tp2-large", "pp2-small", "dp2-small", "tp2-recompute-full", "pp2-recompute-attn"],
+    ids=[
+        "tp2-small",
+        "tp2-large",
+        "pp2-small",
+        "dp2-small",
+        "tp2-recompute-full",
+        "pp2-recompute-attn",
+        "tp2-sp-torch-packed",
+        "pp2-torch-packed-recompute-attn",
+    ],
 )
 def test_loss_and_grad_norm_do_not_depend_on_layout(layout, hf_dir, reference):
     results = run_local_ranks(_one_step, 2, policy_config(hf_dir, **layout), timeout_s=300)
@@ -68,6 +83,7 @@ def test_loss_and_grad_norm_do_not_depend_on_layout(layout, hf_dir, reference):
     want_recompute = next((granularity[e] for e in layout.get("extra", ()) if e in granularity), None)
     for res in results:
         assert res["recompute"] == want_recompute  # the knob reached Megatron
+        assert res["packed"] == (TORCH_LAYERS in layout.get("extra", ()))
         (got,) = res["metrics"]
         assert _rel(got.loss, want.loss) <= 1e-5, (got.loss, want.loss)
         assert _rel(got.grad_norm, want.grad_norm) <= 1e-5, (got.grad_norm, want.grad_norm)
@@ -158,9 +174,11 @@ def test_reference_policy_stays_at_initial_weights(hf_dir):
 def _packed_vs_padded(rank: int, world_size: int, cfg) -> dict:
     """Logprobs of the packed (THD) micro-batch through the TP=2 model vs the padded path.
 
-    Fused THD attention needs Transformer Engine; here the same packed row goes through Megatron's
-    local attention with the block-diagonal causal mask that THD boundaries mean. RoPE scores depend
-    only on relative positions, so each sequence sees what it sees alone.
+    Megatron's local attention takes no THD boundaries; here the same packed row goes through it with
+    the block-diagonal causal mask that THD boundaries mean, which checks the packing (positions,
+    targets, unpacking) apart from any attention kernel. RoPE scores depend only on relative
+    positions, so each sequence sees what it sees alone. (The torch layers' own THD attention is
+    checked through ``PolicyWorker.train`` above.)
     """
     from megagrpo.policy.worker import PolicyWorker
 

@@ -58,16 +58,25 @@ def _sampled_logprob_error(sync, group, engines, cfg) -> float:
     return worst
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(tp=2), dict(pp=2)], ids=["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(), dict(tp=2), dict(pp=2), dict(tp=2, layers="torch")],
+    ids=["tp1", "tp2", "pp2", "tp2-torch-layers"],
+)
 def test_engines_match_trainer_after_real_updates(layout, stack):
     from megagrpo.cluster import RankGroup
     from megagrpo.weight_sync.sync import WeightSync
 
     hf_dir, engines = stack
-    # Small buckets: several per stage, so double buffering and bucket order are exercised.
-    cfg = policy_config(
-        hf_dir, **layout, extra=["generation.sync_timeout_s=60", "generation.sync_bucket_mb=0.25"]
-    )
+    sizes = {k: v for k, v in layout.items() if k != "layers"}
+    # Small buckets: several per stage, so double buffering and bucket order are exercised. The torch
+    # layers (SDPA, packed micro-batches) send the same names and are probed the same way.
+    extra = [
+        "generation.sync_timeout_s=60",
+        "generation.sync_bucket_mb=0.25",
+        f"parallel.transformer_impl={layout.get('layers', 'local')}",
+    ]
+    cfg = policy_config(hf_dir, **sizes, extra=extra)
     group = RankGroup(cfg, PolicyWorker, timeout_s=300)
     try:
         for targets in (engines[:1], engines):

@@ -11,9 +11,23 @@ def test_auto_follows_what_this_process_has(monkeypatch):
     for cuda, want in ((True, "nccl"), (False, "gloo")):
         monkeypatch.setattr(backends, "cuda_available", lambda cuda=cuda: cuda)
         assert backends.resolve_backend("auto") == want
-    for te, want in ((True, "transformer_engine"), (False, "local")):
+    # Transformer Engine, then PyTorch's fused kernels (the torch layers), then Megatron's local modules.
+    for te, torch_layers, want in (
+        (True, True, "transformer_engine"),
+        (False, True, "torch"),
+        (False, False, "local"),
+    ):
         monkeypatch.setattr(backends, "transformer_engine_available", lambda te=te: te)
+        monkeypatch.setattr(backends, "torch_layers_available", lambda t=torch_layers: t)
         assert backends.resolve_transformer_impl("auto") == want
+
+
+def test_this_torch_has_the_torch_layers():
+    # torch 2.13 here: SDPA with enable_gqa and F.rms_norm, read from the version without importing torch.
+    import torch.nn.functional as F
+
+    assert backends.torch_layers_available()
+    assert hasattr(F, "rms_norm")
 
 
 def test_explicit_names_are_checked_only_where_they_are_used(monkeypatch):
@@ -27,12 +41,23 @@ def test_explicit_names_are_checked_only_where_they_are_used(monkeypatch):
         backends.resolve_transformer_impl("transformer_engine", check_available=True)
     assert backends.resolve_backend("gloo", check_available=True) == "gloo"
     assert backends.resolve_transformer_impl("local", check_available=True) == "local"
+    monkeypatch.setattr(backends, "torch_layers_available", lambda: False)
+    assert backends.resolve_transformer_impl("torch") == "torch"
+    with pytest.raises(ValueError, match=r"'torch' needs PyTorch >= 2\.5"):
+        backends.resolve_transformer_impl("torch", check_available=True)
+
+
+def test_layer_features_name_every_implementation():
+    assert set(backends.IMPL_FEATURES) == set(backends.TRANSFORMER_IMPLS)
+    assert backends.IMPL_FEATURES["local"] == frozenset()
+    assert backends.IMPL_FEATURES["torch"] == {"sequence_parallel", "thd"}  # CP needs TE's ring attention
+    assert backends.IMPL_FEATURES["transformer_engine"] == {"sequence_parallel", "context_parallel", "thd"}
 
 
 def test_unknown_names_are_refused():
     with pytest.raises(ValueError, match=r"parallel\.backend must be one of auto, nccl, gloo; got 'mpi'"):
         backends.resolve_backend("mpi")
-    impls = r"parallel\.transformer_impl must be auto, local or transformer_engine; got 'apex'"
+    impls = r"parallel\.transformer_impl must be auto, local, torch or transformer_engine; got 'apex'"
     with pytest.raises(ValueError, match=impls):
         backends.resolve_transformer_impl("apex")
 
@@ -43,3 +68,26 @@ def test_init_parallel_and_the_model_builder_use_this_resolver():
 
     assert groups.resolve_backend is backends.resolve_backend
     assert builder.resolve_transformer_impl is backends.resolve_transformer_impl
+
+
+def test_weight_sync_follows_the_trainer_backend(monkeypatch):
+    """NCCL with CUDA, gloo without: the sync transport is the trainer's backend, resolved in one place."""
+    for cuda, want in ((True, "nccl"), (False, "gloo")):
+        monkeypatch.setattr(backends, "cuda_available", lambda cuda=cuda: cuda)
+        assert backends.weight_sync_backend("auto") == want
+        assert backends.weight_sync_backend(backends.resolve_backend("auto")) == want
+    assert backends.weight_sync_backend("gloo") == "gloo"
+    assert backends.weight_sync_backend("nccl") == "nccl"
+
+
+def test_the_weight_sync_and_the_driver_use_this_choice():
+    import inspect
+
+    from megagrpo import driver
+    from megagrpo.weight_sync import sync
+
+    assert sync.weight_sync_backend is backends.weight_sync_backend
+    # No backend argument to override it: WeightSync reads the config's resolved trainer backend.
+    assert "backend" not in inspect.signature(sync.WeightSync.__init__).parameters
+    assert "weight_sync_backend(cfg.parallel.resolved_backend)" in inspect.getsource(sync.WeightSync.__init__)
+    assert "sync.backend" in inspect.getsource(driver.train)

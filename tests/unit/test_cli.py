@@ -30,7 +30,17 @@ def test_plan_validates_the_default(capsys):
     assert main(["plan"]) == 0
     out = capsys.readouterr().out
     assert "2 ranks = DP 1 x TP 2 x PP 1 x CP 1" in out
-    assert "config OK" in out
+    assert "local: sequence parallel no, context parallel no; micro-batches padded" in out
+    assert "plan OK" in out
+
+
+def test_plan_says_what_the_layers_support(capsys):
+    assert main(["plan", "parallel.transformer_impl=torch", "parallel.sequence_parallel=true"]) == 0
+    out = capsys.readouterr().out
+    assert "torch: sequence parallel yes, context parallel no" in out
+    assert "micro-batches packed end to end (THD)" in out
+    assert main(["plan", "parallel.transformer_impl=torch", 'policy.sequence_packing="off"']) == 0
+    assert "micro-batches padded" in capsys.readouterr().out
 
 
 def test_plan_reports_bad_override_by_key(capsys):

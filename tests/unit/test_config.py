@@ -239,6 +239,11 @@ def test_yaml_syntax_error_and_non_mapping_top_level(tmp_path):
             "not 'local'",
         ),
         (
+            ["parallel.context_parallel_size=2", "parallel.transformer_impl=torch"],
+            ["parallel.context_parallel_size", "parallel.transformer_impl"],
+            "needs transformer_impl 'transformer_engine', not 'torch'",
+        ),
+        (
             ["parallel.sequence_parallel=true", "parallel.tensor_model_parallel_size=1"],
             ["parallel.sequence_parallel"],
             "tensor_model_parallel_size > 1",
@@ -370,13 +375,25 @@ def test_context_parallel_auto_depends_on_transformer_engine(monkeypatch):
     monkeypatch.setattr(backends, "transformer_engine_available", lambda: False)
     msg = _error(overrides)
     assert "parallel.context_parallel_size" in msg
-    assert "transformer_engine is not importable" in msg
+    assert "'auto' resolves to 'torch' here: transformer_engine is not importable" in msg
     monkeypatch.setattr(backends, "transformer_engine_available", lambda: True)
     cfg = load_config(None, overrides)
     assert cfg.parallel.context_parallel_size == 2
     assert cfg.parallel.resolved_transformer_impl == "transformer_engine"
     msg = _error([*overrides, "grpo.loss_agg=sequence"])
     assert "grpo.loss_agg" in msg and "needs loss_agg 'token'" in msg
+
+
+def test_sequence_parallel_with_the_torch_layers_loads():
+    cfg = load_config(
+        None,
+        [
+            "parallel.sequence_parallel=true",
+            "parallel.tensor_model_parallel_size=2",
+            "parallel.transformer_impl=torch",
+        ],
+    )
+    assert cfg.parallel.sequence_parallel and cfg.parallel.resolved_transformer_impl == "torch"
 
 
 def test_context_parallel_needs_seq_length_divisible_by_2cp():
@@ -411,12 +428,12 @@ def test_auto_backend_and_layers_are_decided_once_at_load(monkeypatch):
     monkeypatch.setattr(backends, "cuda_available", lambda: True)
     monkeypatch.setattr(backends, "transformer_engine_available", lambda: False)
     cfg = load_config(None, overrides)
-    assert (cfg.parallel.resolved_backend, cfg.parallel.resolved_transformer_impl) == ("nccl", "local")
+    assert (cfg.parallel.resolved_backend, cfg.parallel.resolved_transformer_impl) == ("nccl", "torch")
     # What another process (a rank) would probe does not change the loaded config, which travels pickled.
     monkeypatch.setattr(backends, "cuda_available", lambda: False)
     monkeypatch.setattr(backends, "transformer_engine_available", lambda: True)
     back = pickle.loads(pickle.dumps(cfg))
-    assert (back.parallel.resolved_backend, back.parallel.resolved_transformer_impl) == ("nccl", "local")
+    assert (back.parallel.resolved_backend, back.parallel.resolved_transformer_impl) == ("nccl", "torch")
     # Not keys: a saved config keeps "auto", and loading it decides again.
     saved = config_to_dict(cfg)["parallel"]
     assert (saved["backend"], saved["transformer_impl"]) == ("auto", "auto")

@@ -1,5 +1,6 @@
 """--config lookup: an existing file, else a config shipped in the package by name, else one clear error."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,25 @@ def test_load_config_takes_a_packaged_name(tmp_path, monkeypatch):
 
 def test_cli_plan_with_a_packaged_name_and_a_missing_config(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert main(["plan", "--config", "deepscaler/8k"]) == 0
+    # The packaged config's model.hf_dir is a placeholder: the plan needs a config.json for the shape.
+    assert main(["plan", "--config", "deepscaler/8k"]) == 1
+    assert (
+        "model.hf_dir: /path/to/DeepSeek-R1-Distill-Qwen-1.5B/config.json not found"
+        in capsys.readouterr().err
+    )
+    shape = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 131072,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    hf = ["--hf-config", str(tmp_path / "config.json"), "--transformer-engine", "yes"]
+    assert main(["plan", "--config", "deepscaler/8k", *hf]) == 0
     assert "run            deepscaler-8k" in capsys.readouterr().out
     assert main(["plan", "--config", "does-not-exist"]) == 1
     err = capsys.readouterr().err

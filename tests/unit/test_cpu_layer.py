@@ -50,6 +50,21 @@ def _probe_redirection(rank: int, world_size: int) -> dict:
     out["outer_preserved"] = torch.equal(torch.rand(3), outer_expected)
     torch.manual_seed(123)
     out["fork_uses_its_seed"] = torch.equal(inside, torch.rand(3))
+
+    # A Python backward (run by the autograd engine, outside the caller's modes) is redirected too.
+    class CudaBufferInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, grad):
+            buffer = torch.empty(grad.shape, device=torch.cuda.current_device())
+            return buffer.copy_(grad) * 2
+
+    x = torch.ones(3, requires_grad=True)
+    CudaBufferInBackward.apply(x).sum().backward()
+    out["backward_grad"] = x.grad.tolist()
     return out
 
 
@@ -68,6 +83,7 @@ def test_cpu_redirection_in_fresh_process():
     assert res["cuda_seed_reproducible"]
     assert res["outer_preserved"]
     assert res["fork_uses_its_seed"]
+    assert res["backward_grad"] == [2.0, 2.0, 2.0]
 
 
 def test_this_process_is_untouched_by_import():

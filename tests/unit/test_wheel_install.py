@@ -7,6 +7,7 @@ real commands; none of them is imported by `plan`), but not this environment's e
 .pth line only adds a directory to sys.path, the .pth files inside it (the editable finder's) are not run.
 """
 
+import json
 import os
 import shutil
 import site
@@ -84,10 +85,22 @@ print(*(importlib.util.find_spec(m) is not None for m in ("torch", "megatron.cor
 def test_plan_from_outside_the_checkout(venv, env, tmp_path):
     megagrpo = venv / "bin" / "megagrpo"
     done = _run([megagrpo, "plan"], cwd=tmp_path, env=env)
-    assert "run            tiny-cpu" in done.stdout and "config OK" in done.stdout
+    assert "run            tiny-cpu" in done.stdout and "plan OK" in done.stdout
 
+    shape = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 131072,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    hf = ["--hf-config", "config.json", "--transformer-engine", "yes"]
     done = _run(
-        [megagrpo, "plan", "--config", "deepscaler/8k", "grpo.num_generations=4"], cwd=tmp_path, env=env
+        [megagrpo, "plan", "--config", "deepscaler/8k", *hf, "grpo.num_generations=4"], cwd=tmp_path, env=env
     )
     assert "run            deepscaler-8k" in done.stdout
     assert "128 prompts x 4 = 512 rollouts" in done.stdout

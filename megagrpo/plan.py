@@ -1,0 +1,334 @@
+"""``megagrpo plan``: a run's layout checked against its model shape; per-rank memory and sync traffic.
+
+Reads the shape from ``model.hf_dir``'s config.json (or a given config.json; no weights), applies the
+shape and layer-feature rules of :mod:`megagrpo.config.rules` with ``auto`` resolved as the runtime
+resolves it (:mod:`megagrpo.parallel.backends`; ``--transformer-engine yes|no`` states what the trainer's
+machines have instead of this one), and estimates, per trainer rank of each pipeline stage: weights,
+fp32 gradients (``grad_reduce_in_fp32``), Adam states with fp32 master weights (divided over DP with the
+distributed optimizer), activations for ``policy.recompute`` at ``policy.micro_batch_max_tokens``
+(Korthikanti et al., 2022, "Reducing Activation Recomputation in Large Transformer Models": 34 s b h
+bytes per layer with selective recompute; the local implementation's unfused attention adds its fp32
+[heads, s, s] probabilities), the logits and the chunked log-prob buffers on the last stage; per engine
+worker: weights + KV cache for ``model.seq_length`` at the engine's concurrency; and the bytes each
+sender puts on each link per sync (the gathered path: TP rank 0 of each stage broadcasts its stage).
+These are estimates, calibrated in ``benchmarks/plan_calibration.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megagrpo.config import rules
+from megagrpo.config.errors import ConfigError
+from megagrpo.parallel import backends
+
+if TYPE_CHECKING:
+    from megagrpo.config import Config
+    from megagrpo.models.shape import GPTShape
+
+__all__ = ["Plan", "make_plan", "read_shape"]
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+VLLM_MAX_NUM_SEQS = 256
+"""vLLM's default cap on sequences an engine decodes at once (the plan's engine concurrency bound)."""
+
+
+@dataclass
+class RankMemory:
+    stage: int
+    params: int
+    weights: int
+    grads: int
+    optimizer: int
+    optimizer_without_distributed: int
+    activations: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+
+
+@dataclass
+class Plan:
+    world_size: int
+    gpus: int
+    gpu_memory_bytes: int
+    transformer_impl: str
+    backend: str
+    params: int
+    ranks: list[RankMemory]
+    engine_worker_bytes: dict[str, int]
+    sync: dict[str, float]
+    errors: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        for r, rm in zip(d["ranks"], self.ranks, strict=True):
+            r["total"] = rm.total
+        return json.dumps(d, indent=2)
+
+
+def read_shape(cfg: Config, hf_config: str | None) -> tuple[GPTShape, str]:
+    """The model's shape from ``hf_config`` or ``model.hf_dir``'s config.json (or ``model.tiny``)."""
+    from megagrpo.models.description import describe_model
+    from megagrpo.models.registry import shape_from_hf_config
+
+    if hf_config is not None:
+        path = Path(hf_config)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError((), f"--hf-config {path}: {err}") from None
+        return shape_from_hf_config(data, str(path))[1], str(path)
+    if cfg.model.tiny is not None:
+        return describe_model(cfg).shape, "model.tiny"
+    config_json = Path(cfg.model.hf_dir) / "config.json"
+    if not config_json.is_file():
+        raise ConfigError(
+            "model.hf_dir",
+            f"{config_json} not found: the plan reads the model's shape from it (or pass --hf-config FILE)",
+        )
+    return describe_model(cfg).shape, str(config_json)
+
+
+def _layer_params(s: GPTShape) -> int:
+    d, a, g, h, f = s.head_dim, s.num_attention_heads, s.num_query_groups, s.hidden_size, s.ffn_hidden_size
+    qkv = h * (a + 2 * g) * d + ((a + 2 * g) * d if s.qkv_bias else 0)
+    return qkv + a * d * h + 3 * h * f + 2 * h
+
+
+def _stage_params(s: GPTShape, pp: int, stage: int) -> int:
+    from megagrpo.models.shape import padded_vocab_size
+
+    embed = padded_vocab_size(s.vocab_size) * s.hidden_size
+    n = _layer_params(s) * s.num_layers // pp
+    if stage == 0:
+        n += embed
+    if stage == pp - 1:
+        n += s.hidden_size + (embed if (not s.tie_word_embeddings or pp > 1) else 0)
+    return n
+
+
+def _activations(cfg: Config, s: GPTShape, impl: str, stage: int) -> int:
+    """Activation bytes a rank of ``stage`` keeps for backward at its peak.
+
+    Per token and layer, counted as Korthikanti et al. (2022) count them but for a gated MLP and
+    grouped-query attention, in the model's dtype and without dropout: the two norms' inputs and the
+    residual (not split over TP without SP), the QKV, projection and fc1 inputs (h each), q/k/v
+    ((heads + 2 groups) x head_dim), fc1's output (2 ffn) and the gated activation's (ffn). An unfused
+    attention (an implementation without ``thd`` in IMPL_FEATURES) also materialises fp32 scores and
+    probabilities and their gradients, 16 bytes per [head, query, key] element; with core-attention
+    recompute only one layer's are alive at a time. 1F1B keeps ``pp - stage`` micro-batches in flight.
+    """
+    par, pol = cfg.parallel, cfg.policy
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    wb = DTYPE_BYTES[cfg.model.dtype]
+    tokens = pol.micro_batch_max_tokens // cp
+    seq = min(cfg.model.seq_length, pol.micro_batch_max_tokens) // cp
+    h, layers = s.hidden_size, s.num_layers // pp
+    qkv = (s.num_attention_heads + 2 * s.num_query_groups) * s.head_dim
+    split = 3 * h + qkv + 3 * s.ffn_hidden_size  # split over TP
+    unsplit = 2 * h  # the norms' inputs: split over TP only with sequence parallelism
+    per_token = wb * (split + unsplit) / tp if par.sequence_parallel else wb * (split / tp + unsplit)
+    unfused = "thd" not in backends.IMPL_FEATURES.get(impl, frozenset())
+    attn_core = 16 * (s.num_attention_heads / tp) * seq * tokens if unfused else 0
+    in_flight = pp - stage
+    if pol.recompute == "none":
+        return int(in_flight * layers * (per_token * tokens + attn_core))
+    if pol.recompute == "core_attention":
+        return int(in_flight * layers * per_token * tokens + attn_core)
+    # full: each group's input kept, one group's activations alive in its backward
+    groups = math.ceil(layers / pol.recompute_num_layers)
+    kept = wb * h * tokens / (tp if par.sequence_parallel else 1)
+    return int(in_flight * groups * kept + pol.recompute_num_layers * (per_token * tokens + attn_core))
+
+
+def _logits(cfg: Config, s: GPTShape, stage: int) -> int:
+    par = cfg.parallel
+    if stage != par.pipeline_model_parallel_size - 1:
+        return 0
+    from megagrpo.models.shape import padded_vocab_size
+
+    vocab = padded_vocab_size(s.vocab_size) // par.tensor_model_parallel_size
+    tokens = cfg.policy.micro_batch_max_tokens // par.context_parallel_size
+    out = DTYPE_BYTES[cfg.model.dtype] * tokens * vocab * 2  # logits and their gradient
+    return int(out + 3 * 4 * cfg.policy.logprob_chunk_size * vocab)  # fp32 chunk, softmax, grad
+
+
+def make_plan(
+    cfg: Config,
+    shape: GPTShape,
+    where: str,
+    *,
+    gpu_memory_gib: float = 80.0,
+    link_gbps: float = 100.0,
+    transformer_engine: bool | None = None,
+) -> Plan:
+    """Check ``cfg`` against ``shape`` and estimate memory and sync traffic (see the module docstring)."""
+    par, gen = cfg.parallel, cfg.generation
+    impl = par.resolved_transformer_impl
+    if par.transformer_impl == "auto" and transformer_engine is not None:
+        # as backends.resolve_transformer_impl resolves "auto" on the trainer's machines
+        if transformer_engine:
+            impl = "transformer_engine"
+        else:
+            impl = "torch" if backends.torch_layers_available() else "local"
+    errors = []
+    for rule in (
+        lambda: rules.check_shape(cfg, shape, where),
+        lambda: rules.check_features(cfg, impl),
+        lambda: rules.check_engine_share(cfg),
+    ):
+        try:
+            rule()
+        except ConfigError as err:
+            errors.append(str(err))
+    tp, pp, dp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.data_parallel_size
+    wb = DTYPE_BYTES[cfg.model.dtype]
+    opt_per_param = 8 + (4 if wb < 4 else 0)  # Adam m, v (+ fp32 master weights)
+    ranks = []
+    for stage in range(pp):
+        n = math.ceil(_stage_params(shape, pp, stage) / tp)
+        full_opt = n * opt_per_param
+        ranks.append(
+            RankMemory(
+                stage=stage,
+                params=n,
+                weights=n * wb,
+                grads=n * 4,
+                optimizer=math.ceil(full_opt / dp) if par.use_distributed_optimizer else full_opt,
+                optimizer_without_distributed=full_opt,
+                activations=_activations(cfg, shape, impl, stage),
+                logits=_logits(cfg, shape, stage),
+            )
+        )
+    params = _stage_params(shape, 1, 0)  # the whole model as one stage
+    etp = gen.engine_tensor_parallel_size
+    kv_per_token = 2 * shape.num_layers * shape.num_query_groups * shape.head_dim * wb / etp
+    per_engine = math.ceil(cfg.rollouts_per_step / gen.num_engines)
+    concurrency = min(per_engine, VLLM_MAX_NUM_SEQS)
+    engine = {
+        "weights": int(params * wb / etp),
+        "kv_cache": int(kv_per_token * cfg.model.seq_length * concurrency),
+        "concurrency": concurrency,
+        "claimed": int(gen.gpu_memory_utilization * gpu_memory_gib * GIB),
+    }
+    stage_bytes = [math.ceil(_stage_params(shape, pp, s) * wb) for s in range(pp)]
+    sender = max(stage_bytes)
+    sync = {
+        "senders": pp,
+        "receivers": gen.num_engines * etp,
+        "bytes_per_sender": sender,
+        "bytes_per_link": sender,  # a ring/tree broadcast carries each byte once per link
+        "total_bytes": sum(stage_bytes),
+        "link_gbps": link_gbps,
+        "est_seconds": sender * 8 / (link_gbps * 1e9),
+    }
+    gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    mem = int(gpu_memory_gib * GIB)
+    plan = Plan(par.world_size, gpus, mem, impl, par.resolved_backend, params, ranks, engine, sync, errors)
+    colocated = gen.placement == "colocated"
+    for r in ranks:
+        if r.total > mem:
+            errors.append(
+                f"trainer ranks of pipeline stage {r.stage} need {r.total / GIB:.1f} GiB, "
+                f"{(r.total - mem) / GIB:.1f} GiB more than the {gpu_memory_gib:g} GiB per GPU "
+                "(parallel.*, policy.micro_batch_max_tokens, policy.recompute)"
+            )
+    need = engine["weights"] + engine["kv_cache"]
+    if need > engine["claimed"]:
+        errors.append(
+            f"each engine worker needs {need / GIB:.1f} GiB (weights + KV cache for {concurrency} "
+            f"sequences of {cfg.model.seq_length}) but generation.gpu_memory_utilization "
+            f"{gen.gpu_memory_utilization} "
+            f"gives it {engine['claimed'] / GIB:.1f} GiB: {(need - engine['claimed']) / GIB:.1f} GiB short "
+            "(vLLM would run fewer sequences at once)"
+        )
+    if colocated:  # the engines wake up next to the trainer's weights, gradients and optimizer states
+        static = max(r.weights + r.grads + r.optimizer for r in ranks)
+        if static + engine["claimed"] > mem:
+            errors.append(
+                f"colocated: trainer states {static / GIB:.1f} GiB + the engine's "
+                f"generation.gpu_memory_utilization {gen.gpu_memory_utilization} x {gpu_memory_gib:g} GiB "
+                f"exceed the GPU by {(static + engine['claimed'] - mem) / GIB:.1f} GiB"
+            )
+    return plan
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.1f}G" if n >= GIB / 10 else f"{n / 2**20:.1f}M"
+
+
+def render(plan: Plan, cfg: Config) -> None:
+    """Print the run's layout and ``plan`` as tables (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=120, highlight=False)
+    par, gen, grpo = cfg.parallel, cfg.generation, cfg.grpo
+    model = f"tiny {cfg.model.arch}" if cfg.model.tiny else f"HF {cfg.model.hf_dir}"
+    con.print(f"run            {cfg.run_name}")
+    con.print(
+        f"model          {model}, {plan.params / 1e9:.2f}B parameters, {cfg.model.dtype}, "
+        f"seq_length {cfg.model.seq_length}"
+    )
+    con.print(
+        f"trainer        {par.world_size} ranks = DP {par.data_parallel_size} x TP "
+        f"{par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x CP "
+        f"{par.context_parallel_size}; backend {plan.backend}; layers {plan.transformer_impl}"
+    )
+    has = backends.IMPL_FEATURES.get(plan.transformer_impl, frozenset())
+    con.print(
+        f"layers         {plan.transformer_impl}: sequence parallel "
+        f"{'yes' if 'sequence_parallel' in has else 'no'}, context parallel "
+        f"{'yes' if 'context_parallel' in has else 'no'}; micro-batches "
+        f"{'packed end to end (THD)' if rules.packs_sequences(cfg, plan.transformer_impl) else 'padded'}"
+    )
+    con.print(
+        f"rollout        {gen.num_engines} vLLM engine(s) x TP {gen.engine_tensor_parallel_size}, "
+        f"{gen.placement}; {plan.gpus} GPUs of {plan.gpu_memory_bytes / GIB:g} GiB"
+    )
+    con.print(
+        f"step           {grpo.num_prompts_per_step} prompts x {grpo.num_generations} = "
+        f"{cfg.rollouts_per_step} rollouts, {cfg.mini_batches_per_step} optimizer step(s) of "
+        f"{cfg.policy.mini_batch_size}"
+    )
+    t = Table(
+        title=f"Trainer: {plan.world_size} ranks, {plan.transformer_impl}, {plan.backend} (bytes per rank)"
+    )
+    for col in (
+        "stage",
+        "params",
+        "weights",
+        "grads",
+        "optimizer",
+        "optim. w/o dist.",
+        "activations",
+        "logits",
+        "total",
+    ):
+        t.add_column(col, justify="right")
+    for r in plan.ranks:
+        g = (r.weights, r.grads, r.optimizer, r.optimizer_without_distributed, r.activations, r.logits)
+        t.add_row(str(r.stage), f"{r.params / 1e6:.1f}M", *map(_size, (*g, r.total)))
+    con.print(t)
+    e = plan.engine_worker_bytes
+    con.print(
+        f"engine worker: weights {_size(e['weights'])} + KV cache {_size(e['kv_cache'])} "
+        f"({e['concurrency']} sequences) of {_size(e['claimed'])} claimed"
+    )
+    s = plan.sync
+    con.print(
+        f"weight sync: {s['senders']} sender(s) -> {s['receivers']} vLLM workers, "
+        f"{_size(s['bytes_per_sender'])} per sender and per link, ~{s['est_seconds']:.2f} s at "
+        f"{s['link_gbps']:g} Gb/s"
+    )
+    for err in plan.errors:
+        con.print(f"[red]error:[/red] {err}")
+    con.print("plan OK" if not plan.errors else f"{len(plan.errors)} problem(s)")
