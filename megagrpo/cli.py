@@ -91,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     p = sub.add_parser("export", help="Megatron checkpoint -> HF directory (safetensors, config, tokenizer)")
-    p.add_argument("--ckpt", required=True, help="megagrpo checkpoint directory (from hf_to_megatron)")
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        help="megagrpo checkpoint directory (from hf_to_megatron, or a run's step_N/, verified first)",
+    )
     p.add_argument("--out", required=True, help="HF output directory (must not exist)")
     p.add_argument(
         "--max-shard-size",
@@ -185,6 +189,8 @@ def _print_validation(command: str, first: dict, last: dict) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from megagrpo.ckpt.run import CheckpointWriteError
+    from megagrpo.cluster import FAULT_EXIT, RunFault
     from megagrpo.driver import train
 
     cfg = _load(args)
@@ -192,13 +198,28 @@ def _train(args: argparse.Namespace) -> int:
         train(cfg, resume=args.resume)
     except KeyboardInterrupt:
         return 130
+    except RunFault as err:
+        # A supervisor (launch/supervise.sh) relaunches with --resume on this status.
+        print(f"megagrpo train: stopped: {err}", file=sys.stderr)
+        return FAULT_EXIT
+    except CheckpointWriteError as err:
+        print(f"megagrpo train: stopped: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megagrpo.ckpt import manifest
     from megagrpo.ckpt.convert import megatron_to_hf
 
     try:
+        ckpt = Path(args.ckpt)
+        if (ckpt / manifest.MANIFEST_NAME).is_file() or (ckpt / "driver_state.json").is_file():
+            # A run checkpoint (step_N/) is exported only once every file matches its manifest.
+            nbytes = manifest.verify(ckpt)
+            print(f"verified {ckpt}: {nbytes / 1e6:.1f} MB match {manifest.MANIFEST_NAME}")
         out = megatron_to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, in_process=True)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"megagrpo export: error: {err}", file=sys.stderr)

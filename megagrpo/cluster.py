@@ -13,20 +13,32 @@ The controller talks to the group, never to a single rank, and names methods by 
   shared copy; each rank then selects its own data-parallel shard.
 
 vLLM engines are single Ray actors of ``GenerationWorker`` (or a subclass), called as
-``engine.generate.remote(...)``.
+``engine.generate.remote(...)``; ``EnginePool`` holds a run's engines and replaces one that dies or
+stops answering (restarted on its placement, weights re-synced, probe re-run, its requests re-run
+with the same seeds), up to ``generation.max_engine_restarts`` in a window of steps.
+
+Faults end a run with a ``RunFault`` naming what failed (a policy rank and its node, an engine and
+its last error); ``megagrpo train`` exits with status 75 (``FAULT_EXIT``) on one, which the
+supervisor in ``launch/`` answers with a relaunch under ``--resume``. A local Ray listens on
+127.0.0.1 only (``compat.ray_loopback``) and does not outlive its driver (``megagrpo.local_ray``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megagrpo import local_ray
+from megagrpo.compat.ray_loopback import local_ray_on_loopback
 from megagrpo.config import ClusterConfig, Config
 
 if TYPE_CHECKING:
@@ -34,6 +46,32 @@ if TYPE_CHECKING:
 
 # Fraction of a GPU a trainer rank reserves under colocated placement; its engine takes the rest.
 COLOCATED_SHARE = 0.5
+
+# Exit status of a run stopped by a fault that ``--resume`` continues from (EX_TEMPFAIL).
+FAULT_EXIT = 75
+
+# Environment of every Ray worker of a local run: process groups on the loopback interface.
+_LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+class RunFault(RuntimeError):
+    """A fault that stopped the run (a policy rank lost, engines failing past their restarts);
+    the latest checkpoint continues it (``--resume``)."""
+
+
+class RankFailure(RunFault):
+    """A rank of a RankGroup died or did not answer in time; the message names it and its node."""
+
+
+class EngineFailure(RunFault):
+    """An engine failed once more than ``generation.max_engine_restarts`` allow."""
+
+    def __init__(self, message: str, engine: int):
+        super().__init__(message)
+        self.engine = engine
+
+
+_local_session: tuple[Path, Any] | None = None  # (session dir, watchdog) of the Ray this process started
 
 
 def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Config | None = None) -> None:
@@ -54,14 +92,30 @@ def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Confi
     }
     if cluster.ray_address:
         ray.init(address=cluster.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
-    else:
-        ray.init(
+        return
+    env |= {k: v for k, v in _LOOPBACK_ENV.items() if k not in os.environ}
+    with local_ray_on_loopback():
+        context = ray.init(
             num_cpus=num_cpus or os.cpu_count(),
             num_gpus=cluster.gpus_per_node or None,
             include_dashboard=False,
             runtime_env={"env_vars": env},
             log_to_driver=True,
         )
+    global _local_session
+    session = Path(context.address_info["session_dir"])
+    _local_session = (session, local_ray.claim(session))
+    for swept in local_ray.sweep_orphans(session.parent):
+        print(f"stopped the processes left by {swept}, the local Ray of a driver that was killed")
+
+
+def shutdown_ray() -> None:
+    """``ray.shutdown``; a local Ray's watchdog is dismissed (its session ended cleanly)."""
+    global _local_session
+    ray.shutdown()
+    if _local_session is not None:
+        local_ray.release(*_local_session)
+        _local_session = None
 
 
 @ray.remote
@@ -75,6 +129,10 @@ class RankActor:
         from megagrpo.parallel.local import free_port
 
         return ray.util.get_node_ip_address(), free_port()
+
+    def node(self) -> str:
+        """Where this rank runs: node address and process id."""
+        return f"{ray.util.get_node_ip_address()} (pid {os.getpid()})"
 
     def setup(
         self, worker_cls: type, cfg: Config, rank: int, world_size: int, master: tuple[str, int]
@@ -108,6 +166,7 @@ class RankGroup:
                 f"RankGroup needs the worker class itself (e.g. PolicyWorker), got {worker_cls!r}"
             )
         self.worker_cls = worker_cls
+        self.name = name
         self.world_size = cfg.parallel.world_size
         self.timeout_s = timeout_s
         gpus = cfg.cluster.gpus_per_node > 0
@@ -119,6 +178,7 @@ class RankGroup:
             bundle["CPU"] += cfg.cluster.cpus_per_worker  # room for the engine sharing the bundle
         self.pg = placement_group([bundle] * self.world_size, strategy="PACK", name=f"megagrpo-{name}")
         ray.get(self.pg.ready(), timeout=timeout_s)
+        self.nodes = ["?"] * self.world_size  # filled in once the actors answer
         self.actors = [
             RankActor.options(
                 num_cpus=cfg.cluster.cpus_per_worker,
@@ -132,6 +192,7 @@ class RankGroup:
             for rank in range(self.world_size)
         ]
         master = ray.get(self.actors[0].address.remote(), timeout=timeout_s)
+        self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=timeout_s)
         self._get(
             [
                 a.setup.remote(worker_cls, cfg, rank, self.world_size, master)
@@ -141,17 +202,38 @@ class RankGroup:
 
     def _get(self, refs: list) -> list:
         # One failed rank usually leaves the others waiting in a collective: report the first
-        # failure (with its traceback) instead of waiting for all of them.
+        # failure (with its traceback) instead of waiting for all of them. A rank that died or
+        # does not answer is a RankFailure naming it and its node.
         pending, results = list(refs), {}
         deadline = time.monotonic() + self.timeout_s
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
-                raise TimeoutError(
-                    f"{len(pending)} of {len(refs)} ranks did not answer within {self.timeout_s:.0f}s"
+                silent = ", ".join(f"rank {refs.index(r)} on {self.nodes[refs.index(r)]}" for r in pending)
+                raise RankFailure(
+                    f"{len(pending)} of {len(refs)} {self.name} ranks did not answer within "
+                    f"{self.timeout_s:.0f}s: {silent}"
                 )
-            results[done[0]] = ray.get(done[0])
+            try:
+                results[done[0]] = ray.get(done[0])
+            except ray.exceptions.RayActorError as err:
+                raise self._died(refs, done[0], err) from err
+            except ray.exceptions.RayTaskError as err:
+                # A rank whose peer died fails in its next collective: name the dead one instead.
+                ready, _ = ray.wait(pending, num_returns=len(pending), timeout=5.0)
+                for ref in ready:
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayActorError as dead:
+                        raise self._died(refs, ref, dead) from err
+                    except Exception:  # the first error is the one raised
+                        continue
+                raise
         return [results[r] for r in refs]
+
+    def _died(self, refs: list, ref, err: BaseException) -> RankFailure:
+        rank = refs.index(ref)
+        return RankFailure(f"{self.name} rank {rank} on {self.nodes[rank]} died: {_first_line(err)}")
 
     def submit_all(self, method: Callable, *args: Any, **kwargs: Any) -> list:
         """Start ``method`` on every rank; returns the pending results (see ``wait``)."""
@@ -192,6 +274,12 @@ def method_name(worker_cls: type, method: Callable) -> str:
     return name
 
 
+def _first_line(err: BaseException) -> str:
+    """An error's message without the traceback Ray appends."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def _is_large(value: Any) -> bool:
     import dataclasses
 
@@ -209,12 +297,14 @@ def start_engines(
     policy: RankGroup | None = None,
     engine_cls: type[GenerationWorker] | None = None,
     timeout_s: float = 600.0,
+    indices: Sequence[int] | None = None,
 ) -> list:
     """``generation.num_engines`` vLLM engines as Ray actors (started in parallel, returned when ready).
 
     Each is an ``engine_cls(cfg, model_dir, index)`` (default ``GenerationWorker``). Colocated
     placement puts engine ``i`` in the policy's bundle ``i`` (sharing that rank's GPU);
-    disaggregated engines get devices of their own.
+    disaggregated engines get devices of their own. ``indices``: start only these engines (a
+    replacement starts where the engine it replaces was placed).
     """
     if engine_cls is None:
         from megagrpo.generation.worker import GenerationWorker
@@ -225,7 +315,7 @@ def start_engines(
     if colocated and (policy is None or cfg.generation.num_engines > policy.world_size):
         raise ValueError("colocated placement needs the policy group and at most one engine per trainer rank")
     engines = []
-    for index in range(cfg.generation.num_engines):
+    for index in range(cfg.generation.num_engines) if indices is None else indices:
         options: dict = {"num_cpus": cfg.cluster.cpus_per_worker}
         if colocated:
             options["num_gpus"] = 1 - COLOCATED_SHARE
@@ -243,3 +333,98 @@ def start_engines(
     if pending:
         raise TimeoutError(f"{len(pending)} vLLM engine(s) did not start within {timeout_s:.0f}s")
     return engines
+
+
+class RestartBudget:
+    """At most ``max_restarts`` restarts within any ``window_steps`` consecutive GRPO steps (0: the
+    whole run)."""
+
+    def __init__(self, max_restarts: int, window_steps: int):
+        self.max_restarts, self.window_steps = max_restarts, window_steps
+        self.steps: deque[int] = deque()
+
+    def take(self, step: int) -> bool:
+        """Count a restart at ``step`` if one more is allowed; False (nothing counted) if not."""
+        while self.window_steps and self.steps and self.steps[0] <= step - self.window_steps:
+            self.steps.popleft()
+        if len(self.steps) >= self.max_restarts:
+            return False
+        self.steps.append(step)
+        return True
+
+
+class EnginePool:
+    """A run's vLLM engines and their weight sync; an engine that dies or does not answer in time is
+    replaced.
+
+    ``start(indices)`` starts the engines at those indices on their placements (``start_engines``);
+    ``connect(engines)`` forms the weight-sync groups with them (a ``WeightSync``). Replacing engine
+    ``i``: its actor is killed, a new one started on its placement, the sync groups re-formed, the
+    trainer's current weights sent to every engine and probed; the calls engine ``i`` had not
+    answered are then made again with the same arguments (rollouts carry their seeds, so the step's
+    samples are the ones the lost engine would have returned). A failure past the
+    ``RestartBudget`` raises ``EngineFailure``.
+    """
+
+    def __init__(self, cfg: Config, start: Callable[[list[int]], list], connect: Callable[[list], Any]):
+        self.cfg, self._start, self._connect = cfg, start, connect
+        self.actors = start(list(range(cfg.generation.num_engines)))
+        self.sync = connect(self.actors)
+        gen = cfg.generation
+        self.budget = RestartBudget(gen.max_engine_restarts, gen.engine_restart_window_steps)
+        self.step = 0
+        """The GRPO step now running (restart windows count in steps)."""
+        self.restarts: list[tuple[int, float]] = []
+        """(engine, seconds from its failure to the probe of its replacement), one per restart."""
+
+    def call(self, method: str, args_by_engine: dict[int, tuple], timeout_s: float) -> dict[int, Any]:
+        """``method(*args)`` on each engine of ``args_by_engine``; results by engine. An engine that
+        fails (dies, or has not answered within ``timeout_s``) is replaced and asked again."""
+        refs = {i: getattr(self.actors[i], method).remote(*args) for i, args in args_by_engine.items()}
+        results = {}
+        for i, args in args_by_engine.items():
+            while i not in results:
+                try:
+                    results[i] = ray.get(refs[i], timeout=timeout_s)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                    self.replace(i, err)
+                    refs[i] = getattr(self.actors[i], method).remote(*args)
+        return results
+
+    def sync_weights(self):
+        """Send the trainer's weights to every engine and probe them (a ``ProbeResult``); an engine
+        that fails meanwhile is replaced, which sends and probes again."""
+        from megagrpo.weight_sync.sync import WeightSyncError
+
+        try:
+            self.sync.sync()
+            return self.sync.probe()
+        except WeightSyncError as err:
+            if err.engine is None:
+                raise
+            return self.replace(err.engine, err)
+
+    def replace(self, index: int, err: BaseException):
+        """Restart engine ``index`` on its placement, re-sync and probe; returns the probe result."""
+        gen = self.cfg.generation
+        if not self.budget.take(self.step):
+            window = gen.engine_restart_window_steps
+            raise EngineFailure(
+                f"vLLM engine {index} failed after {len(self.budget.steps)} engine restart(s)"
+                + (f" within {window} steps" if window else "")
+                + f" (generation.max_engine_restarts = {gen.max_engine_restarts}); "
+                f"last error: {_first_line(err)}",
+                index,
+            )
+        start = time.perf_counter()
+        print(f"vLLM engine {index} failed ({_first_line(err)}); restarting it on its placement", flush=True)
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(self.actors[index], no_restart=True)
+        self.actors[index] = self._start([index])[0]
+        self.sync = self._connect(self.actors)
+        self.sync.sync()
+        probe = self.sync.probe()
+        seconds = time.perf_counter() - start
+        self.restarts.append((index, seconds))
+        print(f"vLLM engine {index} restarted, weights re-synced and probed in {seconds:.1f}s", flush=True)
+        return probe

@@ -25,13 +25,20 @@ import yaml
 
 from megagrpo.algorithms.grpo import group_advantages, overlong_penalty, zero_variance_groups
 from megagrpo.ckpt import run as ckpt_io
-from megagrpo.cluster import RankGroup, start_engines, start_ray
+from megagrpo.cluster import EngineFailure, EnginePool, RankGroup, shutdown_ray, start_engines, start_ray
 from megagrpo.config import Config, config_to_dict, save_config
 from megagrpo.data.prompts import Prompt, PromptSource, build_source
 from megagrpo.models.description import describe_model
 from megagrpo.policy.worker import PolicyWorker
 from megagrpo.rewards import RewardScorer
-from megagrpo.runs import check_checkpoint_dir, export_final, metrics_logger, prefixed, wandb_settings
+from megagrpo.runs import (
+    check_checkpoint_dir,
+    export_final,
+    metrics_logger,
+    prefixed,
+    verified_resume_point,
+    wandb_settings,
+)
 from megagrpo.types import Completion, SamplingSettings, TrainBatch, TrainMetrics
 from megagrpo.weight_sync.sync import WeightSync
 
@@ -50,6 +57,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     """Run GRPO as configured; returns the run directory."""
     run_dir = Path(cfg.logging.dir) / cfg.run_name
     check_checkpoint_dir(cfg, resume)
+    resume_from = verified_resume_point(cfg, resume)  # checked before any worker starts
     source, scorer = build_source(cfg), RewardScorer(cfg.reward)  # validates data before any actor starts
     wandb_settings(cfg)  # logging.wandb without the package: a config error now, not after the actors
     cfg, model_dir = prepare_initial_model(cfg, run_dir)
@@ -57,20 +65,22 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     save_config(cfg, run_dir / "config.yaml")
     start_ray(cfg.cluster, cfg=cfg)
     policy = RankGroup(cfg, PolicyWorker)
-    engines = start_engines(cfg, model_dir, policy=policy)
-    sync = WeightSync(cfg, policy, engines, vocab_size=describe_model(cfg).shape.vocab_size)
-    print(f"weight sync: {sync.backend}, {sync.total_bytes / 2**20:.1f} MiB to {len(engines)} engine(s)")
-    step, position = restore(cfg, policy, resume)
-    timings = {"sync_s": sync.sync()}
-    sync.probe()
+    engines = start_engine_pool(cfg, model_dir, policy)
+    sync, count = engines.sync, len(engines.actors)
+    print(f"weight sync: {sync.backend}, {sync.total_bytes / 2**20:.1f} MiB to {count} engine(s)")
+    step, position = restore(cfg, policy, resume_from)
+    timings = {}
+    with timed(timings, "sync_s"):
+        engines.sync_weights()
     with metrics_logger(cfg, run_dir, cfg.grpo.num_steps, step) as log:
         if step == 0 and cfg.logging.val_every:
             log.log(
                 0, {"val/accuracy": validate(cfg, engines, source, scorer), **prefixed("timing", timings)}
             )
-        with graceful_interrupt() as stop:
+        with graceful_interrupt() as stop, checkpoint_if_engines_fail(cfg, policy, step, position) as trained:
             while step < cfg.grpo.num_steps and not stop.requested:
                 step += 1
+                engines.step = step
                 t0 = time.perf_counter()
                 with timed(timings, "generation_s"):
                     rollouts, position, filtered = generate_groups(
@@ -85,10 +95,10 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
                         batch = batch.replace(ref_logprobs=ref)
                 with timed(timings, "train_s"):
                     train_metrics = mean_metrics(policy.call_first(PolicyWorker.train, batch))
+                trained.update(step, position)
                 with timed(timings, "sync_s"):
                     set_engines_awake(cfg, engines, True)
-                    sync.sync()
-                    probe = sync.probe()
+                    probe = engines.sync_weights()
                 metrics = step_metrics(cfg, rollouts, batch, train_metrics, probe.error, filtered)
                 if cfg.logging.val_every and step % cfg.logging.val_every == 0:
                     metrics["val/accuracy"] = validate(cfg, engines, source, scorer)
@@ -101,7 +111,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
         scorer.close()
         curves = log.write_curves()
     final = save_checkpoint(cfg, policy, step, position) if cfg.checkpoint.dir else None
-    ray.shutdown()
+    shutdown_ray()
     if stop.requested:
         print(
             f"\ninterrupted after step {step}" + (f": saved {final}; continue with --resume" if final else "")
@@ -125,53 +135,105 @@ def prepare_initial_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
     return warmed_up_model(cfg, run_dir)
 
 
-def restore(cfg: Config, policy: RankGroup, resume: bool) -> tuple[int, int]:
-    """(last completed step, data position): from the latest complete checkpoint when resuming."""
-    if not (resume or cfg.checkpoint.resume):
+def start_engine_pool(cfg: Config, model_dir: str, policy: RankGroup) -> EnginePool:
+    """The vLLM engines and their weight sync with the policy (engines that fail are replaced)."""
+    vocab_size = describe_model(cfg).shape.vocab_size
+    return EnginePool(
+        cfg,
+        start=lambda indices: start_engines(cfg, model_dir, policy=policy, indices=indices),
+        connect=lambda actors: WeightSync(cfg, policy, actors, vocab_size=vocab_size),
+    )
+
+
+def restore(cfg: Config, policy: RankGroup, checkpoint: Path | None) -> tuple[int, int]:
+    """(last completed step, data position): from ``checkpoint`` when resuming, else (0, 0)."""
+    if checkpoint is None:
         return 0, 0
-    latest = ckpt_io.latest(Path(cfg.checkpoint.dir)) if cfg.checkpoint.dir else None
-    if latest is None:
-        print("resume: no complete checkpoint found; starting from step 0")
-        return 0, 0
-    policy.call_all(PolicyWorker.load, str(latest))
-    state = ckpt_io.load_driver_state(latest)
+    policy.call_all(PolicyWorker.load, str(checkpoint))
+    state = ckpt_io.load_driver_state(checkpoint)
     state.restore_rng()
-    print(f"resume: continuing after step {state.step} from {latest}")
+    print(f"resume: continuing after step {state.step} from {checkpoint}")
     return state.step, state.data_position
 
 
-def save_checkpoint(cfg: Config, policy: RankGroup, step: int, position: int) -> Path:
-    root = Path(cfg.checkpoint.dir)
-    tmp = ckpt_io.begin(root, step)
-    policy.call_all(PolicyWorker.save, str(tmp))
-    config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-    return ckpt_io.commit(
-        tmp, ckpt_io.DriverState.capture(step, position), config_yaml, cfg.checkpoint.keep_last
-    )
+def save_checkpoint(cfg: Config, policy: RankGroup, step: int, position: int) -> Path | None:
+    """Checkpoint ``step`` (policy, optimizer, driver state, config, manifest).
+
+    A write that fails (disk full, unwritable directory) is removed, the previous checkpoint stays
+    the latest, and the run stops (CheckpointWriteError) or, with ``checkpoint.on_error:
+    continue``, goes on without this one (None).
+    """
+    root = Path(cfg.checkpoint.dir).absolute()
+    tmp = None
+    try:
+        tmp = ckpt_io.begin(root, step)
+        digests = {}
+        for rank_digests in policy.call_all(PolicyWorker.save, str(tmp)):
+            digests |= rank_digests
+        config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+        state = ckpt_io.DriverState.capture(step, position)
+        return ckpt_io.commit(tmp, state, config_yaml, cfg.checkpoint.keep_last, digests)
+    except (OSError, ray.exceptions.RayTaskError) as err:
+        if tmp is not None:
+            ckpt_io.abort(tmp)
+        latest = ckpt_io.latest(root)
+        message = (
+            f"checkpoint step_{step} could not be written to {root}: {error_summary(err)}; "
+            f"the latest checkpoint is still {latest.name if latest else '(none)'}"
+        )
+        if cfg.checkpoint.on_error == "stop":
+            raise ckpt_io.CheckpointWriteError(f"{message} (checkpoint.on_error: stop)") from err
+        print(f"{message}; continuing without it (checkpoint.on_error: continue)", flush=True)
+        return None
+
+
+class _Trained:
+    """The last step the policy has trained, and the data position after it."""
+
+    def __init__(self, step: int, position: int):
+        self.step, self.position = step, position
+
+    def update(self, step: int, position: int) -> None:
+        self.step, self.position = step, position
+
+
+@contextmanager
+def checkpoint_if_engines_fail(cfg: Config, policy: RankGroup, step: int, position: int):
+    """Engines failing past ``generation.max_engine_restarts``: checkpoint what the policy has
+    trained, then stop (the EngineFailure goes on to the caller, saying where to resume)."""
+    trained = _Trained(step, position)
+    try:
+        yield trained
+    except EngineFailure as err:
+        saved = save_checkpoint(cfg, policy, trained.step, trained.position) if cfg.checkpoint.dir else None
+        where = f"; saved {saved}, continue with --resume" if saved else ""
+        raise EngineFailure(f"{err}{where}", err.engine) from err
+
+
+def error_summary(err: BaseException) -> str:
+    """The message of an error raised in an actor (its cause) or here, without tracebacks."""
+    cause = getattr(err, "cause", None) or err
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(cause).__name__
 
 
 # ----------------------------------------------------------------------------------- the step parts
 
 
 def generate(
-    cfg: Config, engines: list, prompts: list[Prompt], settings: SamplingSettings, seeds
+    cfg: Config, engines: EnginePool, prompts: list[Prompt], settings: SamplingSettings, seeds
 ) -> list[Completion]:
-    """Completions for ``prompts`` (``settings.n`` each, in prompt order), split across engines."""
-    per = math.ceil(len(prompts) / len(engines))
-    refs = []
-    for i, engine in enumerate(engines):
+    """Completions for ``prompts`` (``settings.n`` each, in prompt order), split across engines.
+    An engine that fails is replaced and its share generated again, with the same seeds."""
+    per = math.ceil(len(prompts) / len(engines.actors))
+    shares = {}
+    for i in range(len(engines.actors)):
         chunk = slice(i * per, (i + 1) * per)
         if prompts[chunk]:
-            refs.append(
-                (
-                    i * per,
-                    engine.generate.remote([p.token_ids for p in prompts[chunk]], settings, seeds[chunk]),
-                )
-            )
+            shares[i] = ([p.token_ids for p in prompts[chunk]], settings, seeds[chunk])
     out = []
-    for offset, ref in refs:
-        for comp in ray.get(ref, timeout=cfg.generation.timeout_s):
-            out.append(dataclasses.replace(comp, prompt_index=comp.prompt_index + offset))
+    for i, comps in engines.call("generate", shares, cfg.generation.timeout_s).items():
+        out += [dataclasses.replace(c, prompt_index=c.prompt_index + i * per) for c in comps]
     return out
 
 
@@ -273,12 +335,12 @@ def step_metrics(cfg, rollouts: Rollouts, batch: TrainBatch, train: dict, probe_
     }
 
 
-def set_engines_awake(cfg: Config, engines: list, awake: bool) -> None:
+def set_engines_awake(cfg: Config, engines: EnginePool, awake: bool) -> None:
     """Colocated placement: engines release their GPU memory while the trainer runs and take it
     back before receiving the new weights. Disaggregated engines stay up."""
     if cfg.generation.placement != "colocated":
         return
-    calls = [(e.wake_up if awake else e.sleep).remote() for e in engines]
+    calls = [(e.wake_up if awake else e.sleep).remote() for e in engines.actors]
     ray.get(calls, timeout=cfg.generation.sync_timeout_s)
 
 

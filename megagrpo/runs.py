@@ -36,6 +36,7 @@ __all__ = [
     "run_ranks",
     "save_checkpoint",
     "save_model",
+    "verified_resume_point",
     "wandb_settings",
 ]
 
@@ -120,6 +121,31 @@ class LocalGroup:
 
         dist.barrier()
 
+    def gather_to_controller(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on the controller (an empty list elsewhere)."""
+        import torch.distributed as dist
+
+        values = [None] * dist.get_world_size() if self.is_controller else None
+        dist.gather_object(value, values, dst=0)
+        return values if self.is_controller else []
+
+    def from_controller(self, make: Callable[[], Any]) -> Any:
+        """``make()`` run once, on the controller; its result on every rank (an exception there is
+        raised on every rank, so none is left waiting)."""
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        if self.is_controller:
+            try:
+                box[0] = ("ok", make())
+            except Exception as err:  # re-raised on every rank below
+                box[0] = ("error", err)
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise value
+        return value
+
     def controller_only(self, make: Callable[[], Any]):
         """``make()`` on the controller (a context manager, e.g. the metrics logger); elsewhere a no-op."""
         return make() if self.is_controller else nullcontext()
@@ -158,21 +184,22 @@ def end_rank() -> None:
 def save_checkpoint(
     cfg: Config, group: LocalGroup, save: Callable, step: int, position: int, extra: Callable | None = None
 ) -> Path:
-    """``checkpoint.dir/step_N`` written by every rank (``save``: the worker's save method), then
-    committed by the controller; ``extra(tmp)`` adds files on the controller before the commit."""
+    """``checkpoint.dir/step_N`` written by every rank (``save``: the worker's save method, which returns
+    the digests of the files it wrote), then committed with its manifest by the controller; ``extra(tmp)``
+    adds files on the controller before the commit."""
     root = Path(cfg.checkpoint.dir)
     tmp = root / f".step_{step}.tmp"
     if group.is_controller:
         tmp = ckpt_io.begin(root, step)
     group.barrier()
-    group.call_all(save, str(tmp))
+    digests = group.gather_to_controller(group.call_first(save, str(tmp)))
     if group.is_controller:
         if extra is not None:
             extra(tmp)
         config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-        ckpt_io.commit(
-            tmp, ckpt_io.DriverState.capture(step, position), config_yaml, cfg.checkpoint.keep_last
-        )
+        known = {name: digest for rank_digests in digests for name, digest in rank_digests.items()}
+        state = ckpt_io.DriverState.capture(step, position)
+        ckpt_io.commit(tmp, state, config_yaml, cfg.checkpoint.keep_last, known)
     group.barrier()
     return root / f"step_{step}"
 
@@ -193,17 +220,33 @@ def save_model(group: LocalGroup, save: Callable, out: Path, extra: Callable | N
     return out
 
 
+def verified_resume_point(cfg: Config, resume: bool) -> Path | None:
+    """The checkpoint a resume continues from: the newest that matches its manifest (falling back
+    past corrupt ones, or stopping, as ``checkpoint.on_corrupt`` says); None for a fresh start.
+    A checkpoint half-written by a killed run is removed first."""
+    if not (resume or cfg.checkpoint.resume) or cfg.checkpoint.dir is None:
+        return None
+    root = Path(cfg.checkpoint.dir)
+    for stale in ckpt_io.clean_partial(root):
+        print(f"resume: removed {stale.name}, a checkpoint left half-written by a stopped run", flush=True)
+    found = ckpt_io.latest_verified(
+        root, cfg.checkpoint.on_corrupt, report=lambda m: print(f"resume: {m}", flush=True)
+    )
+    if found is None:
+        print("resume: no complete checkpoint found; starting from step 0", flush=True)
+    return found
+
+
 def restore_checkpoint(cfg: Config, group: LocalGroup, load: Callable, resume: bool) -> tuple[int, int]:
-    """(last completed step, data position): from the latest complete checkpoint when resuming."""
+    """(last completed step, data position): from the newest checkpoint that verifies when resuming
+    (the controller verifies, every rank loads what it chose)."""
     if not (resume or cfg.checkpoint.resume):
         return 0, 0
-    latest = ckpt_io.latest(Path(cfg.checkpoint.dir)) if cfg.checkpoint.dir else None
-    if latest is None:
-        if group.is_controller:
-            print("resume: no complete checkpoint found; starting from step 0", flush=True)
+    chosen = group.from_controller(lambda: verified_resume_point(cfg, resume))
+    if chosen is None:
         return 0, 0
-    group.call_all(load, str(latest))
-    state = ckpt_io.load_driver_state(latest)
+    group.call_all(load, str(chosen))
+    state = ckpt_io.load_driver_state(chosen)
     if group.is_controller:
-        print(f"resume: continuing after step {state.step} from {latest}", flush=True)
+        print(f"resume: continuing after step {state.step} from {chosen}", flush=True)
     return state.step, state.data_position

@@ -1,6 +1,9 @@
 """Checkpoints and checkpoint I/O: everything that reads or writes model files.
 
-- ``run``: a run's ``step_N/`` checkpoints (policy, optimizer, driver state), retention, resume;
+- ``run``: a run's ``step_N/`` checkpoints (policy, optimizer, driver state), retention, resume
+  from the newest that verifies;
+- ``manifest``: every file of a checkpoint with its size and xxh3-64 checksum (digested while
+  Megatron's writers write), and its verification;
 - ``megatron``: Megatron distributed checkpoints of a model (save, load, read in place) and the
   ``megagrpo.json`` that describes one;
 - ``hf_files``: HF directories: safetensors reader (lazy, validated) and sharded streaming writer;

@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 from megagrpo.ckpt import CheckpointError
 from megagrpo.ckpt.dist_files import MappedDistCheckpoint
 from megagrpo.ckpt.durable import writeback_as_written
 from megagrpo.ckpt.files import CopyingFile, FileCopies, FileMaps, Piece
 from megagrpo.ckpt.hf_files import copy_aux_files
+from megagrpo.ckpt.manifest import DigestCollector
 from megagrpo.compat.megatron_writer import in_process_results_queue, writers_can_open_with, writers_open_with
 from megagrpo.compat.torch_save import without_crc32
 from megagrpo.models.description import ModelDescription
@@ -55,6 +58,7 @@ def save_megatron(
     mapped: dict[str, Mapped] | None = None,
     pieces: dict[str, list[Piece]] | None = None,
     maps: FileMaps | None = None,
+    digests: DigestCollector | None = None,
 ) -> None:
     """Write ``model`` as a Megatron distributed checkpoint.
 
@@ -65,11 +69,13 @@ def save_megatron(
     file (``CopyingFile``).
     ``pieces``: unfilled parameters, by key, and where their bytes lie in files; the writers copy
     them from there, and a checkpoint in which any was not is refused (it would hold garbage).
+    ``digests``: collects the digests of the files the writers write (``save_dist_checkpoint``).
     """
     path.mkdir(parents=True, exist_ok=True)
     state = model.sharded_state_dict()
     gated = set(_gated_factories(state)) if mapped else set()
-    copies = FileCopies(maps)
+    # Only a conversion has bytes to copy from files; a trainer's save lets its writers digest.
+    copies = FileCopies(maps) if maps is not None or pieces else None
     for key, given in (mapped or {}).items():
         if key not in state:
             # A parameter left unfilled would be written as garbage: refuse rather than guess.
@@ -92,7 +98,7 @@ def save_megatron(
         if key not in state:
             raise RuntimeError(f"{key}: file pieces were given for it; the checkpoint has no such key")
         copies.add(state[key].data, runs)
-    save_dist_checkpoint(state, path, copies)
+    save_dist_checkpoint(state, path, copies, digests=digests)
     unwritten = [key for key in pieces or {} if not copies.written(state[key].data)]
     if unwritten:
         raise RuntimeError(
@@ -102,12 +108,17 @@ def save_megatron(
         )
 
 
-def save_dist_checkpoint(state: dict, path: Path, copies: FileCopies | None = None) -> None:
+def save_dist_checkpoint(
+    state: dict, path: Path, copies: FileCopies | None = None, *, digests: DigestCollector | None = None
+) -> None:
     """``dist_checkpointing.save`` (synchronous, torch_dist) without the costs it only needs for
     asynchronous saves (its Manager results queue, torch.save's unchecked CRC32), its files'
     writeback started while its writers write them (they fsync).
 
     ``copies``: tensors whose bytes the writers copy from files (see ``CopyingFile``).
+    ``digests``: the writers digest what they write (``manifest.HashingWriter``) and report it
+    there; where this Megatron version opens its files another way, nothing is reported (the
+    manifest then reads the files back). Not with ``copies`` (copied bytes never pass through).
     """
     from megatron.core import dist_checkpointing
 
@@ -115,9 +126,32 @@ def save_dist_checkpoint(state: dict, path: Path, copies: FileCopies | None = No
         in_process_results_queue(),
         without_crc32(),
         _writers_copy_from(copies),
+        _writers_digest_into(digests if copies is None else None),
         writeback_as_written(path, ".distcp"),
     ):
-        dist_checkpointing.save(state, str(path))
+        try:
+            dist_checkpointing.save(state, str(path))
+        except CheckpointException as err:
+            raise _write_failure(path, err) from None
+
+
+def _write_failure(path: Path, err: BaseException) -> OSError:
+    """Megatron's collective writer failure as an OSError every rank raises with the same message.
+
+    Megatron raises torch's ``CheckpointException`` (a BaseException, which an actor framework
+    takes for the process exiting) on every rank at once, but only the coordinator (rank 0)
+    holds the writers' errors: it tells the others.
+    """
+    import torch.distributed as dist
+
+    failures = getattr(err, "failures", {}) or {}
+    details = "; ".join(f"rank {rank}: {exc}" for rank, (exc, _) in sorted(failures.items()))
+    message = [details]
+    if dist.is_initialized():
+        dist.broadcast_object_list(message, src=0)
+    found = re.search(r"\[Errno (\d+)\]", message[0])
+    text = f"{path}: checkpoint writer failed ({message[0] or 'no detail'})"
+    return OSError(int(found.group(1)), text) if found else OSError(text)
 
 
 def writers_can_copy() -> bool:
@@ -145,6 +179,23 @@ def _writers_copy_from(copies: FileCopies | None) -> Iterator[None]:
         if mode == "wb" and not args and not kwargs:
             # Unbuffered: a buffer would gather small tensors' bytes with the records around them.
             return CopyingFile(file, copies)
+        return open(file, mode, *args, **kwargs)
+
+    with writers_open_with(open_for_writer):
+        yield
+
+
+@contextlib.contextmanager
+def _writers_digest_into(digests: DigestCollector | None) -> Iterator[None]:
+    """Megatron's checkpoint writers open their files as ``digests.writer``s (same buffering as
+    the builtin ``open`` they call), which digest every byte on its way to the file."""
+    if digests is None or not writers_can_open_with():
+        yield
+        return
+
+    def open_for_writer(file, mode="r", *args, **kwargs):
+        if mode == "wb" and not args and not kwargs:
+            return digests.writer(file)
         return open(file, mode, *args, **kwargs)
 
     with writers_open_with(open_for_writer):

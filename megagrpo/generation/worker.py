@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from megagrpo.compat.torch_store import stores_listen_on_their_host
 from megagrpo.config import Config
 from megagrpo.types import Completion, SamplingSettings
 from megagrpo.weight_sync.buckets import Bucket
@@ -65,24 +66,26 @@ class GenerationWorker:
         gen = cfg.generation
         self.engine_index = engine_index
         has_tokenizer = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
-        self.llm = LLM(
-            model=model_dir,
-            dtype=cfg.model.dtype,
-            tensor_parallel_size=gen.engine_tensor_parallel_size,
-            max_model_len=cfg.model.seq_length,
-            enforce_eager=gen.enforce_eager,
-            gpu_memory_utilization=gen.gpu_memory_utilization,
-            seed=gen.seed + engine_index,
-            skip_tokenizer_init=not has_tokenizer,
-            # The trainer compares against the distribution that was sampled from (after temperature).
-            logprobs_mode="processed_logprobs",
-            # Weights arrive with the first sync; loading them from disk would be wasted work.
-            load_format="dummy" if dummy_weights else "auto",
-            weight_transfer_config=WeightTransferConfig(backend=BACKEND),
-            # Colocated engines give their memory back while the trainer runs (CUDA only).
-            enable_sleep_mode=gen.placement == "colocated",
-            **_cpu_scheduler_args(cfg.model.seq_length),
-        )
+        # vLLM's own process group: its store listens on VLLM_HOST_IP only (loopback on a local run).
+        with stores_listen_on_their_host():
+            self.llm = LLM(
+                model=model_dir,
+                dtype=cfg.model.dtype,
+                tensor_parallel_size=gen.engine_tensor_parallel_size,
+                max_model_len=cfg.model.seq_length,
+                enforce_eager=gen.enforce_eager,
+                gpu_memory_utilization=gen.gpu_memory_utilization,
+                seed=gen.seed + engine_index,
+                skip_tokenizer_init=not has_tokenizer,
+                # The trainer compares against the distribution that was sampled from (after temperature).
+                logprobs_mode="processed_logprobs",
+                # Weights arrive with the first sync; loading them from disk would be wasted work.
+                load_format="dummy" if dummy_weights else "auto",
+                weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+                # Colocated engines give their memory back while the trainer runs (CUDA only).
+                enable_sleep_mode=gen.placement == "colocated",
+                **_cpu_scheduler_args(cfg.model.seq_length),
+            )
 
     # ---------------------------------------------------------------------------------- generation
 

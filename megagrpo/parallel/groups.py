@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megagrpo.compat.torch_store import stores_listen_on_their_host
 from megagrpo.parallel import cpu
 from megagrpo.parallel.backends import resolve_backend
 
@@ -117,14 +118,15 @@ def init_parallel(
         device = torch.device("cpu")
 
     if not dist.is_initialized():
-        dist.init_process_group(
-            # With NCCL, small CPU-side reductions (metrics, logprob rows) go over gloo.
-            backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
-            init_method=init_method or "env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        with stores_listen_on_their_host():  # rank 0's store on MASTER_ADDR only
+            dist.init_process_group(
+                # With NCCL, small CPU-side reductions (metrics, logprob rows) go over gloo.
+                backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+                init_method=init_method or "env://",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=sizes.tp,
         pipeline_model_parallel_size=sizes.pp,

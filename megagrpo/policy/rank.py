@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megagrpo.ckpt.durable import atomic_write
 from megagrpo.ckpt.hf_files import HFCheckpoint
 from megagrpo.ckpt.hf_weights import load_hf_into_stage
+from megagrpo.ckpt.manifest import DigestCollector, FileDigest
 from megagrpo.ckpt.megatron import load_megatron, save_dist_checkpoint, save_megatron, write_checkpoint_meta
 from megagrpo.compat.megatron_optimizer import adam_step_kept_on_load, untie_adam_steps
 from megagrpo.config import Config
@@ -307,32 +308,48 @@ class MegatronRank:
 
     # ---------------------------------------------------------------------------------- checkpoint
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path) -> dict[str, FileDigest]:
         """Model (a megagrpo checkpoint, exportable to HF) + optimizer + scheduler under ``path``.
 
         Collective. Layout: ``megatron/`` model, ``optimizer/`` optimizer state (both Megatron
-        distributed checkpoints, loadable at another TP/PP), ``trainer_state.json``.
+        distributed checkpoints, loadable at another TP/PP), ``trainer_state.json``. Returns the
+        digests of the files this rank's checkpoint writers wrote, by path relative to ``path``
+        (for the checkpoint's manifest). A failed write raises on every rank, never leaving one
+        waiting for another.
         """
         path = Path(path)
         model_sd = self.engine.module.sharded_state_dict()
-        save_megatron(self.engine.module, path / "megatron")
-        (path / "optimizer").mkdir(parents=True, exist_ok=True)
-        opt_sd = self.engine.optimizer.sharded_state_dict(model_sd, metadata=_OPTIMIZER_CKPT_FORMAT)
-        save_dist_checkpoint(opt_sd, path / "optimizer")
+        with DigestCollector() as digests:
+            # Megatron's saves agree on a writer failure across ranks (they all raise).
+            save_megatron(self.engine.module, path / "megatron", digests=digests)
+            (path / "optimizer").mkdir(parents=True, exist_ok=True)
+            opt_sd = self.engine.optimizer.sharded_state_dict(model_sd, metadata=_OPTIMIZER_CKPT_FORMAT)
+            save_dist_checkpoint(opt_sd, path / "optimizer", digests=digests)
+        failure = None
         if self.ctx.rank == 0:
-            state = {"steps_done": self.steps_done, "scheduler": self.scheduler.state_dict()}
-            atomic_write(path / "trainer_state.json", json.dumps(state, indent=2) + "\n")
-            info = self.model_info
-            write_checkpoint_meta(
-                path,
-                info.arch,
-                info.shape,
-                info.dtype,
-                tp=self.ctx.sizes.tp,
-                pp=self.ctx.sizes.pp,
-                hf_files=info.hf_dir,
-            )
-        dist.barrier()
+            try:
+                state = {"steps_done": self.steps_done, "scheduler": self.scheduler.state_dict()}
+                atomic_write(path / "trainer_state.json", json.dumps(state, indent=2) + "\n")
+                info = self.model_info
+                write_checkpoint_meta(
+                    path,
+                    info.arch,
+                    info.shape,
+                    info.dtype,
+                    tp=self.ctx.sizes.tp,
+                    pp=self.ctx.sizes.pp,
+                    hf_files=info.hf_dir,
+                )
+            except OSError as err:
+                failure = err
+        # Doubles as the barrier that ends the save: every rank learns whether rank 0's part failed.
+        failed = torch.tensor([0 if failure is None else 1], device=self.ctx.device)
+        dist.all_reduce(failed)
+        if failure is not None:
+            raise failure
+        if failed.item():
+            raise OSError(f"rank 0 could not write its part of the checkpoint {path}")
+        return digests.under(path)
 
     def load(self, path: str | Path) -> None:
         """Restore what ``save`` wrote (at this job's TP/PP/DP, whatever it was saved with)."""

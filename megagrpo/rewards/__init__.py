@@ -16,6 +16,23 @@ REWARDS: dict[str, Callable[[str, str], float]] = {
 }
 
 
+def _exit_with_parent() -> None:
+    """In a pool worker: end when the driver that started it is gone (killed, so it could not
+    shut the pool down), instead of waiting forever for work."""
+    import os
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 class RewardScorer:
     """Scores (response text, reference answer) pairs; slow scorers run in a process pool with a timeout."""
 
@@ -23,7 +40,8 @@ class RewardScorer:
         self.fn = REWARDS[cfg.kind]
         self.timeout_s = cfg.timeout_s
         # Exact integer matching is microseconds per response: a pool would only add overhead.
-        self.pool = ProcessPoolExecutor(cfg.num_workers) if cfg.kind != "arithmetic" else None
+        pool = cfg.kind != "arithmetic"
+        self.pool = ProcessPoolExecutor(cfg.num_workers, initializer=_exit_with_parent) if pool else None
         self.timeouts = 0
 
     def __call__(self, responses: list[str], answers: list[str]) -> list[float]:

@@ -32,7 +32,15 @@ if TYPE_CHECKING:
 
 
 class WeightSyncError(RuntimeError):
-    """A sync did not complete in time, or the probe shows vLLM and the trainer disagree."""
+    """A sync did not complete in time, or the probe shows vLLM and the trainer disagree.
+
+    ``engine``: the engine that died or did not answer in time, when that is the cause (one a
+    ``cluster.EnginePool`` can replace); None otherwise.
+    """
+
+    def __init__(self, message: str, engine: int | None = None):
+        super().__init__(message)
+        self.engine = engine
 
 
 @dataclass(frozen=True)
@@ -94,18 +102,24 @@ class WeightSync:
         """Wait for both sides; a dead or stuck engine becomes an error within the timeout."""
         refs = engine_refs + trainer_refs
         done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
-        for ref in done:
+        # Engines first: an engine that died also fails the trainer's side of the broadcast.
+        for ref in sorted(done, key=lambda r: r not in engine_refs):
             try:
                 ray.get(ref)
             except Exception as err:
                 side = "vLLM engine" if ref in engine_refs else "trainer"
                 index = (engine_refs if ref in engine_refs else trainer_refs).index(ref)
-                raise WeightSyncError(f"{what} failed on {side} {index}: {err}") from err
+                dead = ref in engine_refs and isinstance(err, ray.exceptions.RayActorError)
+                raise WeightSyncError(
+                    f"{what} failed on {side} {index}: {err}", index if dead else None
+                ) from err
         if pending:
-            stuck = [f"engine {engine_refs.index(r)}" for r in pending if r in engine_refs]
-            stuck += [f"trainer rank {trainer_refs.index(r)}" for r in pending if r in trainer_refs]
+            stuck = [engine_refs.index(r) for r in pending if r in engine_refs]
+            names = [f"engine {i}" for i in stuck]
+            names += [f"trainer rank {trainer_refs.index(r)}" for r in pending if r in trainer_refs]
             raise WeightSyncError(
-                f"{what} did not finish within {self.timeout_s:.0f}s; waiting on {', '.join(stuck)}"
+                f"{what} did not finish within {self.timeout_s:.0f}s; waiting on {', '.join(names)}",
+                stuck[0] if stuck else None,
             )
         return ray.get(trainer_refs)
 
@@ -135,7 +149,12 @@ class WeightSync:
         """Score the probe on every engine and on the trainer; raise if they disagree."""
         trainer = self.policy.call_first(WeightSyncEndpoints.logprobs, self.probe_batch, 1.0)  # [B, S - 1]
         engine_refs = [e.prompt_logprobs.remote(self.probe_batch.input_ids.tolist()) for e in self.engines]
-        per_engine = ray.get(engine_refs, timeout=self.timeout_s)
+        per_engine = []
+        for e, ref in enumerate(engine_refs):
+            try:
+                per_engine.append(ray.get(ref, timeout=self.timeout_s))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                raise WeightSyncError(f"probe failed on vLLM engine {e}: {err}", e) from err
         total, count, worst = 0.0, 0, (0.0, "")
         for e, seqs in enumerate(per_engine):
             got = torch.tensor(seqs, dtype=torch.float64)

@@ -15,6 +15,7 @@ policy.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -105,25 +106,33 @@ class WeightSender:
             # sync); a GPU's caching allocator reuses the memory, which colocated engines may need.
             self._buffers = None
         in_flight, digests = [None, None], []
-        for i, bucket in enumerate(mine):
-            slot = i % 2
-            if in_flight[slot] is not None:
-                in_flight[slot].wait()  # this buffer's previous broadcast must be done before reuse
-            tensors = []
-            for expected in bucket.slots:
-                name, tensor = next(stream)
-                if name != expected.name:
-                    raise RuntimeError(
-                        f"weight sync plan expected {expected.name}, the model produced {name}"
-                    )
-                tensors.append(tensor)
-            buf = pack(bucket, tensors, buffers[slot])
-            if with_checksums:
-                digests.append(checksum(buf))
-            in_flight[slot] = self.group.broadcast(buf, root=0)
-        for work in in_flight:
-            if work is not None:
-                work.wait()
+        try:
+            for i, bucket in enumerate(mine):
+                slot = i % 2
+                if in_flight[slot] is not None:
+                    in_flight[slot].wait()  # this buffer's previous broadcast must be done before reuse
+                tensors = []
+                for expected in bucket.slots:
+                    name, tensor = next(stream)
+                    if name != expected.name:
+                        raise RuntimeError(
+                            f"weight sync plan expected {expected.name}, the model produced {name}"
+                        )
+                    tensors.append(tensor)
+                buf = pack(bucket, tensors, buffers[slot])
+                if with_checksums:
+                    digests.append(checksum(buf))
+                in_flight[slot] = self.group.broadcast(buf, root=0)
+            for work in in_flight:
+                if work is not None:
+                    work.wait()
+        except Exception:
+            # A receiver died mid-sync: still take part in the rest of the TP gathers, so that the
+            # TP peers, which cannot know, are not left waiting in one.
+            with contextlib.suppress(Exception):
+                for _ in stream:
+                    pass
+            raise
         leftover = next(stream, None)
         if leftover is not None:
             raise RuntimeError(f"weight sync plan is missing {leftover[0]}")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megagrpo.compat.torch_store import bound_tcp_store
+
 
 @dataclass(frozen=True)
 class GroupAddress:
@@ -30,13 +32,9 @@ class BroadcastGroup:
     ):
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.device, self.timeout_s = rank, device, timeout_s
-        self.store = dist.TCPStore(
-            addr.address,
-            addr.port,
-            addr.world_size,
-            is_master=rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
+        # The sender's store listens on its advertised address only (127.0.0.1 on a local run).
+        self.store = bound_tcp_store(
+            addr.address, addr.port, addr.world_size, is_master=rank == 0, timeout=timeout
         )
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(self.store, rank, addr.world_size, timeout)

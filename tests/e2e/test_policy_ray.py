@@ -1,4 +1,9 @@
-"""The policy as a Ray actor group: same numbers as the same ranks run without Ray."""
+"""The policy as a Ray actor group: same numbers as the same ranks run without Ray; a rank that dies
+is named with its node."""
+
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -22,27 +27,49 @@ def _local_step(rank: int, world_size: int, cfg) -> dict:
         destroy_parallel()
 
 
-def test_ray_rank_group_matches_local_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def ray_group(tmp_path_factory):
+    """(config, a TP=2 policy group on a local Ray); Ray is shut down after the module."""
     import ray
 
-    from megagrpo.cluster import RankGroup, start_ray
+    from megagrpo.cluster import RankGroup, shutdown_ray, start_ray
 
-    hf_dir = str(make_tiny_hf("qwen2", tmp_path / "qwen2"))
-    cfg = policy_config(hf_dir, tp=2)
-    local = run_local_ranks(_local_step, 2, cfg, timeout_s=300)[0]
-
+    cfg = policy_config(str(make_tiny_hf("qwen2", tmp_path_factory.mktemp("ray") / "qwen2")), tp=2)
     start_ray(cfg.cluster, num_cpus=2)
     try:
-        group = RankGroup(cfg, PolicyWorker, timeout_s=300)
-        batch = policy_batch()
-        old = group.call_first(PolicyWorker.logprobs, batch)
-        per_rank = group.call_all(PolicyWorker.train, batch.replace(old_logprobs=old))
-        group.shutdown()
+        yield cfg, RankGroup(cfg, PolicyWorker, timeout_s=300)
     finally:
-        ray.shutdown()
+        shutdown_ray()
+    assert not ray.is_initialized()
+
+
+def test_ray_rank_group_matches_local_ranks(ray_group):
+    cfg, group = ray_group
+    local = run_local_ranks(_local_step, 2, cfg, timeout_s=300)[0]
+    batch = policy_batch()
+    old = group.call_first(PolicyWorker.logprobs, batch)
+    per_rank = group.call_all(PolicyWorker.train, batch.replace(old_logprobs=old))
     mask = batch.response_mask()
     torch.testing.assert_close(old[mask], local["old"][mask], atol=1e-6, rtol=1e-6)
     assert per_rank[0] == per_rank[1]  # every rank reports the same metrics
     (got,), (want,) = per_rank[0], local["metrics"]
     assert abs(got.loss - want.loss) <= 1e-6 * abs(want.loss)
     assert abs(got.grad_norm - want.grad_norm) <= 1e-6 * want.grad_norm
+
+
+def test_a_dead_rank_is_named_with_its_node(ray_group):
+    """Runs last in this module: it kills a rank of the group."""
+    from ray._private.worker import get_dashboard_url
+
+    from megagrpo.cluster import RankFailure
+
+    _, group = ray_group
+    assert get_dashboard_url() == ""  # a local Ray starts no dashboard
+    node = group.nodes[1]
+    assert node.startswith("127.0.0.1 (pid ")  # a local Ray is on the loopback interface
+    os.kill(int(node.rsplit("pid ", 1)[1].rstrip(")")), signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        group.call_all(PolicyWorker.logprobs, policy_batch())
+    assert time.monotonic() - start < group.timeout_s
+    assert f"policy rank 1 on {node} died: " in str(failure.value)

@@ -88,11 +88,20 @@ esac
 
 FAKE_MEGAGRPO = """#!/usr/bin/env bash
 echo "RAY_ADDRESS=$RAY_ADDRESS $*" >"$FAKE_STATE/megagrpo"
+echo "$*" >>"$FAKE_STATE/megagrpo.calls"
 exit "${FAKE_EXIT:-0}"
 """
 
 
-def run_job(tmp_path: Path, nodes: str, *, down: str = "", exit_code: int = 0, timeout_s: str = "20"):
+def run_job(
+    tmp_path: Path,
+    nodes: str,
+    *,
+    down: str = "",
+    exit_code: int = 0,
+    timeout_s: str = "20",
+    options: tuple[str, ...] = (),
+):
     bin_dir, venv, state = tmp_path / "bin", tmp_path / "venv", tmp_path / "state"
     for d in (bin_dir, venv / "bin", state):
         d.mkdir(parents=True)
@@ -115,7 +124,7 @@ def run_job(tmp_path: Path, nodes: str, *, down: str = "", exit_code: int = 0, t
         "FAKE_EXIT": str(exit_code),
     }
     proc = subprocess.run(
-        ["bash", str(SCRIPT), "train", "--config", "x.yaml"],
+        ["bash", str(SCRIPT), *options, "train", "--config", "x.yaml"],
         env=env,
         capture_output=True,
         text=True,
@@ -174,3 +183,20 @@ def test_a_node_that_never_joins_is_named_and_the_command_never_starts(tmp_path)
     assert not (state / "megagrpo").exists()
     assert stopped(state) == ["n0", "n1", "n2", "n3"]
     assert ray_left_running(state) == []
+
+
+def test_max_restarts_relaunches_a_fault_with_resume(tmp_path):
+    (tmp_path / "launch").mkdir()
+    supervise = tmp_path / "launch" / "supervise.sh"  # the submit directory is the repository
+    supervise.write_text((SCRIPT.parent / "supervise.sh").read_text())
+    supervise.chmod(0o755)
+    os.environ["SUPERVISE_DELAY_S"] = "0"
+    try:
+        proc, state = run_job(tmp_path, "n0,n1", exit_code=75, options=("--max-restarts", "1"))
+    finally:
+        del os.environ["SUPERVISE_DELAY_S"]
+    assert proc.returncode == 75, proc.stderr
+    calls = (state / "megagrpo.calls").read_text().splitlines()
+    address = "cluster.ray_address=127.0.0.1:6399"
+    assert calls == [f"train --config x.yaml {address}", f"train --config x.yaml {address} --resume"]
+    assert stopped(state) == ["n0", "n1"]

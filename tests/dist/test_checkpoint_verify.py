@@ -1,0 +1,110 @@
+"""Verified run checkpoints written by real policy ranks (TP=2, Megatron's writers): the writers'
+digests are the files' digests, and a damaged file of each kind is named on resume (which falls
+back to the previous checkpoint) and by ``megagrpo export`` (which refuses it)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hf_models import make_tiny_hf
+from policy_cases import policy_batch, policy_config
+
+from megagrpo.ckpt import manifest
+from megagrpo.ckpt import run as ckpt
+from megagrpo.parallel import destroy_parallel
+from megagrpo.parallel.local import run_local_ranks
+
+pytestmark = pytest.mark.dist
+
+
+def _save(rank: int, world_size: int, cfg, path: str) -> dict:
+    from megagrpo.policy.worker import PolicyWorker
+
+    worker = PolicyWorker(cfg)
+    try:
+        batch = policy_batch()  # one optimizer step first: Megatron saves Adam state only once it has one
+        worker.train(batch.replace(old_logprobs=worker.logprobs(batch)))
+        return worker.save(path)
+    finally:
+        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """step_1 written by two TP ranks, committed with the digests their writers reported."""
+    root = tmp_path_factory.mktemp("verify") / "ckpt"
+    cfg = policy_config(str(make_tiny_hf("qwen2", root.parent / "qwen2")), tp=2)
+    tmp = ckpt.begin(root, 1)
+    reported = {}
+    for rank_digests in run_local_ranks(_save, 2, cfg, str(tmp), timeout_s=300):
+        reported |= rank_digests
+    step = ckpt.commit(tmp, ckpt.DriverState.capture(1, 16), "run_name: t\n", keep_last=5, digests=reported)
+    return root, step, reported
+
+
+def test_writers_digest_every_shard_as_they_write_it(saved):
+    _, step, reported = saved
+    shards = sorted(p.relative_to(step).as_posix() for p in step.rglob("*.distcp"))
+    assert len(shards) >= 4  # model and optimizer, two ranks each
+    assert sorted(rel for rel in reported if rel.endswith(".distcp")) == shards
+    listed = manifest.read(step)
+    for rel in shards:
+        assert reported[rel] == listed[rel] == manifest.digest_file(step / rel)
+    assert manifest.verify(step) == sum(d.size for d in listed.values())
+
+
+@pytest.mark.parametrize(
+    ("rel", "damage"),
+    [
+        ("megatron/__0_0.distcp", "truncate"),
+        ("megatron/metadata.json", "flip"),
+        ("optimizer/.metadata", "truncate"),
+        ("driver_state.json", "flip"),
+        ("config.yaml", "flip"),
+    ],
+)
+def test_a_damaged_file_is_named_and_resume_falls_back(rel, damage, saved, capsys):
+    root, step, _ = saved
+    newer = root / "step_2"
+    shutil.copytree(step, newer)
+    path = newer / rel
+    size = path.stat().st_size
+    if damage == "truncate":
+        with path.open("r+b") as fh:
+            fh.truncate(100)
+        check = f"size 100 bytes, manifest.json says {size}"
+    else:
+        data = bytearray(path.read_bytes())
+        data[-2] ^= 0x20
+        path.write_bytes(bytes(data))
+        check = "xxh3_64 checksum "
+    try:
+        said = []
+        assert ckpt.latest_verified(root, "fallback", report=said.append) == step
+        assert said[0].startswith(f"checkpoint step_2 fails verification: {newer / rel}: {check}")
+        assert said[-1] == "falling back to step_1, the newest checkpoint that verifies"
+        aside = root / "step_2.corrupt"
+        from megagrpo import cli
+
+        assert cli.main(["export", "--ckpt", str(aside), "--out", str(root / "hf_bad")]) == 1
+        assert f"{aside / rel}: {check}" in capsys.readouterr().err
+        assert not (root / "hf_bad").exists()
+    finally:
+        shutil.rmtree(root / "step_2.corrupt", ignore_errors=True)
+        shutil.rmtree(newer, ignore_errors=True)
+
+
+def test_export_verifies_a_sound_checkpoint(saved, tmp_path):
+    _, step, _ = saved
+    done = subprocess.run(
+        [sys.executable, "-m", "megagrpo.cli", "export", "--ckpt", str(step), "--out", str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"verified {step}: " in done.stdout and "match manifest.json" in done.stdout
+    assert (Path(tmp_path / "hf") / "model.safetensors").is_file()

@@ -1,0 +1,469 @@
+"""Fault handling that runs without Ray actors or engines: manifests and verified resume, the engine
+restart budget and pool (fake engines), checkpoint write errors (an injected ENOSPC), local Ray
+clean-up, loopback stores, and the launch supervisor (stand-in commands)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megagrpo.ckpt import manifest
+from megagrpo.ckpt import run as ckpt
+from megagrpo.ckpt.manifest import CheckpointCorrupt, DigestCollector, FileDigest
+from megagrpo.config import ConfigError, load_config
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _checkpoint(root: Path, step: int) -> Path:
+    """A checkpoint with one file of each kind a run writes."""
+    tmp = ckpt.begin(root, step)
+    (tmp / "megatron").mkdir()
+    (tmp / "megatron" / "__0_0.distcp").write_bytes(os.urandom(50_000))
+    (tmp / "megatron" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}\n')
+    return ckpt.commit(tmp, ckpt.DriverState.capture(step, step * 4), "run_name: t\n", keep_last=5)
+
+
+# ------------------------------------------------------------------------------------- manifests
+
+
+def test_manifest_lists_every_file_and_verifies(tmp_path):
+    step = _checkpoint(tmp_path, 1)
+    listed = manifest.read(step)
+    assert sorted(listed) == [
+        "config.yaml",
+        "driver_state.json",
+        "megatron/__0_0.distcp",
+        "megatron/metadata.json",
+    ]
+    for rel, digest in listed.items():
+        assert digest == manifest.digest_file(step / rel)
+    assert manifest.verify(step) == sum(d.size for d in listed.values())
+
+
+@pytest.mark.parametrize(
+    "rel", ["megatron/__0_0.distcp", "megatron/metadata.json", "driver_state.json", "config.yaml"]
+)
+def test_each_kind_of_damage_names_the_file_and_the_check(rel, tmp_path):
+    step = _checkpoint(tmp_path, 1)
+    path = step / rel
+    size = path.stat().st_size
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit, same size
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointCorrupt, match=rf"{rel}: xxh3_64 checksum [0-9a-f]{{16}}, manifest.json says"
+    ):
+        manifest.verify(step)
+    with path.open("r+b") as fh:
+        fh.truncate(size // 2)
+    with pytest.raises(CheckpointCorrupt, match=rf"{rel}: size {size // 2} bytes, manifest.json says {size}"):
+        manifest.verify(step)
+    path.unlink()
+    with pytest.raises(CheckpointCorrupt, match=rf"{rel}: missing \(listed in manifest.json\)"):
+        manifest.verify(step)
+
+
+def test_a_checkpoint_without_a_readable_manifest_fails(tmp_path):
+    step = _checkpoint(tmp_path, 1)
+    (step / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointCorrupt, match=r"manifest.json: unreadable"):
+        manifest.verify(step)
+    (step / "manifest.json").unlink()
+    with pytest.raises(CheckpointCorrupt, match=r"manifest.json: missing"):
+        manifest.verify(step)
+
+
+def _write_in_forked_child(collector: DigestCollector, path: Path, chunks: list[bytes]) -> None:
+    with collector.writer(path) as fh:
+        for chunk in chunks:
+            fh.write(chunk)
+
+
+def test_writers_in_forked_processes_report_the_digest_of_what_they_wrote(tmp_path):
+    chunks = [os.urandom(n) for n in (10, 70_000, 3, 1_000_000)]
+    with DigestCollector() as collector:
+        child = multiprocessing.get_context("fork").Process(
+            target=_write_in_forked_child, args=(collector, tmp_path / "a" / "x.distcp", chunks)
+        )
+        (tmp_path / "a").mkdir()
+        child.start()
+        child.join()
+        with collector.writer(tmp_path / "a" / "y.bin") as fh:  # this process, too
+            fh.write(b"abc")
+            fh.seek(0)  # rewriting makes the digest unknown: nothing is reported
+            fh.write(b"x")
+    assert child.exitcode == 0
+    assert collector.under(tmp_path) == {"a/x.distcp": manifest.digest_file(tmp_path / "a" / "x.distcp")}
+    # build() takes a reported digest only for a file still of that size; the rest is read back.
+    known = {"a/x.distcp": FileDigest(1, "0" * 16), "a/y.bin": FileDigest(3, "0" * 16)}
+    built = manifest.build(tmp_path, known)
+    assert built["a/x.distcp"] == manifest.digest_file(tmp_path / "a" / "x.distcp")
+    assert built["a/y.bin"] == FileDigest(3, "0" * 16)
+
+
+# ----------------------------------------------------------------------------- verified resumes
+
+
+def test_resume_falls_back_past_a_corrupt_checkpoint_and_sets_it_aside(tmp_path):
+    _checkpoint(tmp_path, 1)
+    good = _checkpoint(tmp_path, 2)
+    bad = _checkpoint(tmp_path, 3)
+    (bad / "driver_state.json").write_text("{}\n")
+    said = []
+    assert ckpt.latest_verified(tmp_path, "fallback", report=said.append) == good
+    assert said[0].startswith("checkpoint step_3 fails verification: ")
+    assert "step_3/driver_state.json: size 3 bytes" in said[0]
+    assert said[1:] == [
+        "checkpoint step_3 set aside as step_3.corrupt",
+        "falling back to step_2, the newest checkpoint that verifies",
+    ]
+    assert (tmp_path / "step_3.corrupt").is_dir() and ckpt.latest(tmp_path) == good
+
+
+def test_on_corrupt_error_stops_at_the_first_failure(tmp_path):
+    _checkpoint(tmp_path, 1)
+    bad = _checkpoint(tmp_path, 2)
+    (bad / "config.yaml").write_text("run_name: changed\n")
+    with pytest.raises(CheckpointCorrupt, match=r"step_2/config.yaml: .*checkpoint.on_corrupt: error"):
+        ckpt.latest_verified(tmp_path, "error", report=lambda m: None)
+    assert (tmp_path / "step_2").is_dir()  # nothing moved
+
+
+def test_no_checkpoint_that_verifies_is_an_error_naming_each(tmp_path):
+    for step in (1, 2):
+        (_checkpoint(tmp_path, step) / "megatron" / "metadata.json").write_text("{}")
+    with pytest.raises(
+        CheckpointCorrupt, match=r"no checkpoint verifies: .*step_2/megatron.*step_1/megatron"
+    ):
+        ckpt.latest_verified(tmp_path, "fallback", report=lambda m: None)
+    assert ckpt.latest_verified(tmp_path / "none", "fallback") is None
+
+
+def test_half_written_checkpoints_are_cleaned(tmp_path):
+    _checkpoint(tmp_path, 1)
+    (tmp_path / ".step_2.tmp" / "megatron").mkdir(parents=True)
+    assert [p.name for p in ckpt.clean_partial(tmp_path)] == [".step_2.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+
+
+def test_config_checks_the_new_keys():
+    with pytest.raises(ConfigError, match=r"checkpoint.on_corrupt"):
+        load_config(None, ["checkpoint.on_corrupt=ignore"])
+    with pytest.raises(ConfigError, match=r"checkpoint.on_error"):
+        load_config(None, ["checkpoint.on_error=retry"])
+    with pytest.raises(ConfigError, match=r"generation.max_engine_restarts: must be >= 0"):
+        load_config(None, ["generation.max_engine_restarts=-1"])
+    cfg = load_config(None, [])
+    assert (cfg.checkpoint.on_corrupt, cfg.checkpoint.on_error) == ("fallback", "stop")
+    assert (cfg.generation.max_engine_restarts, cfg.generation.engine_restart_window_steps) == (2, 100)
+
+
+# ------------------------------------------------------------------------ checkpoint write errors
+
+
+class FakePolicy:
+    """Stands in for the policy group: ``save`` writes a file, or fails with ENOSPC when told to."""
+
+    def __init__(self):
+        self.full = False
+
+    def call_all(self, method, path):
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        (Path(path) / "megatron").mkdir(parents=True)
+        (Path(path) / "megatron" / "__0_0.distcp").write_bytes(b"w" * 1000)
+        return [{}, {}]
+
+
+@pytest.mark.parametrize("on_error", ["stop", "continue"])
+def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one_latest(on_error, tmp_path, capsys):
+    from megagrpo import driver
+
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path}", f"checkpoint.on_error={on_error}"])
+    policy = FakePolicy()
+    first = driver.save_checkpoint(cfg, policy, 1, 64)
+    manifest.verify(first)
+    policy.full = True
+    if on_error == "stop":
+        with pytest.raises(ckpt.CheckpointWriteError) as err:
+            driver.save_checkpoint(cfg, policy, 2, 128)
+        message = str(err.value)
+    else:
+        assert driver.save_checkpoint(cfg, policy, 2, 128) is None
+        message = capsys.readouterr().out
+    assert f"checkpoint step_2 could not be written to {tmp_path}: " in message
+    assert "No space left on device" in message
+    assert "the latest checkpoint is still step_1" in message
+    assert f"(checkpoint.on_error: {on_error})" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # the failed write is gone
+
+
+def test_an_unwritable_checkpoint_directory_stops_the_run_with_a_clear_message(tmp_path):
+    from megagrpo import driver
+
+    (tmp_path / "file").write_text("not a directory")
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'file' / 'ckpt'}"])
+    with pytest.raises(
+        ckpt.CheckpointWriteError, match=r"checkpoint step_1 could not be written to .*Not a directory"
+    ):
+        driver.save_checkpoint(cfg, FakePolicy(), 1, 64)
+
+
+# -------------------------------------------------------------------------------- engine restarts
+
+
+def test_restart_budget_counts_within_its_window():
+    from megagrpo.cluster import RestartBudget
+
+    budget = RestartBudget(2, window_steps=10)
+    assert budget.take(1) and budget.take(5)
+    assert not budget.take(9)  # a third within 10 steps
+    assert budget.take(11)  # step 1's restart has left the window
+    whole_run = RestartBudget(1, window_steps=0)
+    assert whole_run.take(1) and not whole_run.take(10_000)
+
+
+class FakeEngine:
+    """``generate.remote`` returns its answer; ``dies`` makes the (patched) ray.get raise instead."""
+
+    def __init__(self, index, generation):
+        self.index, self.generation, self.dies = index, generation, False
+        self.calls = []
+        self.generate = SimpleNamespace(remote=self._generate)
+
+    def _generate(self, prompts, settings, seeds):
+        self.calls.append((prompts, seeds))
+        return (self, [(self.index, self.generation, p, s) for p, s in zip(prompts, seeds, strict=True)])
+
+
+class FakeSync:
+    def __init__(self, actors, log):
+        self.actors, self.log = actors, log
+        log.append(("connect", [(a.index, a.generation) for a in actors]))
+
+    def sync(self):
+        self.log.append(("sync",))
+
+    def probe(self):
+        self.log.append(("probe",))
+        return SimpleNamespace(error=1.0)
+
+
+def test_a_failed_engine_is_replaced_resynced_and_asked_again(monkeypatch, capsys):
+    import ray
+
+    from megagrpo.cluster import EngineFailure, EnginePool
+
+    def get(ref, timeout):
+        engine, answer = ref
+        if engine.dies:
+            raise ray.exceptions.ActorDiedError()
+        return answer
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: None)
+    cfg = load_config(None, ["generation.num_engines=2", "generation.max_engine_restarts=1"])
+    log, started = [], []
+
+    def start(indices):
+        engines = [FakeEngine(i, len(started)) for i in indices]
+        started.extend(engines)
+        return engines
+
+    pool = EnginePool(cfg, start=start, connect=lambda actors: FakeSync(actors, log))
+    pool.actors[1].dies = True
+    shares = {0: ([[1], [2]], None, [7, 8]), 1: ([[3]], None, [9])}
+    got = pool.call("generate", shares, 5.0)
+    # Engine 1's share, asked again of its replacement (started after the first two) with its seeds.
+    assert got == {0: [(0, 0, [1], 7), (0, 0, [2], 8)], 1: [(1, 2, [3], 9)]}
+    assert started[2].calls == [([[3]], [9])]
+    assert log == [("connect", [(0, 0), (1, 0)]), ("connect", [(0, 0), (1, 2)]), ("sync",), ("probe",)]
+    assert "vLLM engine 1 failed" in capsys.readouterr().out
+    # One failure more than max_engine_restarts allows: an EngineFailure naming the engine.
+    pool.actors[0].dies = True
+    with pytest.raises(
+        EngineFailure, match=r"vLLM engine 0 failed after 1 engine restart\(s\) within 100 steps"
+    ):
+        pool.call("generate", shares, 5.0)
+
+
+def test_a_stuck_engine_is_killed_and_replaced(monkeypatch):
+    import ray
+
+    from megagrpo.cluster import EnginePool
+
+    killed = []
+
+    def get(ref, timeout):
+        engine, answer = ref
+        if engine.dies:
+            raise ray.exceptions.GetTimeoutError(f"no answer within {timeout}s")
+        return answer
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor))
+    cfg = load_config(None, [])
+    started = []
+
+    def start(indices):
+        started.extend(FakeEngine(i, len(started)) for i in indices)
+        return started[-len(indices) :]
+
+    pool = EnginePool(cfg, start=start, connect=lambda actors: FakeSync(actors, []))
+    stuck = pool.actors[0]
+    stuck.dies = True
+    assert pool.call("generate", {0: ([[5]], None, [3])}, 1.0) == {0: [(0, 1, [5], 3)]}
+    assert killed == [stuck] and pool.actors[0] is started[1]
+
+
+def test_engines_failing_past_their_restarts_checkpoint_what_was_trained(tmp_path):
+    from megagrpo import driver
+    from megagrpo.cluster import EngineFailure
+
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path}"])
+    with (
+        pytest.raises(EngineFailure) as err,
+        driver.checkpoint_if_engines_fail(cfg, FakePolicy(), 4, 64) as trained,
+    ):
+        trained.update(5, 80)
+        raise EngineFailure("vLLM engine 0 failed after 2 engine restart(s); last error: gone", 0)
+    assert str(err.value).endswith(f"; saved {tmp_path / 'step_5'}, continue with --resume")
+    state = ckpt.load_driver_state(tmp_path / "step_5")
+    assert (state.step, state.data_position, err.value.engine) == (5, 80, 0)
+    manifest.verify(tmp_path / "step_5")
+
+
+# --------------------------------------------------------------------------------- local Ray, ports
+
+
+def test_sweep_stops_the_processes_of_a_session_whose_driver_is_gone(tmp_path):
+    from megagrpo import local_ray
+
+    orphan_dir, live_dir = tmp_path / "session_a", tmp_path / "session_b"
+    holders = {}
+    for session, owner in ((orphan_dir, 999_999_999), (live_dir, os.getpid())):
+        (session / "logs").mkdir(parents=True)
+        log = session / "logs" / "agent.out"
+        holders[session] = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            stdout=log.open("w"),
+            start_new_session=True,
+        )
+        started = local_ray.start_time(owner)
+        marker = {"pid": owner, "start_time": started}
+        (session / local_ray.MARKER).write_text(json.dumps(marker))
+    try:
+        assert holders[orphan_dir].pid in local_ray.session_processes(orphan_dir)
+        assert local_ray.sweep_orphans(tmp_path) == ["session_a"]
+        assert holders[orphan_dir].wait(timeout=10) == -signal.SIGTERM
+        assert not (orphan_dir / local_ray.MARKER).exists()
+        assert holders[live_dir].poll() is None  # its driver (this process) is alive
+    finally:
+        for proc in holders.values():
+            proc.kill()
+            proc.wait()
+
+
+def test_stores_listen_on_their_host_only():
+    import datetime
+    import importlib
+
+    import psutil
+
+    from megagrpo.compat.torch_store import bound_tcp_store, stores_listen_on_their_host
+
+    timeout = datetime.timedelta(seconds=10)
+    store = bound_tcp_store("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    store.set("k", "v")
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    original = rendezvous._create_c10d_store
+    with stores_listen_on_their_host() as patched:  # what init_process_group's env:// and tcp:// use
+        rdzv = rendezvous._create_c10d_store("127.0.0.1", 0, 0, 1, timeout)
+    assert patched and rendezvous._create_c10d_store is original
+    listening = [c for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    for port in (store.port, rdzv.port):
+        mine = [c for c in listening if c.laddr.port == port]
+        assert mine and all(c.laddr.ip == "127.0.0.1" for c in mine), mine
+
+
+# ------------------------------------------------------------------------------------- supervisor
+
+
+def _stand_in(tmp_path: Path, statuses: list[int]) -> Path:
+    """A command that records its arguments, then exits with the next of ``statuses`` (a status
+    above 128 as death by that signal)."""
+    script = tmp_path / "megagrpo"
+    script.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> {tmp_path}/calls\n'
+        f"n=$(wc -l < {tmp_path}/calls)\n"
+        f"codes=({' '.join(map(str, statuses))})\n"
+        "code=${codes[$((n - 1))]}\n"
+        'if [ "$code" -gt 128 ]; then kill -$((code - 128)) $$; fi\n'
+        'exit "$code"\n'
+    )
+    script.chmod(0o755)
+    return script
+
+
+def _calls(tmp_path: Path) -> list[str]:
+    return (tmp_path / "calls").read_text().splitlines()
+
+
+def test_supervisor_relaunches_faults_with_resume(tmp_path):
+    stand_in = _stand_in(tmp_path, [75, 137, 0])
+    env = dict(os.environ, SUPERVISE_DELAY_S="0")
+    cmd = [str(REPO / "launch" / "supervise.sh"), "--max-restarts", "2", str(stand_in), "train", "x=1"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert _calls(tmp_path) == ["train x=1", "train x=1 --resume", "train x=1 --resume"]
+    assert "exit status 75; relaunching with --resume (1 of 2)" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("statuses", "max_restarts", "want"), [([1], 3, 1), ([130], 3, 130), ([75, 75], 1, 75)]
+)
+def test_supervisor_stops_on_errors_ctrl_c_and_its_limit(statuses, max_restarts, want, tmp_path):
+    stand_in = _stand_in(tmp_path, statuses)
+    env = dict(os.environ, SUPERVISE_DELAY_S="0")
+    cmd = [str(REPO / "launch" / "supervise.sh"), "--max-restarts", str(max_restarts), str(stand_in)]
+    assert subprocess.run(cmd, env=env, capture_output=True).returncode == want
+    assert len(_calls(tmp_path)) == len(statuses)
+
+
+def test_ray_head_takes_the_supervisor_option(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    _stand_in(tmp_path, [75, 0]).rename(venv / "bin" / "megagrpo")
+    (venv / "bin" / "ray").write_text("#!/usr/bin/env bash\nexit 0\n")
+    (venv / "bin" / "ray").chmod(0o755)
+    env = dict(os.environ, VENV=str(venv), SUPERVISE_DELAY_S="0")
+    cmd = [str(REPO / "launch" / "ray_head.sh"), "--max-restarts", "1", "train", "--config", "f.yaml"]
+    assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
+    assert _calls(tmp_path) == [
+        "train --config f.yaml cluster.ray_address=auto",
+        "train --config f.yaml cluster.ray_address=auto --resume",
+    ]
+
+
+def test_train_exits_75_on_a_fault(monkeypatch, capsys):
+    from megagrpo import cli, cluster, driver
+
+    def fail(cfg, resume):
+        raise cluster.RankFailure("policy rank 1 on 127.0.0.1 (pid 5) died: boom")
+
+    monkeypatch.setattr(driver, "train", fail)
+    assert cli.main(["train"]) == cluster.FAULT_EXIT == 75
+    assert "megagrpo train: stopped: policy rank 1 on 127.0.0.1 (pid 5) died" in capsys.readouterr().err
