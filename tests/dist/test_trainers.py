@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hf_models import make_tiny_hf
 
+from megagrpo.ckpt import manifest
 from megagrpo.config import load_config
 from megagrpo.data.tokenizer import char_tokenizer
 
@@ -33,6 +34,12 @@ def _run_three_ways(run, cfg_for, tmp_path: Path) -> tuple[dict, dict, Path]:
     want = _metrics(Path(run(cfg_for(tmp_path / "a", steps=4)).run_dir))
     run(cfg_for(tmp_path / "b", steps=2))
     assert sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir()) == ["step_2"]
+    # Every rank's shards are in the manifest with the digests their writers computed, and they match.
+    ckpt = tmp_path / "b" / "ckpt" / "step_2"
+    listed = set(json.loads((ckpt / "manifest.json").read_text())["files"])
+    on_disk = {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"}
+    assert listed == on_disk and any(name.endswith(".distcp") for name in listed)
+    manifest.verify(ckpt)
     res = run(cfg_for(tmp_path / "b", steps=4, export=True), resume=True)
     return want, _metrics(Path(res.run_dir)), Path(res.run_dir)
 
