@@ -14,9 +14,7 @@ import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
-_NOT_YET = {
-    "eval": "evaluation of a checkpoint is not implemented yet",
-}
+_NOT_YET: dict[str, str] = {}
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -70,8 +68,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
 
-    p = sub.add_parser("eval", help="evaluate a checkpoint on the validation set (not implemented yet)")
+    p = sub.add_parser(
+        "eval",
+        help="pass@1 averaged over N samples and unbiased pass@k of a model, on vLLM engines "
+        "(the problems of eval.path, default data.val_path)",
+    )
     _add_config_args(p)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--model", metavar="HF_DIR", help="HF model directory (config, tokenizer, safetensors)"
+    )
+    which.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a run checkpoint (step_N/, verified, then exported) or a run directory (its HF export, "
+        "else its latest verified checkpoint)",
+    )
+    p.add_argument(
+        "--samples", type=int, default=None, help="samples per problem (default: eval.num_samples)"
+    )
+    p.add_argument("--out", default=None, help="output directory (default: <logging.dir>/<run_name>/eval)")
 
     p = sub.add_parser(
         "plan",
@@ -120,8 +136,11 @@ def _load(args: argparse.Namespace):
 
 def _plan(args: argparse.Namespace) -> int:
     from megagrpo.plan import make_plan, read_shape, render
+    from megagrpo.runs import resolve_init_from
 
     cfg = _load(args)
+    if args.hf_config is None:
+        cfg = resolve_init_from(cfg)  # a later stage: the shape is its previous stage's model's
     shape, where = read_shape(cfg, args.hf_config)
     te = {"here": None, "yes": True, "no": False}[args.transformer_engine]
     plan = make_plan(
@@ -132,6 +151,25 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         render(plan, cfg)
     return 1 if plan.errors else 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megagrpo.evaluate import model_dir_for_eval, run_eval
+
+    cfg = _load(args)
+    if args.samples is not None and args.samples < 1:
+        print("megagrpo eval: error: --samples must be >= 1", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else Path(cfg.logging.dir) / cfg.run_name / "eval"
+    model_dir = Path(args.model) if args.model else model_dir_for_eval(Path(args.checkpoint), out)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json (an HF model directory is expected)")
+    report = run_eval(cfg, model_dir, out, samples=args.samples)
+    print(report.to_markdown(f"megagrpo eval: {cfg.run_name}"))
+    print(f"wrote {out / 'eval.json'} and {out / 'eval.md'}")
+    return 0
 
 
 def _warmup(args: argparse.Namespace) -> int:
@@ -283,7 +321,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     try:
         commands = {"plan": _plan, "warmup": _warmup, "export": _export, "train": _train}
-        return (commands | {"sft": _sft, "dpo": _dpo})[args.command](args)
+        return (commands | {"sft": _sft, "dpo": _dpo, "eval": _eval})[args.command](args)
     except ConfigError as err:
         print(f"megagrpo {args.command}: config error: {err}", file=sys.stderr)
         return 1

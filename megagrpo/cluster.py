@@ -26,6 +26,8 @@ supervisor in ``launch/`` answers with a relaunch under ``--resume``. A local Ra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import os
 import time
 from collections import deque
@@ -390,6 +392,21 @@ class EnginePool:
                     self.replace(i, err)
                     refs[i] = getattr(self.actors[i], method).remote(*args)
         return results
+
+    def generate(self, prompts: Sequence, settings, seeds: Sequence[int]) -> list:
+        """Completions (``Completion``) for ``prompts`` (objects with ``token_ids``; ``settings.n`` each,
+        in prompt order), split across the engines. An engine that fails is replaced and its share
+        generated again, with the same seeds."""
+        per = math.ceil(len(prompts) / len(self.actors))
+        shares = {}
+        for i in range(len(self.actors)):
+            chunk = slice(i * per, (i + 1) * per)
+            if prompts[chunk]:
+                shares[i] = ([p.token_ids for p in prompts[chunk]], settings, seeds[chunk])
+        out = []
+        for i, comps in self.call("generate", shares, self.cfg.generation.timeout_s).items():
+            out += [dataclasses.replace(c, prompt_index=c.prompt_index + i * per) for c in comps]
+        return out
 
     def sync_weights(self):
         """Send the trainer's weights to every engine and probe them (a ``ProbeResult``); an engine

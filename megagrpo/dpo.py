@@ -49,6 +49,7 @@ from megagrpo.runs import (
     export_final,
     metrics_logger,
     prefixed,
+    resolve_init_from,
     restore_checkpoint,
     run_ranks,
     save_checkpoint,
@@ -92,6 +93,7 @@ def run_dpo(cfg: Config, *, resume: bool = False) -> DPOResult | None:
     from megagrpo.warmup import warmed_up_model
 
     run_dir = Path(cfg.logging.dir) / cfg.run_name
+    cfg = resolve_init_from(cfg)  # a staged recipe's previous stage, checked before anything starts
     check_checkpoint_dir(cfg, resume)
     check_layout(cfg)
     tok = load_tokenizer(cfg)

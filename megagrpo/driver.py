@@ -13,7 +13,6 @@ Launch: ``megagrpo train --config FILE`` (local Ray), or on a cluster see ``laun
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from megagrpo.ckpt import run as ckpt_io
 from megagrpo.cluster import EngineFailure, EnginePool, RankGroup, shutdown_ray, start_engines, start_ray
 from megagrpo.config import Config, config_to_dict, save_config
 from megagrpo.data.prompts import Prompt, PromptSource, build_source
+from megagrpo.evaluate import evaluate
 from megagrpo.models.description import describe_model
 from megagrpo.policy.worker import PolicyWorker
 from megagrpo.rewards import RewardScorer
@@ -36,6 +36,7 @@ from megagrpo.runs import (
     export_final,
     metrics_logger,
     prefixed,
+    resolve_init_from,
     verified_resume_point,
     wandb_settings,
 )
@@ -56,6 +57,7 @@ class Rollouts:
 def train(cfg: Config, *, resume: bool = False) -> Path:
     """Run GRPO as configured; returns the run directory."""
     run_dir = Path(cfg.logging.dir) / cfg.run_name
+    cfg = resolve_init_from(cfg)  # a staged recipe's previous stage, checked before anything starts
     check_checkpoint_dir(cfg, resume)
     resume_from = verified_resume_point(cfg, resume)  # checked before any worker starts
     source, scorer = build_source(cfg), RewardScorer(cfg.reward)  # validates data before any actor starts
@@ -74,9 +76,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
         engines.sync_weights()
     with metrics_logger(cfg, run_dir, cfg.grpo.num_steps, step) as log:
         if step == 0 and cfg.logging.val_every:
-            log.log(
-                0, {"val/accuracy": validate(cfg, engines, source, scorer), **prefixed("timing", timings)}
-            )
+            log.log(0, {**validate(cfg, engines, source, scorer), **prefixed("timing", timings)})
         with graceful_interrupt() as stop, checkpoint_if_engines_fail(cfg, policy, step, position) as trained:
             while step < cfg.grpo.num_steps and not stop.requested:
                 step += 1
@@ -100,8 +100,9 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
                     set_engines_awake(cfg, engines, True)
                     probe = engines.sync_weights()
                 metrics = step_metrics(cfg, rollouts, batch, train_metrics, probe.error, filtered)
+                metrics |= source.counts
                 if cfg.logging.val_every and step % cfg.logging.val_every == 0:
-                    metrics["val/accuracy"] = validate(cfg, engines, source, scorer)
+                    metrics |= validate(cfg, engines, source, scorer)
                 timings["step_s"] = time.perf_counter() - t0
                 metrics |= prefixed("timing", timings)
                 metrics["throughput/tokens_per_s"] = batch.num_tokens / timings["step_s"]
@@ -223,18 +224,9 @@ def error_summary(err: BaseException) -> str:
 def generate(
     cfg: Config, engines: EnginePool, prompts: list[Prompt], settings: SamplingSettings, seeds
 ) -> list[Completion]:
-    """Completions for ``prompts`` (``settings.n`` each, in prompt order), split across engines.
-    An engine that fails is replaced and its share generated again, with the same seeds."""
-    per = math.ceil(len(prompts) / len(engines.actors))
-    shares = {}
-    for i in range(len(engines.actors)):
-        chunk = slice(i * per, (i + 1) * per)
-        if prompts[chunk]:
-            shares[i] = ([p.token_ids for p in prompts[chunk]], settings, seeds[chunk])
-    out = []
-    for i, comps in engines.call("generate", shares, cfg.generation.timeout_s).items():
-        out += [dataclasses.replace(c, prompt_index=c.prompt_index + i * per) for c in comps]
-    return out
+    """Completions for ``prompts`` (``settings.n`` each, in prompt order), split across engines
+    (``EnginePool.generate``: an engine that fails is replaced and its share generated again)."""
+    return engines.generate(prompts, settings, seeds)
 
 
 def generate_groups(cfg: Config, engines, source: PromptSource, scorer, position: int, step: int):
@@ -303,16 +295,38 @@ def to_train_batch(cfg: Config, rollouts: Rollouts) -> TrainBatch:
     return batch.replace(advantages=advantages, gen_logprobs=gen)
 
 
-def validate(cfg: Config, engines, source: PromptSource, scorer) -> float:
-    """Greedy accuracy on the validation prompts."""
+def validate(cfg: Config, engines, source: PromptSource, scorer) -> dict[str, float]:
+    """``val/accuracy``: greedy accuracy on the validation prompts; with ``eval.val_samples``, also
+    ``val/pass@k`` of that many samples per prompt (``megagrpo.evaluate``, as ``megagrpo eval``)."""
     if not source.val:
-        return float("nan")
+        return {"val/accuracy": float("nan")}
     settings = dataclasses.replace(
         SamplingSettings.from_config(cfg, stop_token_ids=source.stop_token_ids), temperature=0.0, n=1
     )
     comps = generate(cfg, engines, source.val, settings, [0] * len(source.val))
     texts = [source.decode(c.token_ids) for c in comps]
-    return sum(scorer(texts, [source.val[c.prompt_index].answer for c in comps])) / len(comps)
+    out = {
+        "val/accuracy": sum(scorer(texts, [source.val[c.prompt_index].answer for c in comps])) / len(comps)
+    }
+    if cfg.eval.val_samples:
+        ev = cfg.eval
+        sampled = SamplingSettings(
+            max_tokens=ev.max_new_tokens or cfg.generation.max_new_tokens,
+            temperature=ev.temperature,
+            top_p=ev.top_p,
+            stop_token_ids=source.stop_token_ids,
+            n=ev.val_samples,
+        )
+        report = evaluate(
+            engines.generate,
+            source.val,
+            sampled,
+            scorer,
+            source.decode,
+            seed=ev.seed,
+        )
+        out |= report.metrics("val")
+    return out
 
 
 # -------------------------------------------------------------------------------------- bookkeeping

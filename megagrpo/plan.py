@@ -272,7 +272,10 @@ def render(plan: Plan, cfg: Config) -> None:
 
     con = Console(width=120, highlight=False)
     par, gen, grpo = cfg.parallel, cfg.generation, cfg.grpo
-    model = f"tiny {cfg.model.arch}" if cfg.model.tiny else f"HF {cfg.model.hf_dir}"
+    m = cfg.model
+    model = (
+        f"tiny {m.arch}" if m.tiny else f"HF {m.hf_dir}" if m.hf_dir else f"the result of run {m.init_from}"
+    )
     con.print(f"run            {cfg.run_name}")
     con.print(
         f"model          {model}, {plan.params / 1e9:.2f}B parameters, {cfg.model.dtype}, "

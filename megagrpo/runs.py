@@ -32,8 +32,10 @@ __all__ = [
     "export_final",
     "metrics_logger",
     "prefixed",
+    "resolve_init_from",
     "restore_checkpoint",
     "run_ranks",
+    "run_result",
     "save_checkpoint",
     "save_model",
     "verified_resume_point",
@@ -43,6 +45,52 @@ __all__ = [
 
 def prefixed(prefix: str, metrics: dict) -> dict:
     return {f"{prefix}/{k}": v for k, v in metrics.items()}
+
+
+def resolve_init_from(cfg: Config) -> Config:
+    """``cfg`` with ``model.init_from`` (an earlier run's directory) replaced by the model it names
+    (:func:`run_result`); ConfigError naming ``model.init_from`` when that run has no result."""
+    import dataclasses
+
+    if cfg.model.init_from is None:
+        return cfg
+    hf_dir, ckpt = run_result(Path(cfg.model.init_from), "model.init_from")
+    model = dataclasses.replace(
+        cfg.model, init_from=None, hf_dir=str(hf_dir), megatron_ckpt=str(ckpt) if ckpt else None
+    )
+    return dataclasses.replace(cfg, model=model)
+
+
+def run_result(run: Path, key: str) -> tuple[Path, Path | None]:
+    """(HF directory, megatron checkpoint or None) of a finished run: its HF export
+    (``<run>/hf_export``), or else the latest checkpoint of its ``checkpoint.dir`` (read from
+    ``<run>/config.yaml``) that matches its manifest (its ``hf/`` holds config and tokenizer).
+    ConfigError naming ``key`` when the run holds neither (not run yet, or without checkpoints)."""
+    from megagrpo.config import ConfigError
+
+    if not run.is_dir():
+        raise ConfigError(key, f"{run} is not a directory: run the stage it names first (its run directory)")
+    export = run / "hf_export"
+    if (export / "config.json").is_file():
+        print(f"{key}: {run} -> its HF export {export}", flush=True)
+        return export, None
+    saved = run / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(key, f"{run} holds neither an HF export (hf_export/) nor a run's config.yaml")
+    ckpt_dir = (yaml.safe_load(saved.read_text()).get("checkpoint") or {}).get("dir")
+    found = None
+    if ckpt_dir:
+        found = ckpt_io.latest_verified(
+            Path(ckpt_dir), "fallback", report=lambda m: print(f"{key}: {m}", flush=True)
+        )
+    if found is None or not (found / "hf" / "config.json").is_file():
+        raise ConfigError(
+            key,
+            f"{run} has no HF export (hf_export/) and no verified checkpoint in its checkpoint.dir "
+            f"({ckpt_dir}): did that run finish?",
+        )
+    print(f"{key}: {run} -> its latest checkpoint {found}", flush=True)
+    return found / "hf", found
 
 
 def check_checkpoint_dir(cfg: Config, resume: bool) -> None:

@@ -31,6 +31,7 @@ from megagrpo.runs import (
     export_final,
     metrics_logger,
     prefixed,
+    resolve_init_from,
     restore_checkpoint,
     run_ranks,
     save_checkpoint,
@@ -75,6 +76,7 @@ def run_sft(
     Returns the controller's result (None on the other ranks under torchrun).
     """
     run_dir = Path(run_dir) if run_dir is not None else Path(cfg.logging.dir) / cfg.run_name
+    cfg = resolve_init_from(cfg)  # a staged recipe's previous stage, checked before anything starts
     check_checkpoint_dir(cfg, resume)
     check_layout(cfg)
     source = build_sft_source(cfg, load_tokenizer(cfg))  # bad data and configs stop here, before any rank

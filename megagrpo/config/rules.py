@@ -215,6 +215,12 @@ def check_lengths(cfg: Config) -> None:
         f"micro_batch_max_tokens {cfg.policy.micro_batch_max_tokens} cannot hold one sequence of "
         f"seq_length {seq}",
     )
+    eval_new = cfg.eval.max_new_tokens
+    require(
+        eval_new is None or eval_new < seq,
+        ("eval.max_new_tokens", "model.seq_length"),
+        f"max_new_tokens {eval_new} leaves no room for a prompt in seq_length {seq}",
+    )
     if cfg.grpo.overlong_policy == "soft_penalty":
         require(
             cfg.grpo.overlong_buffer_tokens < new,

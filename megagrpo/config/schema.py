@@ -1,9 +1,10 @@
 """The run configuration's schema: one keyword-only, frozen dataclass per component, each field documented.
 
 A run is described by a YAML file with one section per component (``model``, ``parallel``, ``policy``,
-``generation``, ``grpo``, ``sft``, ``dpo``, ``data``, ``reward``, ``warmup``, ``checkpoint``, ``logging``,
-``cluster``) plus ``run_name``; :class:`Config` holds them. Each trainer reads the sections it needs
-(GRPO: ``grpo``, SFT: ``sft``, DPO: ``dpo``; all of them ``policy`` for the optimizer and micro-batching).
+``generation``, ``grpo``, ``sft``, ``dpo``, ``data``, ``reward``, ``eval``, ``warmup``, ``checkpoint``,
+``logging``, ``cluster``) plus ``run_name``; :class:`Config` holds them. Each trainer reads the sections it
+needs (GRPO: ``grpo``, SFT: ``sft``, DPO: ``dpo``; all of them ``policy`` for the optimizer and
+micro-batching).
 Each component checks its own fields in ``__post_init__`` (raising
 :class:`~megagrpo.config.errors.ConfigError` with the field's name; the loader prefixes the section).
 What spans components, and the resolution of ``parallel``'s ``"auto"`` values, is in
@@ -24,6 +25,7 @@ __all__ = [
     "Config",
     "DPOConfig",
     "DataConfig",
+    "EvalConfig",
     "GRPOConfig",
     "GenerationConfig",
     "LoggingConfig",
@@ -99,9 +101,20 @@ class ModelConfig:
     """Parameter and compute dtype of the trainer and the engines."""
     seq_length: int = 4096
     """Maximum total tokens (prompt + response) in one sequence."""
+    init_from: str | None = None
+    """Start from an earlier run's result (a staged recipe's previous stage): its run directory, resolved
+    before any worker starts to its HF export (``<run>/hf_export``) or else to the latest verified
+    checkpoint of its ``checkpoint.dir``; mutually exclusive with hf_dir, megatron_ckpt and tiny."""
 
     def __post_init__(self) -> None:
-        if self.tiny is not None:
+        if self.init_from is not None:
+            require(
+                self.tiny is None and self.hf_dir is None and self.megatron_ckpt is None,
+                ("init_from", "hf_dir", "megatron_ckpt", "tiny"),
+                "set either init_from or hf_dir/megatron_ckpt/tiny, not both",
+            )
+            require(bool(self.init_from), "init_from", "must not be empty")
+        elif self.tiny is not None:
             require(
                 self.hf_dir is None and self.megatron_ckpt is None,
                 ("tiny", "hf_dir", "megatron_ckpt"),
@@ -116,7 +129,7 @@ class ModelConfig:
             require(
                 self.hf_dir is not None,
                 ("hf_dir", "megatron_ckpt", "tiny"),
-                "no model given: set hf_dir (optionally with megatron_ckpt) or tiny"
+                "no model given: set hf_dir (optionally with megatron_ckpt), init_from or tiny"
                 if self.megatron_ckpt is None
                 else "megatron_ckpt needs hf_dir too (the tokenizer and vLLM's model config come from it)",
             )
@@ -366,16 +379,18 @@ class DataConfig:
     """Prompts and reference answers."""
 
     train_path: str | None = None
-    """Training records: GRPO prompts (JSONL), SFT conversations or DPO pairs (JSONL, JSON or Parquet);
-    null uses synthetic_task."""
+    """Training records (.jsonl, .json array or .parquet): GRPO prompts with answers, SFT conversations
+    or DPO pairs; null uses synthetic_task."""
     val_path: str | None = None
     """Validation records; null draws them from synthetic_task (or holds none if train_path is set)."""
     prompt_key: str = "problem"
     """Record field holding the question."""
     answer_key: str = "answer"
     """Record field holding the reference answer given to the reward."""
-    synthetic_task: Literal["arithmetic"] = "arithmetic"
-    """Generated task used when train_path is null."""
+    synthetic_task: Literal["arithmetic", "math"] = "arithmetic"
+    """Generated task used when train_path is null: "arithmetic" (a+b over a character vocabulary) or
+    "math" (SFT only: worked solutions of generated math problems, megagrpo.data.math_problems; a tiny
+    model then gets a BPE tokenizer trained on such problems)."""
     arithmetic_max_operand: int = 99
     """Synthetic arithmetic: operands are drawn uniformly from [0, arithmetic_max_operand]."""
     arithmetic_ops: str = "+-"
@@ -398,9 +413,10 @@ class DataConfig:
     rejected_key: str = "rejected"
     """DPO: record field holding the dispreferred response (a string or a list of assistant messages)."""
     on_bad_row: Literal["error", "skip"] = "error"
-    """SFT/DPO: a row with a missing or empty field, a pair whose chosen equals rejected, or a sequence
-    longer than model.seq_length stops the run naming file and row ("error"), or is left out and
-    counted in the metrics ("skip")."""
+    """A row with a missing or empty field (GRPO, eval, SFT, DPO), a pair whose chosen equals rejected, or
+    an SFT/DPO sequence longer than model.seq_length stops the run naming file and row ("error"), or is
+    left out and counted in the metrics ("skip"). GRPO prompts too long for the context are always
+    skipped and counted (data/skipped_long_prompts)."""
 
     def __post_init__(self) -> None:
         require("{prompt}" in self.template, "template", f"must contain '{{prompt}}', got {self.template!r}")
@@ -415,6 +431,38 @@ class DataConfig:
             bool(self.arithmetic_ops) and set(self.arithmetic_ops) <= set("+-*"),
             'a non-empty string of operators from "+-*"',
         )
+
+
+@dataclass(kw_only=True, frozen=True)
+class EvalConfig:
+    """pass@k evaluation (``megagrpo eval``) and the sampled part of GRPO's validation (megagrpo.evaluate)."""
+
+    path: str | None = None
+    """Problems to evaluate (.jsonl, .json or .parquet with data.prompt_key / data.answer_key); null:
+    data.val_path."""
+    num_problems: int = 0
+    """Evaluate the first this many problems; 0: all of them."""
+    num_samples: int = 16
+    """Samples per problem (n): pass@1 is averaged over them, pass@k reported for k = 1, 2, 4, ... n."""
+    temperature: float = 0.6
+    """Sampling temperature (DeepScaleR's AIME protocol: 0.6)."""
+    top_p: float = 0.95
+    """Nucleus sampling mass (DeepScaleR's AIME protocol: 0.95)."""
+    max_new_tokens: int | None = None
+    """Response budget; null: generation.max_new_tokens."""
+    seed: int = 0
+    """Sampling seed (per problem, so results do not depend on batching)."""
+    val_samples: int = 0
+    """GRPO validation: also sample this many responses per validation prompt with the settings above
+    and log val/pass@k (k = 1, 2, 4, ...); 0: only the greedy val/accuracy."""
+
+    def __post_init__(self) -> None:
+        check(self, "num_problems", self.num_problems >= 0, ">= 0 (0: all)")
+        positive(self, "num_samples")
+        check(self, "temperature", self.temperature > 0, "> 0")
+        check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        check(self, "max_new_tokens", self.max_new_tokens is None or self.max_new_tokens >= 1, ">= 1 or null")
+        check(self, "val_samples", self.val_samples >= 0, ">= 0")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -624,6 +672,8 @@ class Config:
     """Prompts."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Scoring."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """pass@k evaluation (``megagrpo eval``, sampled validation)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Optional supervised warm-up before GRPO (tiny models on the synthetic task)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

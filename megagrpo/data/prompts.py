@@ -1,14 +1,15 @@
-"""Prompt sources for GRPO: the embedded arithmetic task, or JSONL datasets with a tokenizer.
+"""Prompt sources for GRPO and ``megagrpo eval``: the embedded arithmetic task, or datasets (JSONL, JSON
+arrays, Parquet; ``megagrpo.data.records``) with a tokenizer.
 
 A source hands out token-id prompts with their reference answers, deterministically by position
 (``batch(position, n)``), so a resumed run continues with exactly the prompts it would have seen.
 Datasets are read and validated up front (file, row and key named in errors) before any worker
-starts.
+starts: a bad row stops the run or is skipped and counted (``data.on_bad_row``); a prompt too long
+for the stage's context (``model.seq_length`` less the response budget) is skipped and counted.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ class PromptSource:
     ):
         self._train, self.val, self.decode, self.stop_token_ids = train, val, decode, tuple(stop_token_ids)
         self._seed, self._task = seed, task
+        self.counts: dict[str, int] = {}
+        """Data metrics logged every step (rows skipped, prompts too long); empty for the synthetic task."""
 
     def batch(self, position: int, count: int) -> list[Prompt]:
         """Prompts ``position`` .. ``position + count - 1`` of the (endless, reshuffled per epoch) stream."""
@@ -71,79 +74,138 @@ def arithmetic_source(cfg: Config) -> PromptSource:
     return PromptSource(None, val, decode=tok.decode, stop_token_ids=[EOS_ID], seed=cfg.grpo.seed, task=task)
 
 
-def _read_jsonl(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, str]]:
-    if not path.is_file():
-        raise DataError(f"{path}: dataset file not found")
-    if path.suffix not in (".jsonl", ".json"):
-        raise DataError(
-            f"{path}: unsupported dataset format {path.suffix!r} (use JSONL: one JSON object per line)"
-        )
-    rows = []
-    with open(path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
-            for key in (prompt_key, answer_key):
-                if key not in row:
-                    raise DataError(f"{path}:{lineno}: missing key {key!r} (keys: {sorted(row)})")
-            rows.append((str(row[prompt_key]), str(row[answer_key])))
+def read_prompt_rows(cfg: Config, path: str | Path, bad) -> list[tuple[int, str, str]]:
+    """(row number, question, reference answer) of every usable row of a JSONL, JSON or Parquet file
+    (``megagrpo.data.records``); the fields are ``data.prompt_key`` and ``data.answer_key``. A row
+    without them, or with an empty one, goes to ``bad`` (``data.on_bad_row``: stop naming file and row,
+    or skip and count)."""
+    from megagrpo.data.records import read_records
+
+    data, rows = cfg.data, []
+    for row, record in read_records(path, bad):
+        missing = [k for k in (data.prompt_key, data.answer_key) if record.get(k) is None]
+        if missing:
+            bad.bad(path, row, f"missing key {missing[0]!r} (keys: {sorted(record)})")
+            continue
+        text, answer = str(record[data.prompt_key]), str(record[data.answer_key])
+        if not text.strip() or not answer.strip():
+            bad.bad(path, row, f"empty {data.prompt_key if not text.strip() else data.answer_key!r}")
+            continue
+        rows.append((row, text, answer))
     if not rows:
-        raise DataError(f"{path}: no rows")
+        raise DataError(f"{path}: no usable rows" + (f" ({bad.skipped} skipped)" if bad.skipped else ""))
     return rows
 
 
-def dataset_source(cfg: Config, tokenizer, train_rows, val_rows) -> PromptSource:
-    """JSONL prompts rendered with ``data.template`` (and the chat template), tokenized once."""
-    data = cfg.data
-
-    def encode(rows: list[tuple[str, str]]) -> list[Prompt]:
-        out = []
-        for text, answer in rows:
-            content = data.template.replace("{prompt}", text)
-            if data.apply_chat_template:
-                ids = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True
-                )
-            else:
-                ids = tokenizer.encode(content)
-            out.append(Prompt(list(ids), answer))
-        return out
-
-    train = encode(train_rows)
-    val = encode(val_rows)[: data.num_val_prompts] if data.num_val_prompts else []
-    too_long = [
-        i
-        for i, p in enumerate(train)
-        if len(p.token_ids) + cfg.generation.max_new_tokens > cfg.model.seq_length
-    ]
-    if too_long:
-        raise DataError(
-            f"{data.train_path}: row {too_long[0] + 1} (and {len(too_long) - 1} more) is too long for "
-            f"model.seq_length={cfg.model.seq_length} with "
-            f"generation.max_new_tokens={cfg.generation.max_new_tokens}"
+def encode_prompt(cfg: Config, tokenizer, text: str) -> list[int]:
+    """``data.template`` around ``text``, in the chat template as one user turn when
+    ``data.apply_chat_template``, as token ids."""
+    content = cfg.data.template.replace("{prompt}", text)
+    if cfg.data.apply_chat_template:
+        out = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
         )
-    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return PromptSource(
-        train,
-        val,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        stop_token_ids=stops,
-        seed=cfg.grpo.seed,
+        return list(out["input_ids"])
+    return list(tokenizer.encode(content))
+
+
+def encode_prompts(cfg: Config, tokenizer, path, rows, max_new_tokens: int) -> tuple[list[Prompt], int]:
+    """(prompts, how many were left out): a prompt whose ids leave fewer than ``max_new_tokens`` of
+    ``model.seq_length`` for the response is skipped and counted (the stage's context is too short for it),
+    not fatal; a file with none that fits is a DataError."""
+    prompts, too_long = [], 0
+    for _row, text, answer in rows:
+        ids = encode_prompt(cfg, tokenizer, text)
+        if len(ids) + max_new_tokens > cfg.model.seq_length:
+            too_long += 1
+            continue
+        prompts.append(Prompt(ids, answer))
+    if not prompts:
+        raise DataError(
+            f"{path}: all {too_long} prompts are too long for model.seq_length={cfg.model.seq_length} with "
+            f"{max_new_tokens} new tokens"
+        )
+    return prompts, too_long
+
+
+def dataset_source(cfg: Config, tokenizer) -> PromptSource:
+    """Prompts of ``data.train_path`` (and ``data.val_path``) rendered with ``data.template`` (and the chat
+    template), tokenized once; bad rows and over-long prompts are counted in ``source.counts``."""
+    from megagrpo.data.records import BadRows
+
+    data, new = cfg.data, cfg.generation.max_new_tokens
+    bad = BadRows(data.on_bad_row)
+    train, long_train = encode_prompts(
+        cfg, tokenizer, data.train_path, read_prompt_rows(cfg, data.train_path, bad), new
     )
+    val, long_val = [], 0
+    if data.val_path and data.num_val_prompts:
+        val, long_val = encode_prompts(
+            cfg, tokenizer, data.val_path, read_prompt_rows(cfg, data.val_path, bad), new
+        )
+        val = val[: data.num_val_prompts]
+    source = PromptSource(
+        train, val, decode=_decoder(tokenizer), stop_token_ids=_stops(tokenizer), seed=cfg.grpo.seed
+    )
+    source.counts = {
+        "data/skipped_rows": bad.skipped,
+        "data/skipped_long_prompts": long_train,
+        "data/skipped_long_val_prompts": long_val,
+    }
+    for example in bad.examples:
+        print(f"data: skipped {example}", flush=True)
+    if long_train or long_val:
+        print(
+            f"data: skipped {long_train} training and {long_val} validation prompt(s) too long for "
+            f"model.seq_length={cfg.model.seq_length} with generation.max_new_tokens={new}",
+            flush=True,
+        )
+    return source
+
+
+def _decoder(tokenizer):
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _stops(tokenizer) -> list[int]:
+    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+
+def eval_prompts(cfg: Config, model_dir: str) -> tuple[list[Prompt], object, tuple[int, ...]]:
+    """(prompts, decode, stop token ids) of ``megagrpo eval``: the problems of ``eval.path`` (default
+    ``data.val_path``; the first ``eval.num_problems`` of them when set) in the tokenizer of
+    ``model_dir``; over-long prompts are skipped and reported."""
+    from transformers import AutoTokenizer
+
+    from megagrpo.data.records import BadRows
+
+    path = cfg.eval.path or cfg.data.val_path
+    if path is None:
+        raise DataError("megagrpo eval needs problems: set eval.path or data.val_path")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    new = cfg.eval.max_new_tokens or cfg.generation.max_new_tokens
+    rows = read_prompt_rows(cfg, path, BadRows(cfg.data.on_bad_row))
+    if cfg.eval.num_problems:
+        rows = rows[: cfg.eval.num_problems]
+    prompts, too_long = encode_prompts(cfg, tokenizer, path, rows, new)
+    if too_long:
+        print(f"eval: skipped {too_long} problem(s) too long for model.seq_length={cfg.model.seq_length}")
+    return prompts, _decoder(tokenizer), tuple(_stops(tokenizer))
 
 
 def build_source(cfg: Config) -> PromptSource:
+    if cfg.data.train_path is None and cfg.data.synthetic_task == "math":
+        raise DataError(
+            "data.synthetic_task 'math' generates SFT data only; GRPO reads its prompts from data.train_path "
+            "(write a file of generated problems with megagrpo.data.math_problems)"
+        )
     if cfg.data.train_path is None:
         return arithmetic_source(cfg)
     from transformers import AutoTokenizer
 
-    data = cfg.data
-    train_rows = _read_jsonl(Path(data.train_path), data.prompt_key, data.answer_key)
-    val_rows = _read_jsonl(Path(data.val_path), data.prompt_key, data.answer_key) if data.val_path else []
     if cfg.model.hf_dir is None:
-        raise DataError("data.train_path needs a tokenizer: set model.hf_dir")
-    return dataset_source(cfg, AutoTokenizer.from_pretrained(cfg.model.hf_dir), train_rows, val_rows)
+        raise DataError("data.train_path needs a tokenizer: set model.hf_dir (or model.init_from)")
+    return dataset_source(cfg, AutoTokenizer.from_pretrained(cfg.model.hf_dir))

@@ -288,6 +288,8 @@ class SFTSource:
 def build_sft_source(cfg: Config, tok) -> SFTSource:
     """Read and check the SFT data before any worker starts (DataError names file and row)."""
     data = cfg.data
+    if data.train_path is None and data.synthetic_task == "math":
+        return _math_sft_source(cfg, tok)
     if data.train_path is None:
         task = ArithmeticTask(max_operand=data.arithmetic_max_operand, ops=data.arithmetic_ops)
         return SFTSource(cfg, tok, task=task)
@@ -297,6 +299,33 @@ def build_sft_source(cfg: Config, tok) -> SFTSource:
     if data.val_path and cfg.sft.num_val_examples:
         val = _read(data.val_path, tok, cfg, sft_example, bad, limit=cfg.sft.num_val_examples)
     return SFTSource(cfg, tok, train=train, val=val, skipped=bad.skipped)
+
+
+def _math_sft_source(cfg: Config, tok) -> SFTSource:
+    """Generated math problems (``data.template`` around each) with their worked solutions: as many
+    training records as the run's steps consume (at most 20,000, then reshuffled per epoch), and
+    ``sft.num_val_examples`` held-out ones from a seed stream far away."""
+    from megagrpo.data.math_problems import math_records
+
+    data = cfg.data
+
+    def examples(records: list[dict], what: str) -> list[Example]:
+        out = []
+        for i, r in enumerate(records, 1):
+            record = {
+                data.prompt_key: data.template.replace("{prompt}", r["problem"]),
+                data.response_key: r["solution"],
+            }
+            try:
+                out.append(sft_example(tok, record, cfg))
+            except ValueError as err:
+                raise DataError(f"generated math {what} record {i}: {err}") from err
+        return out
+
+    count = min(cfg.sft.num_steps * cfg.sft.batch_size, 20_000)
+    train = examples(math_records(count, cfg.sft.seed), "training")
+    val = examples(math_records(cfg.sft.num_val_examples, cfg.sft.seed + VAL_SEED_OFFSET), "validation")
+    return SFTSource(cfg, tok, train=train, val=val)
 
 
 class PreferenceSource:

@@ -1,6 +1,7 @@
-"""The tokenizer of a job: the HF tokenizer of ``model.hf_dir``, or, for a tiny model, the arithmetic task's
-character vocabulary as a real HF tokenizer (built in memory with the ``tokenizers`` library, with a chat
-template), so SFT and DPO run the same chat-template code on both.
+"""The tokenizer of a job: the HF tokenizer of ``model.hf_dir``, or, for a tiny model, one built in memory
+with the ``tokenizers`` library as a real HF tokenizer with a chat template, so SFT and DPO run the same
+chat-template code on both: the arithmetic task's character vocabulary, or (``data.synthetic_task: math``)
+a byte-level BPE trained on generated math problems and solutions (:func:`math_bpe_tokenizer`).
 
 The character tokenizer gives the ids of :class:`megagrpo.data.arithmetic.CharTokenizer` (PAD 0, BOS 1, EOS 2,
 then one id per character); ``encode`` prepends BOS, as the arithmetic prompts have it. Its chat template
@@ -45,12 +46,73 @@ def char_tokenizer(chat_template: str | None = CHAR_CHAT_TEMPLATE):
     )
 
 
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML as Qwen2's instruct models render it (without their default system turn): every turn is
+``<|im_start|>role\\n`` + text + ``<|im_end|>\\n``; the generation prompt opens an assistant turn."""
+
+# Qwen2's pre-tokenizer split: words, single digits (numbers are spelt digit by digit), punctuation runs,
+# newlines, spaces; then byte-level, so any text round-trips.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+MATH_CORPUS_SEED = 104_729
+"""Seed of the generated records the math tokenizer is trained on (fixed: one tokenizer per vocab size)."""
+
+
+def math_bpe_tokenizer(vocab_size: int, template: str = "{prompt}", num_records: int = 4000):
+    """A byte-level BPE of ``vocab_size`` tokens (ChatML specials included) trained with ``tokenizers`` on
+    ``num_records`` generated math problems (rendered with ``template``) and their worked solutions, as a
+    ``PreTrainedTokenizerFast`` with Qwen2's ChatML template; EOS ``<|im_end|>``, PAD ``<|endoftext|>``.
+    Deterministic: the same arguments give the same vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from megagrpo.data.math_problems import math_records
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    records = math_records(num_records, MATH_CORPUS_SEED)
+    # The role names of the chat template are text too: "user\n" and "assistant\n" get tokens of their own.
+    corpus = ["user\nassistant\n"] * 100 + [
+        template.replace("{prompt}", r["problem"]) + "\n" + r["solution"] for r in records
+    ]
+    backend.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
 def load_tokenizer(cfg: Config):
     """The job's tokenizer; a chat template is required when ``data.apply_chat_template`` is set.
 
     Raises ConfigError (before any worker starts) when the template is missing.
     """
-    if cfg.model.tiny is not None:
+    if cfg.model.tiny is not None and cfg.data.synthetic_task == "math":
+        tok = math_bpe_tokenizer(cfg.model.tiny.vocab_size, cfg.data.template)
+        where = "the built-in math BPE tokenizer"
+    elif cfg.model.tiny is not None:
         tok, where = char_tokenizer(), "the built-in character tokenizer"
         if tok.vocab_size > cfg.model.tiny.vocab_size:
             raise ConfigError(

@@ -18,12 +18,24 @@ def test_help_lists_every_subcommand(capsys):
         assert sub in out
 
 
-@pytest.mark.parametrize("argv", [["eval"]])
-def test_unlanded_subcommands_say_so_and_fail(argv, capsys):
-    assert main(argv) == 2
-    captured = capsys.readouterr()
-    assert "not implemented" in captured.err
-    assert captured.out == ""
+def test_eval_needs_a_model_or_a_checkpoint(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["eval"])
+    assert exc.value.code == 2
+    assert "one of the arguments --model --checkpoint is required" in capsys.readouterr().err
+
+
+def test_eval_names_a_missing_model_before_starting_anything(tmp_path, capsys):
+    assert main(["eval", "--model", str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err
+    assert "nowhere: no config.json" in err
+
+
+def test_eval_names_a_run_without_result(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), f"logging.dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err
+    assert "--checkpoint" in err and "neither an HF export" in err
 
 
 def test_plan_validates_the_default(capsys):
@@ -96,11 +108,11 @@ def test_exit_without_teardown_waits_for_a_running_thread():
     assert done.returncode == 0 and done.stdout == "thread finished\n"
 
 
-def test_the_program_entry_point_exits_with_the_command_status(capsys):
+def test_the_program_entry_point_exits_with_the_command_status(capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
-        run(["eval"])
-    assert exc.value.code == 2
-    assert "not implemented" in capsys.readouterr().err
+        run(["eval", "--model", str(tmp_path)])
+    assert exc.value.code == 1
+    assert "no config.json" in capsys.readouterr().err
 
 
 def test_dpo_reports_a_layout_it_cannot_run_before_starting(capsys, tmp_path):

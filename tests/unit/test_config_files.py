@@ -81,7 +81,7 @@ def test_unknown_config_is_one_clear_error(spec, tmp_path, monkeypatch):
         resolve_config_path(spec)
     msg = str(info.value)
     assert repr(spec) in msg
-    assert "deepscaler/8k, tiny_cpu" in msg
+    assert "deepscaler/8k, deepscaler/cpu_twin_1" in msg and "tiny_cpu" in msg
     assert (str(tmp_path) in msg) == (not spec.startswith("/"))  # where a relative path was looked for
 
 
@@ -138,7 +138,7 @@ def test_cli_plan_with_a_packaged_name_and_a_missing_config(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith("megagrpo plan: config error: config 'does-not-exist' not found")
-    assert "deepscaler/8k, tiny_cpu" in err
+    assert "deepscaler/8k, deepscaler/cpu_twin_1" in err and "tiny_cpu" in err
 
 
 def test_no_packaged_configs_says_so(tmp_path, monkeypatch):

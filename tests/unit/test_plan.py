@@ -240,3 +240,16 @@ def test_cli_reads_hf_config_and_prints_json(tmp_path, capsys):
     assert (
         main([*args[:-1], "parallel.pipeline_model_parallel_size=3", "parallel.data_parallel_size=16"]) == 1
     )
+
+
+@pytest.mark.parametrize("stage", ["8k", "16k", "24k"])
+def test_recipe_stages_chain_and_fit_one_node_of_8_gpus(tmp_path, stage, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_1_5B))
+    argv = ["plan", "--config", f"deepscaler/{stage}", "--hf-config", str(tmp_path / "config.json")]
+    assert main([*argv, "--transformer-engine", "yes", "--gpu-memory-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "plan OK" in out and "8 ranks" in out
+    cfg = load_config(f"deepscaler/{stage}")
+    previous = {"8k": None, "16k": "runs/deepscaler-8k", "24k": "runs/deepscaler-16k"}[stage]
+    assert cfg.model.init_from == previous
+    assert (cfg.eval.num_samples, cfg.eval.temperature, cfg.eval.top_p) == (16, 0.6, 0.95)

@@ -114,4 +114,4 @@ def test_plan_from_outside_the_checkout(venv, env, tmp_path):
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith("megagrpo plan: config error: config 'does-not-exist' not found")
-    assert "deepscaler/8k, tiny_cpu" in done.stderr
+    assert "deepscaler/8k, deepscaler/cpu_twin_1" in done.stderr and "tiny_cpu" in done.stderr
