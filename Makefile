@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megagrpo-$(EXTRAS)-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo sft-demo dpo-demo test test-unit test-dist test-e2e test-gpu lint bench clean
+.PHONY: setup demo sft-demo dpo-demo twin test test-unit test-dist test-e2e test-gpu lint bench clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,30 @@ sft-demo: setup
 dpo-demo: setup
 	rm -rf runs/tiny-dpo/checkpoints
 	$(VENV)/bin/megagrpo dpo --config tiny_dpo
+
+# CPU twin of the DeepScaleR recipe (configs/deepscaler/cpu_twin_*.yaml): make the model (BPE tokenizer +
+# SFT warm-up; rebuilt only when its config changes) and the data, evaluate the made model, run the three
+# GRPO stages (96 -> 160 -> 256 tokens, each starting from the previous one's HF export), evaluate the
+# final export. Prints the pass@1 tables before stage 1 and after stage 3, and each stage's wall time.
+TWIN := runs/cpu-twin
+twin: setup runs/cpu-twin-model/hf_export/config.json $(TWIN)-data/val.jsonl
+	rm -rf runs/cpu-twin-1 runs/cpu-twin-2 runs/cpu-twin-3 $(TWIN)-eval
+	$(VENV)/bin/megagrpo eval --config deepscaler/cpu_twin_3 --model runs/cpu-twin-model/hf_export --out $(TWIN)-eval/before
+	for stage in 1 2 3; do start=$$(date +%s); \
+		$(VENV)/bin/megagrpo train --config deepscaler/cpu_twin_$$stage || exit 1; \
+		echo "stage $$stage: $$(( $$(date +%s) - start )) s wall" | tee -a $(TWIN)-eval/stage_times.txt; done
+	$(VENV)/bin/megagrpo eval --config deepscaler/cpu_twin_3 --checkpoint runs/cpu-twin-3 --out $(TWIN)-eval/after
+	@echo; echo "=== pass@1 before stage 1 (the made model) ==="; cat $(TWIN)-eval/before/eval.md
+	@echo; echo "=== pass@1 after stage 3 ==="; cat $(TWIN)-eval/after/eval.md
+	@echo; cat $(TWIN)-eval/stage_times.txt
+
+runs/cpu-twin-model/hf_export/config.json: configs/deepscaler/cpu_twin_model.yaml
+	rm -rf runs/cpu-twin-model
+	$(VENV)/bin/megagrpo sft --config deepscaler/cpu_twin_model
+
+$(TWIN)-data/val.jsonl:
+	$(PY) -m megagrpo.data.math_problems $(TWIN)-data/train.parquet 4000 --seed 1
+	$(PY) -m megagrpo.data.math_problems $(TWIN)-data/val.jsonl 64 --seed 2
 
 test: setup
 	$(PY) -m pytest -m "unit or dist or e2e" $(PYTEST_ARGS)

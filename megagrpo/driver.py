@@ -120,6 +120,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
         raise KeyboardInterrupt
     export = export_final(final, run_dir / "hf_export") if final and cfg.checkpoint.export_hf_at_end else None
     print(f"\nrun directory: {run_dir}\n  metrics: {run_dir / 'metrics.jsonl'}\n  curves:  {curves}")
+    print(f"  reward: {scorer.timeouts} response(s) past reward.timeout_s scored 0")
     if export:
         print(f"  HF export: {export}")
     return run_dir
