@@ -1,0 +1,114 @@
+"""Summarise a `make twin` run into benchmarks/results/twin.{json,md}.
+
+Reads what `make twin` leaves under runs/: the pass@k reports of the made model and of stage 3's export
+(`runs/cpu-twin-eval/{before,after}/eval.json`), the wall time of each stage
+(`runs/cpu-twin-eval/stage_times.txt`), each stage's metrics.jsonl, and the make log (for the reward
+pool's timeout count each stage prints; a scoring error would have stopped the stage).
+
+    make twin 2>&1 | tee runs/cpu-twin-eval.log
+    python benchmarks/twin_report.py --log runs/cpu-twin-eval.log [--sft-log FILE] [--note TEXT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from megagrpo.ckpt.durable import atomic_write
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", default=str(ROOT / "runs"))
+    parser.add_argument("--log", required=True, help="the output of make twin")
+    parser.add_argument("--sft-log", default=None, help="the output of the made model's SFT, if made apart")
+    parser.add_argument("--note", default="", help="a line on the machine's state (load average)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "twin"))
+    args = parser.parse_args()
+    runs = Path(args.runs)
+    log = Path(args.log).read_text()
+    before = json.loads((runs / "cpu-twin-eval" / "before" / "eval.json").read_text())
+    after = json.loads((runs / "cpu-twin-eval" / "after" / "eval.json").read_text())
+    times = dict(
+        re.findall(r"stage (\d): (\d+) s wall", (runs / "cpu-twin-eval" / "stage_times.txt").read_text())
+    )
+    timeouts = [int(n) for n in re.findall(r"reward: (\d+) response\(s\) past reward.timeout_s", log)]
+    stages = []
+    for i in (1, 2, 3):
+        m = _metrics(runs / f"cpu-twin-{i}")
+        steps = [r for r in m if "reward/mean" in r]
+        vals = [r for r in m if "val/accuracy" in r]
+        stages.append(
+            {
+                "stage": i,
+                "wall_s": int(times[str(i)]),
+                "steps": len(steps),
+                "reward_first_5": sum(r["reward/mean"] for r in steps[:5]) / 5,
+                "reward_last_5": sum(r["reward/mean"] for r in steps[-5:]) / 5,
+                "val_greedy_first": vals[0]["val/accuracy"],
+                "val_greedy_last": vals[-1]["val/accuracy"],
+                "val_pass1_first": vals[0].get("val/pass@1"),
+                "val_pass1_last": vals[-1].get("val/pass@1"),
+                "truncated_frac_last_5": sum(r["response/truncated_frac"] for r in steps[-5:]) / 5,
+                "reward_timeouts": timeouts[i - 1] if len(timeouts) >= i else None,
+                "reward_errors": 0,
+            }
+        )
+    sft = None
+    if args.sft_log:
+        found = re.search(r"real\s+(\d+)m([\d.]+)s", Path(args.sft_log).read_text())
+        sft = int(found.group(1)) * 60 + float(found.group(2)) if found else None
+    result = {
+        "before": before["summary"],
+        "after": after["summary"],
+        "settings": after["settings"],
+        "stages": stages,
+        "sft_wall_s": sft,
+        "note": args.note,
+    }
+    out = Path(args.out)
+    atomic_write(out.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
+    ks = list(before["summary"])
+    lines = [
+        "# make twin: the CPU twin of the DeepScaleR recipe",
+        "",
+        f"`make twin` on the 2-core machine. {args.note}",
+        "",
+        f"pass@k on {after['settings']['problems']} problems, {after['settings']['samples']} samples each "
+        f"(temperature {after['settings']['temperature']}, top_p {after['settings']['top_p']}, "
+        f"{after['settings']['max_tokens']} new tokens at most):",
+        "",
+        "| model | " + " | ".join(ks) + " |",
+        "|---|" + "---:|" * len(ks),
+        "| made model (before stage 1) | " + " | ".join(f"{before['summary'][k]:.3f}" for k in ks) + " |",
+        "| stage 3's export (after) | " + " | ".join(f"{after['summary'][k]:.3f}" for k in ks) + " |",
+        "",
+        "| stage | context | wall s | steps | reward first 5 -> last 5 | greedy val first -> last | "
+        "val pass@1 first -> last | truncated (last 5) | reward timeouts | reward errors |",
+        "|---:|---:|---:|---:|---|---|---|---:|---:|---:|",
+    ]
+    for s, ctx in zip(stages, (96, 160, 256), strict=True):
+        lines.append(
+            f"| {s['stage']} | {ctx} | {s['wall_s']} | {s['steps']} | {s['reward_first_5']:.3f} -> "
+            f"{s['reward_last_5']:.3f} | {s['val_greedy_first']:.3f} -> {s['val_greedy_last']:.3f} | "
+            f"{s['val_pass1_first']:.3f} -> {s['val_pass1_last']:.3f} | {s['truncated_frac_last_5']:.3f} | "
+            f"{s['reward_timeouts']} | {s['reward_errors']} |"
+        )
+    if sft is not None:
+        lines += ["", f"Model making (BPE + SFT, cpu_twin_model.yaml): {sft:.0f} s wall."]
+    atomic_write(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
