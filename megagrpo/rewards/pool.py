@@ -6,8 +6,9 @@ that hangs would hold its worker for good. Here each worker is a process of our 
 runs one task at a time, so the driver knows which process holds which task and can SIGKILL it.
 
 The deadline of a task is ``timeout_s`` after it is submitted to a worker (the moment it starts running):
-a task queued behind others is not charged for their time, so a batch of M tasks on N workers takes at
-most ceil(M / N) x ``timeout_s``, and one that hangs costs its worker that long, once.
+a task queued behind others is not charged for their time, nor for a replacement worker's start-up (a
+worker gets tasks once it has said it is ready), so a batch of M tasks on N workers takes at most about
+ceil(M / N) x ``timeout_s``, and one that hangs costs its worker that long, once.
 
 Workers are forked from a fork server (``multiprocessing``'s ``forkserver``): the driver has Ray's and
 torch's threads, which a plain ``fork`` of it would copy mid-lock; the server preloads math-verify, so a
@@ -29,6 +30,8 @@ __all__ = ["DeadlinePool", "PoolResult"]
 
 # What the fork server imports once, so that every worker forked from it has it already.
 _PRELOAD = ["megagrpo.rewards.math", "megagrpo.rewards.arithmetic", "math_verify"]
+# A worker that has not said it is ready after this long (a user module stuck at import) stops the call.
+_START_LIMIT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ def _worker_main(conn: Connection, function: str) -> None:
         fn, load_error = load_function(function), None
     except Exception as err:  # reported with every task, so the driver counts them as errors
         fn, load_error = None, f"loading {function!r}: {type(err).__name__}: {err}"
+    conn.send("ready")
     while True:
         try:
             message = conn.recv()
@@ -91,6 +95,8 @@ class _Worker:
         self.process = ctx.Process(target=_worker_main, args=(child, function), daemon=True)
         self.process.start()
         child.close()  # the worker holds the only other end: its death is EOF here
+        self.started = time.monotonic()
+        self.ready = False
 
     def kill(self) -> None:
         self.process.kill()
@@ -120,6 +126,7 @@ class DeadlinePool:
         self._workers = [_Worker(self._ctx, function) for _ in range(num_workers)]
         self.replaced = 0
         """Workers started to replace one that was killed at a deadline or died (whole life of the pool)."""
+        self._start_deaths = 0  # workers in a row that died before they were ready
 
     @property
     def pids(self) -> list[int]:
@@ -140,6 +147,39 @@ class DeadlinePool:
         self._workers[slot] = _Worker(self._ctx, self.function)
         self.replaced += 1
 
+    def _starting(self, slot: int) -> None:
+        """A worker that is not ready yet has something to read: its "ready", or EOF (it died starting)."""
+        worker = self._workers[slot]
+        try:
+            worker.ready = worker.conn.recv() == "ready"
+            self._start_deaths = 0
+            return
+        except (EOFError, OSError):
+            self._start_deaths += 1
+        if self._start_deaths > 2 * len(self._workers):
+            raise RuntimeError(
+                f"reward workers loading {self.function!r} keep dying as they start "
+                f"(last exit code {worker.process.exitcode})"
+            )
+        self._replace(slot, kill=False)
+
+    def _check_start_limit(self) -> None:
+        now = time.monotonic()
+        if any(not w.ready and now >= w.started + _START_LIMIT_S for w in self._workers):
+            raise RuntimeError(
+                f"a reward worker loading {self.function!r} did not start within {_START_LIMIT_S:.0f} s"
+            )
+
+    def wait_ready(self) -> int:
+        """Block until every worker has started (loaded its function); returns the number of workers."""
+        while not all(w.ready for w in self._workers):
+            starting = {w.conn: slot for slot, w in enumerate(self._workers) if not w.ready}
+            limit = min(self._workers[slot].started for slot in starting.values()) + _START_LIMIT_S
+            for conn in wait(list(starting), timeout=max(0.0, limit - time.monotonic())):
+                self._starting(starting[conn])
+            self._check_start_limit()
+        return len(self._workers)
+
     def map(self, tasks: Sequence[tuple]) -> PoolResult:
         """Run every task (a tuple of arguments); returns when each has a value, an error or its deadline."""
         values: list[float | None] = [None] * len(tasks)
@@ -154,29 +194,29 @@ class DeadlinePool:
                 messages.append(f"task {task}: {message}")
 
         while queue or running:
-            for slot in range(len(self._workers)):
-                if slot in running or not queue:
+            for slot, worker in enumerate(self._workers):
+                if queue and worker.ready and slot not in running:
+                    task = queue.popleft()
+                    try:
+                        worker.conn.send((task, tasks[task]))
+                    except OSError:  # died while idle: replace it, the task goes to the next ready one
+                        self._replace(slot, kill=True)
+                        queue.appendleft(task)
+                        continue
+                    running[slot] = (task, time.monotonic() + self.timeout_s)
+            waiting = {w.conn: slot for slot, w in enumerate(self._workers) if slot in running or not w.ready}
+            deadlines = [d for _, d in running.values()]
+            deadlines += [w.started + _START_LIMIT_S for w in self._workers if not w.ready]
+            for conn in wait(list(waiting), timeout=max(0.0, min(deadlines) - time.monotonic())):
+                slot = waiting[conn]
+                if slot not in running:
+                    self._starting(slot)
                     continue
-                task = queue.popleft()
-                try:
-                    self._workers[slot].conn.send((task, tasks[task]))
-                except OSError:  # died while idle: replace it and hand it the task again next round
-                    self._replace(slot, kill=True)
-                    queue.appendleft(task)
-                    continue
-                running[slot] = (task, time.monotonic() + self.timeout_s)
-            if not running:
-                continue
-            by_conn = {self._workers[slot].conn: slot for slot in running}
-            nearest = min(deadline for _, deadline in running.values())
-            for conn in wait(list(by_conn), timeout=max(0.0, nearest - time.monotonic())):
-                slot = by_conn[conn]
                 task, _ = running.pop(slot)
                 try:
                     done, ok, value = conn.recv()
                 except (EOFError, OSError):  # the worker died (segfault, os._exit, out of memory)
-                    code = self._workers[slot].process.exitcode
-                    failed(task, f"worker process died (exit code {code})")
+                    failed(task, f"worker process died (exit code {self._workers[slot].process.exitcode})")
                     self._replace(slot, kill=False)
                     continue
                 assert done == task, (done, task)
@@ -190,6 +230,7 @@ class DeadlinePool:
                     del running[slot]
                     timeouts += 1
                     self._replace(slot, kill=True)
+            self._check_start_limit()
         return PoolResult(values, timeouts, errors, messages)
 
     def close(self) -> None:

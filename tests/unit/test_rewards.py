@@ -174,7 +174,8 @@ def test_hanging_scoring_is_cut_each_time_and_the_pool_keeps_its_capacity(user_r
         assert not first & set(pool.pids)
         assert all(not Path(f"/proc/{pid}").exists() for pid in first)
         assert pool.alive() == workers
-        # the next batch runs on every worker slot again, with nothing timed out
+        # the replacements start (load the function) and the next batch runs on each of them
+        assert pool.wait_ready() == workers
         after = scorer.score(["pid", "pid", "3", "4"], ["0", "0", "3", "5"])
         assert (after.timeouts, after.errors) == (0, 0)
         assert after.scores[2:] == [1.0, 0.0]
