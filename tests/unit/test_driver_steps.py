@@ -137,7 +137,7 @@ def reward(response, answer):
 def test_reward_timeouts_and_errors_reach_the_step_metrics(monkeypatch, tmp_path):
     path = tmp_path / "reward.py"
     path.write_text(USER_REWARD)
-    keys = [f"reward.function={path}:reward", "reward.num_workers=2", "reward.timeout_s=1.5"]
+    keys = [f"reward.function={path}:reward", "reward.num_workers=2", "reward.timeout_s=2.5"]
     reward = load_config(None, ["reward.kind=python", *keys]).reward
     source = OddPromptsVary({(1, 0): "hang", (2, 1): "raise", (3, 1): "raise"})
     rollouts, _, _ = _group_run(monkeypatch, [], source, reward)

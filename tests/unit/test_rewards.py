@@ -161,7 +161,7 @@ def test_user_reward_loaded_by_module_path_scores_a_batch():
 
 def test_hanging_scoring_is_cut_each_time_and_the_pool_keeps_its_capacity(user_reward):
     workers = 2
-    scorer = _python_scorer(f"{user_reward}:reward", workers=workers, timeout_s=1.5)
+    scorer = _python_scorer(f"{user_reward}:reward", workers=workers, timeout_s=2.5)
     pool = scorer.pool
     try:
         first = set(pool.pids)
