@@ -26,7 +26,15 @@ import yaml
 
 from megagrpo.algorithms.grpo import group_advantages, overlong_penalty, zero_variance_groups
 from megagrpo.ckpt import run as ckpt_io
-from megagrpo.cluster import EngineFailure, EnginePool, RankGroup, shutdown_ray, start_engines, start_ray
+from megagrpo.cluster import (
+    EngineFailure,
+    EnginePool,
+    RankGroup,
+    placement_summary,
+    shutdown_ray,
+    start_engines,
+    start_ray,
+)
 from megagrpo.config import Config, config_to_dict, save_config
 from megagrpo.data.prompts import Prompt, PromptSource, build_source
 from megagrpo.models.description import describe_model
@@ -72,6 +80,7 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     policy = RankGroup(cfg, PolicyWorker)
     engines = start_engine_pool(cfg, model_dir, policy)
     sync, count = engines.sync, len(engines.actors)
+    print(f"placement: {placement_summary(policy, engines.actors)}")
     print(f"weight sync: {sync.backend}, {sync.total_bytes / 2**20:.1f} MiB to {count} engine(s)")
     step, position = restore(cfg, policy, resume_from)
     timings = {}

@@ -623,9 +623,23 @@ class ClusterConfig:
     """GPUs used per node; 0 runs everything on CPU."""
     cpus_per_worker: float = 1.0
     """CPUs reserved per Ray actor (fractions allowed)."""
+    policy_resource: str | None = None
+    """Custom Ray resource every policy rank requires: a node label (start the training nodes with
+    `ray start --resources '{"NAME": 1}'`); null places ranks on any node."""
+    engine_resource: str | None = None
+    """Custom Ray resource every vLLM engine requires (disaggregated placement): puts engines on the
+    nodes started with it; null places engines on any node."""
 
     def __post_init__(self) -> None:
         positive(self, "num_nodes")
+        for key in ("policy_resource", "engine_resource"):
+            name = getattr(self, key)
+            check(
+                self,
+                key,
+                name is None or (name != "" and name not in ("CPU", "GPU", "memory")),
+                "a custom resource name",
+            )
         check(self, "gpus_per_node", self.gpus_per_node >= 0, ">= 0")
         check(self, "cpus_per_worker", self.cpus_per_worker > 0, "> 0")
 
