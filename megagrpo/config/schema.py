@@ -333,7 +333,7 @@ class GRPOConfig:
     """Advantage baseline: mean = the group's mean reward (GRPO; Dr. GRPO without std normalization);
     leave_one_out = the mean of the other G - 1 rewards (RLOO: G/(G-1) x the group-mean advantage)."""
     normalize_adv_std: bool = True
-    """Divide advantages by the group's reward std (GRPO); false with baseline mean is Dr. GRPO's advantage."""
+    """Divide advantages by the group's reward std (GRPO); false with baseline mean: Dr. GRPO's advantage."""
     filter_zero_variance_groups: bool = False
     """Drop groups whose rewards are all equal (their advantages are zero) before the update."""
     overlong_policy: Literal["none", "mask", "soft_penalty"] = "none"
