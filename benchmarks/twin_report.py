@@ -2,11 +2,11 @@
 
 Reads what `make twin` leaves under runs/: the pass@k reports of the made model and of stage 3's export
 (`runs/cpu-twin-eval/{before,after}/eval.json`), the wall time of each stage
-(`runs/cpu-twin-eval/stage_times.txt`), each stage's metrics.jsonl, and the make log (for the reward
-pool's timeout count each stage prints; a scoring error would have stopped the stage).
+(`runs/cpu-twin-eval/stage_times.txt`) and each stage's metrics.jsonl (rewards, validation, and the
+reward pool's timeouts and errors per step).
 
-    make twin 2>&1 | tee runs/cpu-twin-eval.log
-    python benchmarks/twin_report.py --log runs/cpu-twin-eval.log [--sft-log FILE] [--note TEXT]
+    make twin
+    python benchmarks/twin_report.py [--sft-log FILE] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -30,19 +30,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--runs", default=str(ROOT / "runs"))
-    parser.add_argument("--log", required=True, help="the output of make twin")
     parser.add_argument("--sft-log", default=None, help="the output of the made model's SFT, if made apart")
     parser.add_argument("--note", default="", help="a line on the machine's state (load average)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "twin"))
     args = parser.parse_args()
     runs = Path(args.runs)
-    log = Path(args.log).read_text()
     before = json.loads((runs / "cpu-twin-eval" / "before" / "eval.json").read_text())
     after = json.loads((runs / "cpu-twin-eval" / "after" / "eval.json").read_text())
     times = dict(
         re.findall(r"stage (\d): (\d+) s wall", (runs / "cpu-twin-eval" / "stage_times.txt").read_text())
     )
-    timeouts = [int(n) for n in re.findall(r"reward: (\d+) response\(s\) past reward.timeout_s", log)]
     stages = []
     for i in (1, 2, 3):
         m = _metrics(runs / f"cpu-twin-{i}")
@@ -60,8 +57,8 @@ def main() -> None:
                 "val_pass1_first": vals[0].get("val/pass@1"),
                 "val_pass1_last": vals[-1].get("val/pass@1"),
                 "truncated_frac_last_5": sum(r["response/truncated_frac"] for r in steps[-5:]) / 5,
-                "reward_timeouts": timeouts[i - 1] if len(timeouts) >= i else None,
-                "reward_errors": 0,
+                "reward_timeouts": sum(r["reward/timeouts"] for r in steps),
+                "reward_errors": sum(r["reward/errors"] for r in steps),
             }
         )
     sft = None
