@@ -253,7 +253,7 @@ BENCHMARKS: tuple[Bench, ...] = (
         "HF <-> Megatron conversion vs the safetensors read+write bound",
         ("cpu",),
         {"cpu": []},
-        {"cpu": ["--size-mb", "100", "--tp", "1", "--no-phases", "--quiet-wait", "0"]},
+        {"cpu": ["--size-mb", "100", "--tp", "1", "--no-phases", "--quiet-wait", "0", "--no-retry"]},
         _convert_metrics,
     ),
     Bench(
