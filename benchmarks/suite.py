@@ -132,10 +132,10 @@ def _sft_dpo_metrics(report: dict) -> Samples:
     for run in report["runs"]:
         for part in ("sft", "dpo"):
             for step, r in run[part].items():
-                if isinstance(r, dict) and "wall" in r:
-                    out[f"tp{run['tp']} {step} s"] = (list(r["wall"]), "s")
+                if isinstance(r, dict) and "wall" in r:  # each part has its own bare step
+                    out[f"tp{run['tp']} {part}: {step} s"] = (list(r["wall"]), "s")
                     if "ratio_over_bare" in r:
-                        out[f"tp{run['tp']} {step}/bare"] = ([r["ratio_over_bare"]], "ratio")
+                        out[f"tp{run['tp']} {part}: {step}/bare"] = ([r["ratio_over_bare"]], "ratio")
     return out
 
 
@@ -392,7 +392,8 @@ def run_one(bench: Bench, suite: str, quick: bool, repeat: int | None, out_dir: 
     print(f"=== {bench.name}: {' '.join(command)}", flush=True)
     start = time.perf_counter()
     rc = subprocess.run(command, cwd=HERE.parent).returncode
-    entry = {"what": bench.what, "command": command, "wall_s": time.perf_counter() - start, "returncode": rc}
+    shown = [c.replace(f"{HERE.parent}/", "") for c in command]  # paths relative to the repository
+    entry = {"what": bench.what, "command": shown, "wall_s": time.perf_counter() - start, "returncode": rc}
     result = out_dir / f"{bench.name}.json"
     if rc != 0:
         entry["error"] = f"{bench.script} exited with {rc}"

@@ -140,6 +140,14 @@ def test_metric_samples_are_the_repetitions_the_script_recorded():
     assert max(values) == pytest.approx(run["tokens_per_step"] / min(run["train"]["step_s_all"]), rel=1e-12)
 
 
+def test_sft_and_dpo_keep_their_own_bare_step():
+    report = json.loads((RESULTS / "sft_dpo.json").read_text())
+    samples = suite.BY_NAME["sft_dpo"].metrics(report)
+    sft_bare, dpo_bare = samples["tp1 sft: bare s"][0], samples["tp1 dpo: bare s"][0]
+    assert sft_bare == report["runs"][0]["sft"]["bare"]["wall"]
+    assert dpo_bare == report["runs"][0]["dpo"]["bare"]["wall"]
+
+
 def test_readme_measured_table_is_the_generated_one():
     """A number edited by hand in README's generated table, or a results file changed without
     `python -m benchmarks readme`, fails here."""
