@@ -104,7 +104,7 @@ def _sync_metrics(report: dict) -> Samples:
     out: Samples = {}
     for variant, v in report["variants"].items():
         for row in v["results"]:
-            key = f"{variant} {row['engines']} eng {row['bucket_mb']} MiB"
+            key = f"{variant} {row['engines']} eng {row['bucket_mb']:g} MiB"
             out[f"{key} sync s"] = ([r["seconds"] for r in row["runs"]["sync"]], "s")
             out[f"{key} sync/flat"] = ([row["fraction_of_flat"]], "ratio")
     return out
