@@ -67,7 +67,10 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     policy = RankGroup(cfg, PolicyWorker)
     engines = start_engine_pool(cfg, model_dir, policy)
     sync, count = engines.sync, len(engines.actors)
-    print(f"weight sync: {sync.backend}, {sync.total_bytes / 2**20:.1f} MiB to {count} engine(s)")
+    print(
+        f"weight sync: {sync.backend}, {sync.path.kind} ({sync.path.reason}); "
+        f"{sync.total_bytes / 2**20:.1f} MiB to each of {count} engine(s)"
+    )
     step, position = restore(cfg, policy, resume_from)
     timings = {}
     with timed(timings, "sync_s"):
