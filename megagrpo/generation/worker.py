@@ -190,8 +190,16 @@ class GenerationWorker:
                 digests.setdefault(index, digest)
         return digests
 
+    def received_bytes(self) -> list[int]:
+        """Bucket bytes each of this engine's workers received in the last sync, by worker rank."""
+        return self.llm.collective_rpc(_received_bytes)
+
     def shutdown_weight_sync(self) -> None:
         self.llm.collective_rpc("shutdown_weight_transfer_engine")
+
+
+def _received_bytes(worker) -> int:
+    return worker.weight_transfer_engine.received_bytes
 
 
 def _received_digests(worker) -> dict[int, str]:

@@ -59,6 +59,8 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         super().__init__(config, vllm_config, device, model)
         self.groups: dict[int, BroadcastGroup] = {}  # plan source -> group, the groups this worker is in
         self.last_digests: dict[int, str] = {}  # plan index -> digest of the buckets it received
+        self.received_bytes = 0  # bucket bytes this worker received in the last sync
+        self._loaders: dict[int, tuple[torch.Tensor, dict]] = {}  # parameters given _copy_block, by id
         self._kept: list[torch.Tensor] = []  # receive buffers kept between syncs (CPU)
 
     def init_transfer_engine(self, init_info: MegagrpoInitInfo) -> None:
@@ -78,13 +80,22 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._give_back_loaders()  # after a sync that failed half-way
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        self._give_back_loaders()
         self._retie_embeddings()
+
+    def _give_back_loaders(self) -> None:
+        """The reload registers the very meta tensors it recorded at model load: give them back the
+        loaders they had before :func:`load_block`, or a later gathered sync would find _copy_block."""
+        for param, loader in self._loaders.values():
+            _set_loader(param, loader)
+        self._loaders = {}
 
     def _retie_embeddings(self) -> None:
         """Tied input/output embeddings: the output layer receives no weights of its own (HF
@@ -109,6 +120,7 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
             raise RuntimeError("megagrpo weight transfer: init_weight_transfer_engine was not called")
         buckets = [b for b in update_info.buckets if b.source in self.groups]
         indices = [i for i, b in enumerate(update_info.buckets) if b.source in self.groups]
+        self.received_bytes = sum(b.nbytes for b in buckets)
         if not buckets:
             return
 
@@ -139,7 +151,7 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
                 self.model.load_weights(list(unpack(bucket, buf)))
             else:
                 for slot, (_, block) in zip(bucket.slots, unpack(bucket, buf), strict=True):
-                    load_block(self.model, slot, block)
+                    load_block(self.model, slot, block, self._loaders)
 
     def shutdown(self) -> None:
         self._kept = []
@@ -157,15 +169,30 @@ def _copy_block(param: torch.Tensor, loaded_weight: torch.Tensor, dim: int, star
         param.data.narrow(dim, end, param.shape[dim] - end).zero_()
 
 
-def load_block(model: torch.nn.Module, slot: Slot, block: torch.Tensor) -> None:
+_LOADER_ATTRS = ("weight_loader", "_weight_loader")  # plain parameters; vLLM's BasevLLMParameter
+
+
+def _get_loader(param: torch.Tensor) -> dict:
+    return {k: param.__dict__[k] for k in _LOADER_ATTRS if k in param.__dict__}
+
+
+def _set_loader(param: torch.Tensor, loader: dict) -> None:
+    for k in _LOADER_ATTRS:
+        if k in loader:
+            param.__dict__[k] = loader[k]
+        else:
+            param.__dict__.pop(k, None)
+
+
+def load_block(model: torch.nn.Module, slot: Slot, block: torch.Tensor, touched: dict) -> None:
     """Load ``block`` (a shard-wise slot) into its parameter, during a layerwise reload.
 
     vLLM's layerwise reload (``initialize_layerwise_reload``) gives every parameter a loader that
     records the call and replays it once the layer's elements have all been loaded; the loader it
     replays is the one the parameter had. Giving the parameter :func:`_copy_block` first and then the
     reload's wrapper (``make_online_process_loader``, as the reload does for vLLM's own loaders) puts
-    the block through the same bookkeeping. The next reload restores vLLM's own loaders from the
-    metadata it recorded at model load.
+    the block through the same bookkeeping. ``touched`` collects the parameters and the loaders they
+    had, for the engine to give back once the reload is finalized.
     """
     from vllm.model_executor.model_loader.reload.layerwise import make_online_process_loader
 
@@ -183,6 +210,7 @@ def load_block(model: torch.nn.Module, slot: Slot, block: torch.Tensor) -> None:
             f"shard-wise weight sync: block {list(block.shape)} at {start} along dim {dim} does not fit "
             f"{slot.name} {list(param.shape)} of this vLLM worker"
         )
+    touched.setdefault(id(param), (param, _get_loader(param)))
     param.weight_loader = _copy_block
     param.weight_loader = make_online_process_loader(layer, attr)
     param.weight_loader(param, block, dim, start, slot.pad)
