@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Shard-wise vs gathered weight sync at trainer TP 2 and engine TP 2, on CPU (gloo).
 
-    .venv/bin/python benchmarks/shard_sync_bench.py [--size-mb 128] [--bucket-mb 32] [--repeat 5]
+    .venv/bin/python benchmarks/shard_sync_bench.py [--size-mb 256] [--bucket-mb 32] [--repeat 5]
                                                     [--rounds 2] [--output shard_sync]
 
 Builds (or reuses) the random Qwen2-shaped fp32 checkpoint of ``sync_bench.py`` (hidden 1024, FFN
@@ -98,8 +98,9 @@ def measure_path(args, cfg, policy, engine, pids: list[int]) -> dict:
                 "other_cpus": c.other_cpus,
                 "received_bytes": ray.get(engine.received_bytes.remote()),
                 "trainer": policy.call_all(TimedPolicyWorker.take_sync_timings),
-                "engine": ray.get(engine.take_sync_timings.remote()),
+                # the workers' timers first: take_sync_timings reads worker 0's and clears them all
                 "workers": ray.get(engine.take_worker_timings.remote()),
+                "engine": ray.get(engine.take_sync_timings.remote()),
             }
         )
     return {
@@ -158,8 +159,9 @@ def render(report: dict) -> str:
     lines = [
         "# Shard-wise vs gathered weight sync: trainer TP 2 -> one vLLM engine at TP 2 (CPU, gloo)",
         "",
-        f"Command: `{report['command']}`; commit {report['machine'].get('commit')}; "
-        f"{report['machine'].get('cpu_model', '')}, {report['machine'].get('cpus')} CPUs.",
+        f"Command: `{report['command']}`; commit {report['machine']['git_commit']}; "
+        f"{report['machine']['cpu']}, {report['machine']['cpus_usable']} CPUs usable, load average at "
+        f"start {report['machine']['loadavg_at_start'][0]:.1f}.",
         f"Model: Qwen2-shaped fp32, {model['num_layers']} layers, {model['bytes'] / MB:.0f} MB "
         f"({model['hf_bytes']} bytes of HF tensors); buckets of {report['args']['bucket_mb']:g} MiB; "
         f"{report['args']['rounds']} rounds x {report['args']['repeat']} timed syncs per path.",
@@ -196,7 +198,7 @@ def render(report: dict) -> str:
         "",
         "Where the time goes (medians, seconds): trainer ranks' `send_weights` / broadcast waits; "
         "vLLM workers' broadcast waits / `load_weights` (the gathered path's loader; shard-wise blocks "
-        "are loaded by `load_block`, inside the update RPC).",
+        "are loaded by `load_block`); the engine's `update_weights` and `finish_weight_update` RPCs.",
         "",
     ]
     rows = []
@@ -225,7 +227,7 @@ def render(report: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mb", type=float, default=128, help="model size in MB")
+    parser.add_argument("--size-mb", type=float, default=256, help="model size in MB")
     parser.add_argument("--bucket-mb", type=float, default=32, help="generation.sync_bucket_mb")
     parser.add_argument("--repeat", type=int, default=5, help="timed syncs per path and round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating the order of the paths")
