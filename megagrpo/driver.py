@@ -68,8 +68,8 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     engines = start_engine_pool(cfg, model_dir, policy)
     sync, count = engines.sync, len(engines.actors)
     print(
-        f"weight sync: {sync.backend}, {sync.path.kind} ({sync.path.reason}); "
-        f"{sync.total_bytes / 2**20:.1f} MiB to each of {count} engine(s)"
+        f"weight sync: {sync.backend}, {sync.path.kind} ({sync.path.reason}); {count} engine(s), "
+        f"{sync.total_bytes / 2**20:.1f} MiB sent, {max(sync.worker_bytes) / 2**20:.1f} MiB per vLLM worker"
     )
     step, position = restore(cfg, policy, resume_from)
     timings = {}

@@ -74,8 +74,8 @@ class WeightSync:
     The transport is :func:`~megagrpo.parallel.backends.weight_sync_backend` of
     ``cfg.parallel.resolved_backend`` (NCCL with CUDA, gloo without), kept as ``self.backend``; the
     path (shard-wise or gathered) is :func:`~megagrpo.weight_sync.shards.choose_path`'s, kept as
-    ``self.path``. ``total_bytes``: every byte one engine receives per sync (all its workers);
-    ``worker_bytes``: what each of an engine's workers receives, by engine TP rank.
+    ``self.path``. ``total_bytes``: the plan's bytes, what the senders broadcast per sync (each to every
+    engine); ``worker_bytes``: what each of an engine's workers receives, by engine TP rank.
     """
 
     def __init__(self, cfg: Config, policy: RankGroup, engines: list, vocab_size: int):
