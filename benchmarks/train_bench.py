@@ -39,6 +39,7 @@ formula; the causal half is not subtracted), over ``--peak-tflops`` (H200 dense 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -197,7 +198,10 @@ def rank_main(rank: int, world_size: int, args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = bench_config(args, world_size, args.impl)
+    rss = {"baseline": proc_status_bytes("VmRSS")}  # an idle rank: interpreter, torch, Megatron, groups
     worker = PolicyWorker(cfg)
+    rss["after_build"] = proc_status_bytes("VmRSS")
+    reset_peak_rss()  # the peak below is that of the steps, with the model and optimizer built
     try:
         engine, device = worker.engine, worker.ctx.device
         if args.compile:
@@ -244,6 +248,9 @@ def rank_main(rank: int, world_size: int, args) -> dict:
             if rank == 0:
                 done = {k: f"{v[-1]:.2f}s" for k, v in times.items() if v and i >= args.warmup}
                 print(f"[train_bench] rank 0 iteration {i}: {done or 'warm-up'}", flush=True)
+        rss["peak_steps"] = proc_status_bytes("VmHWM")
+        held = worker.reference.tensors.values() if worker.reference else ()
+        rss["reference_copy"] = sum(t.numel() * t.element_size() for t in held)
         # Untimed: one more step of each with autograd's saved tensors counted.
         activations = {}
         for name, fn in steps.items():
@@ -255,6 +262,7 @@ def rank_main(rank: int, world_size: int, args) -> dict:
             "times_s": times,
             "cpu_times_s": cpu_times,
             "peak_mem_bytes": peak,
+            "rss_bytes": rss,
             "activation_bytes": activations,
             "threads": torch.get_num_threads(),
             "micro_batches": [list(m["tokens"].shape) for m in micro],
@@ -275,6 +283,23 @@ def rank_main(rank: int, world_size: int, args) -> dict:
         return result
     finally:
         destroy_parallel()
+
+
+def proc_status_bytes(field: str) -> int:
+    """``/proc/self/status`` ``field`` (VmRSS, VmHWM) in bytes; 0 where there is no /proc."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM again from the current RSS (Linux: ``5`` to /proc/self/clear_refs)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
 
 
 def time_weight_sender(worker, args) -> dict:
@@ -411,6 +436,11 @@ def summarize(args, tp: int, ranks: list[dict]) -> dict:
     out["micro_batches"] = ranks[0]["micro_batches"]
     out["threads_per_rank"] = ranks[0]["threads"]
     out["recompute"] = ranks[0]["recompute"]
+    # Host memory of the rank that grew most: idle process, after building, peak during the steps.
+    out["rss_mib"] = max(
+        ({k: v / 2**20 for k, v in r["rss_bytes"].items()} for r in ranks),
+        key=lambda m: m["peak_steps"] - m["baseline"],
+    )
     if ranks[0]["peak_mem_bytes"]:
         out["peak_mem_gib"] = {k: v / 2**30 for k, v in ranks[0]["peak_mem_bytes"].items()}
     if args.peak_tflops:

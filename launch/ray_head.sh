@@ -4,6 +4,9 @@
 #   e.g. launch/ray_head.sh --max-restarts 3 train --config configs/deepscaler/8k.yaml
 # Workers join with launch/ray_worker.sh <head-ip>:<port>. The command gets cluster.ray_address=auto.
 # --max-restarts K: relaunch the command with --resume after it stops on a fault (launch/supervise.sh).
+# NODE_RESOURCES='{"trainer_node": 1}' labels this node for cluster.policy_resource / engine_resource.
+# Ray >= 2.60 authenticates clients with a token when RAY_AUTH_MODE=token: give every node and the
+# driver the same RAY_AUTH_TOKEN_PATH (or RAY_AUTH_TOKEN).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 supervise=()
@@ -13,7 +16,8 @@ if [ "${1:-}" = "--max-restarts" ]; then
 fi
 bin="${VENV:-$here/.venv}/bin"
 port="${RAY_PORT:-6379}"
-"$bin/ray" start --head --port "$port" --num-gpus "${GPUS_PER_NODE:-0}" --disable-usage-stats
+"$bin/ray" start --head --port "$port" --num-gpus "${GPUS_PER_NODE:-0}" --disable-usage-stats \
+  ${NODE_RESOURCES:+--resources "$NODE_RESOURCES"}
 trap '"$bin/ray" stop' EXIT
 if [ "$#" -gt 0 ]; then
   "${supervise[@]}" "$bin/megagrpo" "$@" cluster.ray_address=auto

@@ -44,6 +44,10 @@ from megagrpo.config import ClusterConfig, Config
 if TYPE_CHECKING:
     from megagrpo.generation.worker import GenerationWorker
 
+# How much of a node-label resource (cluster.policy_resource / engine_resource) an actor takes: a
+# label, not a count, so a node started with {"NAME": 1} takes any number of actors.
+NODE_LABEL_AMOUNT = 0.001
+
 # Fraction of a GPU a trainer rank reserves under colocated placement; its engine takes the rest.
 COLOCATED_SHARE = 0.5
 
@@ -134,6 +138,10 @@ class RankActor:
         """Where this rank runs: node address and process id."""
         return f"{ray.util.get_node_ip_address()} (pid {os.getpid()})"
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     def setup(
         self, worker_cls: type, cfg: Config, rank: int, world_size: int, master: tuple[str, int]
     ) -> bool:
@@ -172,6 +180,8 @@ class RankGroup:
         gpus = cfg.cluster.gpus_per_node > 0
         colocated = cfg.generation.placement == "colocated"
         bundle = {"CPU": cfg.cluster.cpus_per_worker}
+        if cfg.cluster.policy_resource:
+            bundle[cfg.cluster.policy_resource] = NODE_LABEL_AMOUNT
         if gpus:
             bundle["GPU"] = 1
         if colocated:
@@ -193,6 +203,7 @@ class RankGroup:
         ]
         master = ray.get(self.actors[0].address.remote(), timeout=timeout_s)
         self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=timeout_s)
+        self.node_ids = ray.get([a.node_id.remote() for a in self.actors], timeout=timeout_s)
         self._get(
             [
                 a.setup.remote(worker_cls, cfg, rank, self.world_size, master)
@@ -324,6 +335,8 @@ def start_engines(
             )
         elif cfg.cluster.gpus_per_node > 0:
             options["num_gpus"] = cfg.generation.engine_tensor_parallel_size
+        if cfg.cluster.engine_resource:
+            options["resources"] = {cfg.cluster.engine_resource: NODE_LABEL_AMOUNT}
         engines.append(actor_cls.options(**options).remote(cfg, model_dir, index))
     # Construction happens in the actor's __init__; any method call waits for it.
     ready = [e.__ray_ready__.remote() for e in engines]
@@ -333,6 +346,19 @@ def start_engines(
     if pending:
         raise TimeoutError(f"{len(pending)} vLLM engine(s) did not start within {timeout_s:.0f}s")
     return engines
+
+
+def placement_summary(policy: RankGroup, engines: Sequence) -> str:
+    """Which Ray node each policy rank and each engine runs on (node ids shortened), one line."""
+    engine_nodes = ray.get([e.node_id.remote() for e in engines], timeout=policy.timeout_s)
+
+    def spans(label: str, node_ids: Sequence[str]) -> list[str]:
+        by_node: dict[str, list[int]] = {}
+        for index, node in enumerate(node_ids):
+            by_node.setdefault(node, []).append(index)
+        return [f"{label} {','.join(map(str, idx))} on node {node[:12]}" for node, idx in by_node.items()]
+
+    return "; ".join(spans("policy rank", policy.node_ids) + spans("engine", engine_nodes))
 
 
 class RestartBudget:

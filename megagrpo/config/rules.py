@@ -243,6 +243,18 @@ def check_resources(cfg: Config) -> None:
         "colocated placement shares one GPU per engine with a trainer rank: engine_tensor_parallel_size "
         "must be 1 (use 'disaggregated' for multi-GPU engines)",
     )
+    for key in ("policy_resource", "engine_resource"):
+        require(
+            getattr(cluster, key) is None or cluster.ray_address is not None,
+            (f"cluster.{key}", "cluster.ray_address"),
+            "a custom resource places actors on the nodes of a Ray cluster started with it; a local Ray "
+            "(no ray_address) has none, so the actors would never be placed",
+        )
+    require(
+        cluster.engine_resource is None or gen.placement != "colocated",
+        ("cluster.engine_resource", "generation.placement"),
+        "colocated engines share the policy ranks' placement; engine_resource applies to 'disaggregated'",
+    )
     if cluster.gpus_per_node == 0:
         return
     total = cluster.num_nodes * cluster.gpus_per_node

@@ -89,6 +89,12 @@ class GenerationWorker:
 
     # ---------------------------------------------------------------------------------- generation
 
+    def node_id(self) -> str:
+        """The Ray node this engine runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def generate(
         self, prompts: list[list[int]], settings: SamplingSettings, seeds: list[int] | None = None
     ) -> list[Completion]:

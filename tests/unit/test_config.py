@@ -415,6 +415,9 @@ def test_context_parallel_needs_seq_length_divisible_by_2cp():
         ("tis_cap", "0.5"),
         ("tis_mode", "drop"),
         ("loss_agg", "batch"),
+        ("kl_clamp", "0.0"),
+        ("kl_clamp", ".inf"),
+        ("baseline", "median"),
     ],
 )
 def test_loss_knobs_are_checked_at_load(field, value):
@@ -528,3 +531,23 @@ def test_save_overwrites_existing_file(tmp_path):
     save_config(load_config(None), out)
     save_config(load_config(None, ["grpo.seed=3"]), out)
     assert load_config(out).grpo.seed == 3
+
+
+def test_node_labels_need_a_cluster_and_disaggregated_engines():
+    err = _error(["cluster.policy_resource=trainer_node"])
+    assert "cluster.policy_resource" in err and "cluster.ray_address" in err
+    err = _error(
+        [
+            "cluster.ray_address=10.0.0.1:6379",
+            "cluster.engine_resource=engine_node",
+            "cluster.gpus_per_node=8",
+            "generation.placement=colocated",
+        ]
+    )
+    assert "cluster.engine_resource" in err and "generation.placement" in err
+    assert "cluster.policy_resource" in _error(["cluster.ray_address=auto", "cluster.policy_resource=GPU"])
+    cfg = load_config(
+        None,
+        ["cluster.ray_address=auto", "cluster.policy_resource=trainer", "cluster.engine_resource=engine"],
+    )
+    assert (cfg.cluster.policy_resource, cfg.cluster.engine_resource) == ("trainer", "engine")

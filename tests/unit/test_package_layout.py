@@ -93,3 +93,13 @@ def test_no_module_over_800_lines():
         if (n := len(p.read_text().splitlines())) > 800
     }
     assert long == {}
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test modules by basename (the test folders are not packages): two files of the
+    same name in different tiers fail the whole collection."""
+    tests = Path(__file__).resolve().parents[1]
+    seen: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
