@@ -181,3 +181,17 @@ def test_equal_tp_every_trainer_rank_feeds_one_engine_rank_with_half_the_bytes()
         n for name, s in hf_tensor_shapes(shape).items() if name.endswith("norm.weight") for n in s
     )
     assert halves[0] == halves[1] == (whole[0] - norms) // 2 + norms
+
+
+def test_path_is_chosen_in_one_place_and_printed_at_start():
+    import inspect
+
+    from megagrpo import driver, plan
+    from megagrpo.weight_sync import sync, trainer
+
+    # the controller asks the trainer's first rank, which calls shards.choose_path; plan calls it too
+    assert "WeightSyncEndpoints.weight_sync_path" in inspect.getsource(sync.WeightSync.__init__)
+    assert "choose_path(" in inspect.getsource(trainer.WeightSender.choose)
+    assert "choose_path(" in inspect.getsource(plan)
+    printed = inspect.getsource(driver.train)
+    assert "sync.path.kind" in printed and "sync.path.reason" in printed
