@@ -61,8 +61,8 @@ def _sampled_logprob_error(sync, group, engines, cfg) -> float:
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(), dict(tp=2), dict(pp=2), dict(tp=2, layers="torch"), dict(tp=2, path="gathered")],
-    ids=["tp1", "tp2", "pp2", "tp2-torch-layers", "tp2-gathered"],
+    [dict(), dict(tp=2), dict(pp=2), dict(tp=2, layers="torch")],
+    ids=["tp1", "tp2", "pp2", "tp2-torch-layers"],
 )
 def test_engines_match_trainer_after_real_updates(layout, stack):
     from megagrpo.cluster import RankGroup
@@ -72,7 +72,8 @@ def test_engines_match_trainer_after_real_updates(layout, stack):
     sizes = {k: v for k, v in layout.items() if k in ("tp", "pp")}
     # Small buckets: several per stage, so double buffering and bucket order are exercised. The torch
     # layers (SDPA, packed micro-batches) send the same names and are probed the same way. Engine
-    # TP 1: shard-wise unless the gathered path is asked for (trainer TP 2: both trainer ranks send).
+    # TP 1: shard-wise (trainer TP 2: both trainer ranks send; the gathered path is tested at engine
+    # TP 2, in test_engine_with_tensor_parallel_workers).
     path = layout.get("path", "auto")
     extra = [
         "generation.sync_timeout_s=60",
