@@ -292,6 +292,23 @@ def _sync(r):
     )
 
 
+def _shard_sync(r):
+    d = r["shard_sync"]
+    shard, gathered = d["results"]["shard"], d["results"]["gathered"]
+    probes = {f"{x['probe_error_max']:.7f}" for x in (shard, gathered)}
+    probe = f"{probes.pop()} on both" if len(probes) == 1 else " / ".join(sorted(probes))
+    return (
+        "shard-wise vs gathered weight sync, trainer TP 2 -> one engine at TP 2, "
+        f"{mb(d['model']['bytes'])} MB fp32 (`shard_sync_bench.py`)",
+        f"bytes received per vLLM worker {max(shard['received_bytes_per_worker']):,} vs "
+        f"{max(gathered['received_bytes_per_worker']):,} ({d['ratios']['bytes_per_worker']:.3f}); sync "
+        f"{shard['sync_s']:.2f} s vs {gathered['sync_s']:.2f} s median ({d['ratios']['sync_s']:.2f}x), "
+        f"{shard['cpu_s']:.2f} vs {gathered['cpu_s']:.2f} CPU-seconds; probe {probe} (2 shared cores, load "
+        f"average {d['machine']['loadavg_at_start'][0]:.0f})",
+        "each worker receives its shard",
+    )
+
+
 def _checkpoint(r):
     f = r["faults"]
     m, rows = f["checkpoint"]["median"], f["checkpoint"]["rows"]
@@ -382,6 +399,7 @@ ROWS: tuple[Row, ...] = (
     Row(("faults",), _checkpoint),
     Row(("reward",), _reward),
     Row(("faults",), _engine_kill),
+    Row(("shard_sync",), _shard_sync),
     Row(("gpu_h200/train_4096",), _h200_sender),
 )
 

@@ -110,6 +110,16 @@ def _sync_metrics(report: dict) -> Samples:
     return out
 
 
+def _shard_sync_metrics(report: dict) -> Samples:
+    out: Samples = {}
+    for path, r in report["results"].items():
+        out[f"{path} sync s (round medians)"] = (list(r["sync_s_by_round"]), "s")
+        out[f"{path} CPU s"] = ([r["cpu_s"]], "s")
+    out["shard/gathered bytes per worker"] = ([report["ratios"]["bytes_per_worker"]], "ratio")
+    out["shard/gathered sync time"] = ([report["ratios"]["sync_s"]], "ratio")
+    return out
+
+
 def _convert_metrics(report: dict) -> Samples:
     out: Samples = {}
     for name, r in report["results"].items():
@@ -299,6 +309,15 @@ BENCHMARKS: tuple[Bench, ...] = (
         {"cpu": ["--engines", "1", "2"]},
         {"cpu": ["--size-mb", "64", "--engines", "1", "--bucket-mb", "512", "--variants", "default"]},
         _sync_metrics,
+    ),
+    Bench(
+        "shard_sync",
+        "shard_sync_bench.py",
+        "shard-wise vs gathered weight sync, trainer TP 2 -> one engine at TP 2",
+        ("cpu",),
+        {"cpu": []},
+        {"cpu": ["--size-mb", "64", "--rounds", "1"]},
+        _shard_sync_metrics,
     ),
 )
 """The suite, cheapest first (a failing set-up shows early)."""

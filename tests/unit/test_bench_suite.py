@@ -120,6 +120,7 @@ def test_render_markdown_lists_each_benchmark_and_its_metrics():
         ("sft_dpo", "sft_dpo"),
         ("faults", "faults"),
         ("reward", "reward"),
+        ("shard_sync", "shard_sync"),
     ],
 )
 def test_metrics_of_the_committed_reports(name, source):
