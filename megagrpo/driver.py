@@ -3,10 +3,11 @@
     prompts -> G generations each -> rewards -> advantages -> old/reference logprobs
             -> mini-batch optimizer steps -> weight sync + probe -> validation -> checkpoint
 
-``train`` reads top to bottom as that loop; the helpers below it do one thing each. Where it
-departs from the GRPO paper: leave-one-out baselines (optionally without std normalization, as in
-Dr. GRPO), clip-higher (DAPO), optional dynamic sampling and overlong shaping (DAPO), truncated
-importance correction against the generator's logprobs, and a probe after every weight sync.
+``train`` reads top to bottom as that loop; the helpers below it do one thing each. What it adds
+to the GRPO paper, each chosen by config: the advantage baseline (``grpo.baseline``: GRPO's group
+mean, which without std normalization is Dr. GRPO, or RLOO's leave-one-out), clip-higher, dynamic
+sampling, overlong filtering and the soft overlong penalty (DAPO), truncated importance correction
+against the generator's logprobs, and a probe after every weight sync.
 With ``grpo.max_staleness: k >= 1`` the engines generate the next step's rollouts (in a thread of
 this process) while the trainer trains on the current ones, from weights at most k versions older
 than the policy that trains on them; the weights reach the engines between batches.
@@ -63,6 +64,10 @@ class Rollouts:
     """[P * G], group after group."""
     rewards: torch.Tensor
     """[P * G] float32."""
+    reward_timeouts: int = 0
+    """Responses of the step (every dynamic-sampling round) whose scoring was cut at reward.timeout_s."""
+    reward_errors: int = 0
+    """Responses of the step whose scoring failed (raised, or its worker died)."""
 
 
 def train(cfg: Config, *, resume: bool = False) -> Path:
@@ -322,6 +327,8 @@ class Pending:
             "prompts": [{"token_ids": p.token_ids, "answer": p.answer} for p in r.prompts],
             "completions": [dataclasses.asdict(c) for c in r.completions],
             "rewards": r.rewards,
+            "reward_timeouts": r.reward_timeouts,
+            "reward_errors": r.reward_errors,
             "position": self.position,
             "filtered": self.filtered,
             "version": self.version,
@@ -339,6 +346,8 @@ class Pending:
             [Prompt(**p) for p in data["prompts"]],
             [Completion(**c) for c in data["completions"]],
             data["rewards"],
+            data["reward_timeouts"],
+            data["reward_errors"],
         )
         return cls(rollouts, data["position"], data["filtered"], data["version"], data["seconds"])
 
@@ -381,6 +390,7 @@ def generate_groups(cfg: Config, engines, source: PromptSource, scorer, position
     g, want = cfg.grpo.num_generations, cfg.grpo.num_prompts_per_step
     settings = SamplingSettings.from_config(cfg, stop_token_ids=source.stop_token_ids, n=g)
     kept_prompts, kept_comps, kept_rewards, filtered = [], [], [], 0
+    timeouts = errors = 0
     for _ in range(4 if cfg.grpo.filter_zero_variance_groups else 1):
         need = want - len(kept_prompts)
         prompts = source.batch(position, need)
@@ -388,9 +398,9 @@ def generate_groups(cfg: Config, engines, source: PromptSource, scorer, position
         position += need
         comps = generate(cfg, engines, prompts, settings, seeds)
         texts = [source.decode(c.token_ids) for c in comps]
-        rewards = torch.tensor(
-            scorer(texts, [prompts[c.prompt_index].answer for c in comps]), dtype=torch.float32
-        )
+        scored = scorer.score(texts, [prompts[c.prompt_index].answer for c in comps])
+        rewards = torch.tensor(scored.scores, dtype=torch.float32)
+        timeouts, errors = timeouts + scored.timeouts, errors + scored.errors
         flat = (
             zero_variance_groups(rewards, g)
             if cfg.grpo.filter_zero_variance_groups
@@ -412,7 +422,8 @@ def generate_groups(cfg: Config, engines, source: PromptSource, scorer, position
             kept_prompts.append(prompts[p])
             kept_comps += comps[p * g : (p + 1) * g]
             kept_rewards.append(rewards[p * g : (p + 1) * g])
-    return Rollouts(kept_prompts, kept_comps, torch.cat(kept_rewards)), position, filtered
+    rollouts = Rollouts(kept_prompts, kept_comps, torch.cat(kept_rewards), timeouts, errors)
+    return rollouts, position, filtered
 
 
 def to_train_batch(cfg: Config, rollouts: Rollouts) -> TrainBatch:
@@ -425,9 +436,10 @@ def to_train_batch(cfg: Config, rollouts: Rollouts) -> TrainBatch:
         rewards += overlong_penalty(
             lengths, cfg.generation.max_new_tokens, grpo.overlong_buffer_tokens, grpo.overlong_penalty
         )
-    advantages = group_advantages(rewards, g, normalize_std=grpo.normalize_adv_std)
-    if grpo.overlong_policy == "mask":
-        advantages = torch.where(truncated, torch.zeros_like(advantages), advantages)
+    advantages = group_advantages(rewards, g, baseline=grpo.baseline, normalize_std=grpo.normalize_adv_std)
+    # DAPO's overlong filtering: truncated responses leave the loss (sum, token count, KL), not only their
+    # advantage; they still count in their group's baseline.
+    in_loss = ~truncated if grpo.overlong_policy == "mask" else None
     seqs, prompt_lens = [], []
     for i, comp in enumerate(rollouts.completions):
         prompt = rollouts.prompts[i // g].token_ids
@@ -438,11 +450,12 @@ def to_train_batch(cfg: Config, rollouts: Rollouts) -> TrainBatch:
     for row, comp in enumerate(rollouts.completions):
         start = prompt_lens[row] - 1
         gen[row, start : start + len(comp.logprobs)] = torch.tensor(comp.logprobs)
-    return batch.replace(advantages=advantages, gen_logprobs=gen)
+    return batch.replace(advantages=advantages, gen_logprobs=gen, in_loss=in_loss)
 
 
 def validate(cfg: Config, engines, source: PromptSource, scorer) -> float:
-    """Greedy accuracy on the validation prompts."""
+    """Greedy accuracy on the validation prompts (a reward >= 1 is a correct answer: a format
+    reward is partial credit, not accuracy)."""
     if not source.val:
         return float("nan")
     settings = dataclasses.replace(
@@ -450,7 +463,8 @@ def validate(cfg: Config, engines, source: PromptSource, scorer) -> float:
     )
     comps = generate(cfg, engines, source.val, settings, [0] * len(source.val))
     texts = [source.decode(c.token_ids) for c in comps]
-    return sum(scorer(texts, [source.val[c.prompt_index].answer for c in comps])) / len(comps)
+    scores = scorer(texts, [source.val[c.prompt_index].answer for c in comps])
+    return sum(s >= 1.0 for s in scores) / len(comps)
 
 
 # -------------------------------------------------------------------------------------- bookkeeping
@@ -463,6 +477,8 @@ def step_metrics(cfg, rollouts: Rollouts, batch: TrainBatch, train: dict, probe_
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()),
         "reward/accuracy": float((rewards >= 1.0).float().mean()),
+        "reward/timeouts": rollouts.reward_timeouts,
+        "reward/errors": rollouts.reward_errors,
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/truncated_frac": sum(c.finish_reason == "length" for c in rollouts.completions)

@@ -45,6 +45,9 @@ class TrainBatch:
     """[B, S - 1] float32: reference-policy logprobs (KL penalty)."""
     gen_logprobs: torch.Tensor | None = None
     """[B, S - 1] float32: the generator's sampling logprobs (importance correction, metrics)."""
+    in_loss: torch.Tensor | None = None
+    """[B] bool: sequences the loss counts (None: all); a False row is out of the loss's sum, its token
+    count and the KL term (DAPO's overlong filtering), not just given a zero advantage."""
 
     def __post_init__(self) -> None:
         batch, seq = self.input_ids.shape
@@ -60,6 +63,9 @@ class TrainBatch:
                 raise ValueError(f"{name} must be [{batch}, {seq - 1}], got {list(value.shape)}")
         if self.advantages is not None and self.advantages.shape != (batch,):
             raise ValueError(f"advantages must be [{batch}], got {list(self.advantages.shape)}")
+        if self.in_loss is not None and (self.in_loss.shape != (batch,) or self.in_loss.dtype != torch.bool):
+            shape, dtype = list(self.in_loss.shape), self.in_loss.dtype
+            raise ValueError(f"in_loss must be [{batch}] bool, got {shape} {dtype}")
 
     @property
     def size(self) -> int:
@@ -70,9 +76,10 @@ class TrainBatch:
         return int(self.lengths.sum())
 
     def response_mask(self) -> torch.Tensor:
-        """[B, S - 1] bool: positions whose target is a response token."""
+        """[B, S - 1] bool: positions whose target is a response token of a sequence in the loss."""
         pos = torch.arange(self.input_ids.shape[1] - 1)
-        return (pos >= self.prompt_lengths[:, None] - 1) & (pos < self.lengths[:, None] - 1)
+        mask = (pos >= self.prompt_lengths[:, None] - 1) & (pos < self.lengths[:, None] - 1)
+        return mask if self.in_loss is None else mask & self.in_loss[:, None]
 
     def select(self, indices: Sequence[int]) -> TrainBatch:
         """The sub-batch of ``indices``, trimmed to its own longest sequence."""
@@ -93,6 +100,7 @@ class TrainBatch:
             old_logprobs=take(self.old_logprobs, seq - 1),
             ref_logprobs=take(self.ref_logprobs, seq - 1),
             gen_logprobs=take(self.gen_logprobs, seq - 1),
+            in_loss=take(self.in_loss, None),
         )
 
     def replace(self, **fields) -> TrainBatch:

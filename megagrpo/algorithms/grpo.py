@@ -11,10 +11,13 @@ on the micro-batch size, on gradient accumulation or on the DP size.
 
 Choices made here, and where they depart from the papers:
 
-- Advantages use a leave-one-out baseline (RLOO), A_i = r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean r),
-  rather than GRPO's plain group mean; with ``normalize_std`` they are divided by the group's *unbiased*
-  reward std (``torch.std``, as GRPO implementations do) + eps. Groups whose rewards are all equal get
-  exactly zero advantages.
+- Advantages (``grpo.baseline``): ``mean`` is GRPO's group-mean baseline,
+  A_i = (r_i - mean r) / (std r + eps); without std normalization it is Dr. GRPO's r_i - mean r.
+  ``leave_one_out`` is RLOO's baseline, A_i = r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean r),
+  optionally divided by the same std. The std is the group's *unbiased* reward std (``torch.std``, as
+  GRPO implementations do). Groups whose rewards are all equal get exactly zero advantages.
+- DAPO's overlong filtering is a loss mask: the caller leaves truncated responses out of ``mask``
+  (``TrainBatch.in_loss``), which removes them from the loss sum, its token count and the KL term alike.
 - ``tis_mode="mask"`` drops a token's policy-gradient term but keeps the token in ``count``: the normalizer
   must not depend on data-dependent masking (it is also what Megatron already summed for other micro-batches).
 - The log-ratio policy/old is clamped to [-20, 20] before ``exp`` (as verl does): beyond that the step has
@@ -37,6 +40,7 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "kl_estimate",
+    "overlong_penalty",
     "reduce_metrics",
     "zero_variance_groups",
 ]
@@ -68,19 +72,32 @@ def zero_variance_groups(rewards: Tensor, num_generations: int) -> Tensor:
     return rewards_PG.amax(dim=1) == rewards_PG.amin(dim=1)
 
 
-def group_advantages(
-    rewards: Tensor, num_generations: int, *, normalize_std: bool = True, eps: float = 1e-6
-) -> Tensor:
-    """Leave-one-out advantages [P * G] from rewards [P * G] laid out group after group.
+Baseline = Literal["mean", "leave_one_out"]
 
-    A_i = r_i - mean_{j != i} r_j, divided by (unbiased std of the group's rewards + eps) when
-    ``normalize_std`` (GRPO); without it this is Dr. GRPO's unnormalized advantage. Zero-variance groups
-    give exactly 0.
+
+def group_advantages(
+    rewards: Tensor,
+    num_generations: int,
+    *,
+    baseline: Baseline = "mean",
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Advantages [P * G] from rewards [P * G] laid out group after group.
+
+    ``mean`` (GRPO): A_i = r_i - mean r; ``leave_one_out`` (RLOO): A_i = r_i - mean_{j != i} r_j, which is
+    G/(G-1) times the former. Divided by (unbiased std of the group's rewards + eps) when
+    ``normalize_std``; ``mean`` without it is Dr. GRPO. Zero-variance groups give exactly 0.
     """
     G = num_generations
     rewards_PG = _grouped(rewards, G).to(torch.promote_types(rewards.dtype, torch.float32))
-    # r_i - (S - r_i) / (G - 1) == (G r_i - S) / (G - 1)
-    adv_PG = (G * rewards_PG - rewards_PG.sum(dim=1, keepdim=True)) / (G - 1)
+    if baseline == "mean":
+        adv_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
+    elif baseline == "leave_one_out":
+        # r_i - (S - r_i) / (G - 1) == (G r_i - S) / (G - 1)
+        adv_PG = (G * rewards_PG - rewards_PG.sum(dim=1, keepdim=True)) / (G - 1)
+    else:
+        raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
     if normalize_std:
         adv_PG = adv_PG / (rewards_PG.std(dim=1, keepdim=True) + eps)
     # Equal rewards must give 0, not the rounding residue of G r - S amplified by 1 / eps.
@@ -104,7 +121,7 @@ def overlong_penalty(response_lengths: Tensor, max_tokens: int, buffer_tokens: i
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """Knobs of the clipped surrogate loss; all but kl_clamp are ``grpo.*`` keys, checked at load."""
+    """Knobs of the clipped surrogate loss; each is a ``grpo.*`` key, checked at load."""
 
     clip_eps_low: float = 0.2
     """Negative-advantage tokens with ratio < 1 - clip_eps_low are clipped (no gradient); in (0, 1)."""
@@ -127,7 +144,7 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         # The knobs a run sets (grpo.* in megagrpo.config) are validated once, when the config is loaded;
-        # kl_clamp has no config key, so a caller that sets it is checked here.
+        # kl_clamp is also checked here: a non-finite clamp would let an infinite KL through to the loss.
         if not (math.isfinite(self.kl_clamp) and self.kl_clamp > 0):
             raise ValueError(f"LossConfig.kl_clamp must be finite and > 0, got {self.kl_clamp!r}")
         assert self.kl_estimator in ("k1", "k2", "k3"), self.kl_estimator

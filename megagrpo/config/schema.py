@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megagrpo.config import rules
-from megagrpo.config.errors import check, positive, require
+from megagrpo.config.errors import ConfigError, check, positive, require
 
 __all__ = [
     "CheckpointConfig",
@@ -325,14 +325,20 @@ class GRPOConfig:
     """Weight of the KL penalty to the reference policy; 0 needs no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (Schulman): k1 = log-ratio, k2 = squared log-ratio / 2, k3 = low-variance, >= 0."""
+    kl_clamp: float = 10.0
+    """The per-token KL estimate is clamped to [-kl_clamp, kl_clamp] (k2/k3 are >= 0); finite, > 0."""
     loss_agg: Literal["token", "sequence"] = "token"
     """Average the loss over all tokens of the mini-batch (DAPO), or per sequence then over sequences."""
+    baseline: Literal["mean", "leave_one_out"] = "mean"
+    """Advantage baseline: mean = the group's mean reward (GRPO; Dr. GRPO without std normalization);
+    leave_one_out = the mean of the other G - 1 rewards (RLOO: G/(G-1) x the group-mean advantage)."""
     normalize_adv_std: bool = True
-    """Divide advantages by the group's reward std (GRPO); false keeps mean-centred rewards (Dr. GRPO)."""
+    """Divide advantages by the group's reward std (GRPO); false with baseline mean: Dr. GRPO's advantage."""
     filter_zero_variance_groups: bool = False
     """Drop groups whose rewards are all equal (their advantages are zero) before the update."""
     overlong_policy: Literal["none", "mask", "soft_penalty"] = "none"
-    """Truncated responses: train on them as is, mask them out of the loss, or DAPO's soft length penalty."""
+    """Truncated responses (finish reason "length"): train on them as is; mask = DAPO's overlong filtering
+    (removed from the loss: its sum, token count and KL term); soft_penalty = DAPO's soft length penalty."""
     overlong_buffer_tokens: int = 0
     """soft_penalty: the penalty ramps from 0 to overlong_penalty over the last this-many allowed tokens."""
     overlong_penalty: float = 1.0
@@ -356,6 +362,7 @@ class GRPOConfig:
             check(self, name, 0 < getattr(self, name) < 1, "in (0, 1)")
         check(self, "dual_clip", self.dual_clip is None or self.dual_clip > 1, "> 1 or null")
         check(self, "kl_coef", math.isfinite(self.kl_coef) and self.kl_coef >= 0, "finite and >= 0")
+        check(self, "kl_clamp", math.isfinite(self.kl_clamp) and self.kl_clamp > 0, "finite and > 0")
         check(self, "overlong_buffer_tokens", self.overlong_buffer_tokens >= 0, ">= 0")
         require(
             self.overlong_policy != "soft_penalty" or self.overlong_buffer_tokens >= 1,
@@ -522,16 +529,40 @@ class DPOConfig:
 class RewardConfig:
     """How responses are scored."""
 
-    kind: Literal["math_verify", "arithmetic"] = "math_verify"
-    """math_verify: symbolic equivalence of the last \\boxed{} answer; arithmetic: exact integer match."""
+    kind: Literal["math_verify", "arithmetic", "python"] = "math_verify"
+    """math_verify: symbolic equivalence of the last \\boxed{} answer; arithmetic: exact integer match;
+    python: reward.function."""
+    function: str | None = None
+    """kind python: "package.module:function" or "path/to/file.py:function" (relative to the working
+    directory), called as function(response, answer) -> float; loaded and checked at load."""
     num_workers: int = 4
-    """Processes scoring responses in parallel."""
+    """Worker processes scoring responses in parallel (math_verify, python)."""
     timeout_s: float = 5.0
-    """Per-response scoring timeout; a response that times out scores 0."""
+    """Deadline of one response's scoring from when a worker starts it; past it the response scores 0 and
+    the worker is killed and replaced (math_verify, python)."""
+    format_reward: float = 0.0
+    """math_verify: reward of a wrong answer given in a complete final \\boxed{} (a correct one scores 1,
+    no box 0); in [0, 1), 0 disables it."""
 
     def __post_init__(self) -> None:
         positive(self, "num_workers")
-        check(self, "timeout_s", self.timeout_s > 0, "> 0")
+        check(self, "timeout_s", math.isfinite(self.timeout_s) and self.timeout_s > 0, "finite and > 0")
+        check(self, "format_reward", 0 <= self.format_reward < 1, "in [0, 1)")
+        require(
+            self.format_reward == 0 or self.kind == "math_verify",
+            ("format_reward", "kind"),
+            "format_reward applies to kind 'math_verify' only",
+        )
+        if self.kind != "python":
+            require(self.function is None, ("function", "kind"), "function is used with kind 'python' only")
+            return
+        require(self.function is not None, ("function", "kind"), "kind 'python' needs a function")
+        from megagrpo.rewards.user import check_function
+
+        try:
+            check_function(self.function)
+        except ValueError as err:
+            raise ConfigError("function", str(err)) from None
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -53,6 +53,7 @@ class PolicyWorker(MegatronRank, WeightSyncEndpoints):
             dual_clip=cfg.grpo.dual_clip,
             kl_coef=cfg.grpo.kl_coef,
             kl_estimator=cfg.grpo.kl_estimator,
+            kl_clamp=cfg.grpo.kl_clamp,
             tis_cap=cfg.grpo.tis_cap,
             tis_mode=cfg.grpo.tis_mode,
             loss_agg=cfg.grpo.loss_agg,

@@ -103,7 +103,8 @@ def test_the_program_entry_point_exits_with_the_command_status(capsys):
     assert "not implemented" in capsys.readouterr().err
 
 
-def test_dpo_reports_a_layout_it_cannot_run_before_starting(capsys, tmp_path):
+def test_dpo_reports_a_layout_it_cannot_run_before_starting(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default checkpoint.dir is relative: not this checkout's runs/
     argv = ["dpo", f"logging.dir={tmp_path}", "policy.micro_batch_max_tokens=300"]
     assert main(argv) == 1
     err = capsys.readouterr().err

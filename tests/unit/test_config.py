@@ -415,6 +415,9 @@ def test_context_parallel_needs_seq_length_divisible_by_2cp():
         ("tis_cap", "0.5"),
         ("tis_mode", "drop"),
         ("loss_agg", "batch"),
+        ("kl_clamp", "0.0"),
+        ("kl_clamp", ".inf"),
+        ("baseline", "median"),
     ],
 )
 def test_loss_knobs_are_checked_at_load(field, value):

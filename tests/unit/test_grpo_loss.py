@@ -1,4 +1,5 @@
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -39,22 +40,49 @@ def one_token(ratio, adv, cfg, **kw):
 # ---------------------------------------------------------------------------------------------- advantages
 
 
+def test_group_mean_advantages_with_and_without_std():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    # group 1: mean 1/4, A = 3/4 or -1/4; group 2: mean 1/2, A = +-1/2 (Dr. GRPO: no std)
+    plain = [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]
+    dr_grpo = group_advantages(rewards, 4, baseline="mean", normalize_std=False)
+    torch.testing.assert_close(dr_grpo, torch.tensor(plain))
+    # unbiased stds: [1,0,0,0] -> sqrt(0.75 / 3) = 0.5; [1,1,0,0] -> sqrt(1 / 3)
+    std = torch.tensor([0.5] * 4 + [math.sqrt(1 / 3)] * 4)
+    grpo = group_advantages(rewards, 4, eps=0.0)  # the default baseline is the group mean (GRPO)
+    torch.testing.assert_close(grpo, torch.tensor(plain) / std)
+    # group 1 by hand: (1 - 0.25) / 0.5 = 1.5 and (0 - 0.25) / 0.5 = -0.5
+    assert grpo[:4].tolist() == [1.5, -0.5, -0.5, -0.5]
+    torch.testing.assert_close(group_advantages(rewards, 4, eps=0.5), torch.tensor(plain) / (std + 0.5))
+
+
 def test_leave_one_out_advantages_with_and_without_std():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
     # group 1: A_0 = 1 - 0, A_j = 0 - 1/3; group 2: A = 1 - 1/3 = 2/3 or 0 - 2/3
     plain = [1, -1 / 3, -1 / 3, -1 / 3, 2 / 3, 2 / 3, -2 / 3, -2 / 3]
-    torch.testing.assert_close(group_advantages(rewards, 4, normalize_std=False), torch.tensor(plain))
-    # unbiased stds: [1,0,0,0] -> sqrt(0.75 / 3) = 0.5; [1,1,0,0] -> sqrt(1 / 3)
+    rloo = group_advantages(rewards, 4, baseline="leave_one_out", normalize_std=False)
+    torch.testing.assert_close(rloo, torch.tensor(plain))
     std = torch.tensor([0.5] * 4 + [math.sqrt(1 / 3)] * 4)
-    torch.testing.assert_close(group_advantages(rewards, 4, eps=0.0), torch.tensor(plain) / std)
-    torch.testing.assert_close(group_advantages(rewards, 4, eps=0.5), torch.tensor(plain) / (std + 0.5))
+    normalized = group_advantages(rewards, 4, baseline="leave_one_out", eps=0.0)
+    torch.testing.assert_close(normalized, torch.tensor(plain) / std)
+    with_eps = group_advantages(rewards, 4, baseline="leave_one_out", eps=0.5)
+    torch.testing.assert_close(with_eps, torch.tensor(plain) / (std + 0.5))
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_leave_one_out_is_g_over_g_minus_one_times_group_mean(normalize_std):
+    g = 5
+    rewards = torch.rand(3 * g, generator=torch.Generator().manual_seed(0))
+    mean = group_advantages(rewards, g, baseline="mean", normalize_std=normalize_std)
+    loo = group_advantages(rewards, g, baseline="leave_one_out", normalize_std=normalize_std)
+    torch.testing.assert_close(loo, g / (g - 1) * mean)
+    assert not torch.allclose(loo, mean)
 
 
 def test_zero_variance_group_gives_exact_zeros():
     # 0.1 * 3 is not exactly 0.3 in floating point: the residue must not be amplified by 1 / eps
     rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.25, 7.0, 7.0, 7.0])
-    for normalize_std in (True, False):
-        adv = group_advantages(rewards, 3, normalize_std=normalize_std)
+    for baseline, normalize_std in itertools.product(("mean", "leave_one_out"), (True, False)):
+        adv = group_advantages(rewards, 3, baseline=baseline, normalize_std=normalize_std)
         assert torch.isfinite(adv).all()
         assert torch.equal(adv[:3], torch.zeros(3)) and torch.equal(adv[6:], torch.zeros(3))
         assert (adv[3:6] != 0).all()
@@ -66,6 +94,8 @@ def test_advantage_input_errors():
         group_advantages(torch.zeros(4), 1)
     with pytest.raises(ValueError, match="num_generations=3"):
         group_advantages(torch.zeros(4), 3)
+    with pytest.raises(ValueError, match="baseline must be"):
+        group_advantages(torch.zeros(4), 2, baseline="median")
 
 
 # ---------------------------------------------------------------------------------------------- clipping
@@ -312,7 +342,7 @@ def test_reduce_metrics():
 
 # ---------------------------------------------------------------------------------------------- validation
 # The knobs a run sets are grpo.* config keys, checked at load: tests/unit/test_config.py
-# (test_loss_knobs_are_checked_at_load). kl_clamp has no key, so LossConfig checks it.
+# (test_loss_knobs_are_checked_at_load). LossConfig checks kl_clamp again for direct callers.
 
 
 @pytest.mark.parametrize(
