@@ -85,7 +85,10 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     engines = start_engine_pool(cfg, model_dir, policy)
     sync, count = engines.sync, len(engines.actors)
     print(f"placement: {placement_summary(policy, engines.actors)}")
-    print(f"weight sync: {sync.backend}, {sync.total_bytes / 2**20:.1f} MiB to {count} engine(s)")
+    print(
+        f"weight sync: {sync.backend}, {sync.path.kind} ({sync.path.reason}); {count} engine(s), "
+        f"{sync.total_bytes / 2**20:.1f} MiB sent, {max(sync.worker_bytes) / 2**20:.1f} MiB per vLLM worker"
+    )
     step, position, pending = restore(cfg, policy, resume_from)
     timings = {}
     with timed(timings, "sync_s"):

@@ -268,6 +268,8 @@ class GenerationConfig:
     """Engines share the trainer's devices (sleeping during training), or run on devices of their own."""
     sync_bucket_mb: float = 512.0
     """Size of the buckets weights are sent to the engines in, in MiB."""
+    weight_sync_path: Literal["auto", "gathered"] = "auto"
+    """auto: shard-wise where the TP layouts allow it (weight_sync.shards), else gathered; gathered: always"""
     probe_max_error: float = 1.001
     """Largest trainer/engine probability ratio the post-sync probe tolerates (>= 1); catches broken syncs."""
     sync_timeout_s: float = 600.0
