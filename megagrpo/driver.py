@@ -260,12 +260,14 @@ class _Trained:
     def __init__(self, step: int, position: int, pending: Pending | None):
         self.update(step, position, pending)
 
-    def update(self, step: int, position: int, pending: Pending | None) -> None:
+    def update(self, step: int, position: int, pending: Pending | None = None) -> None:
         self.step, self.position, self.pending = step, position, pending
 
 
 @contextmanager
-def checkpoint_if_engines_fail(cfg: Config, policy: RankGroup, step: int, position: int, pending):
+def checkpoint_if_engines_fail(
+    cfg: Config, policy: RankGroup, step: int, position: int, pending: Pending | None = None
+):
     """Engines failing past ``generation.max_engine_restarts``: checkpoint what the policy has
     trained, then stop (the EngineFailure goes on to the caller, saying where to resume)."""
     trained = _Trained(step, position, pending)
