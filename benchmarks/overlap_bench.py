@@ -47,6 +47,7 @@ def run(args, staleness: int, root: Path, warmup: Path | None) -> Path:
         f"grpo.max_staleness={staleness}",
         f"parallel.tensor_model_parallel_size={args.tp}",
         "checkpoint.dir=null",
+        "checkpoint.export_hf_at_end=false",
     ]
     start = time.perf_counter()
     done = subprocess.run(
