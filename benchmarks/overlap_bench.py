@@ -48,6 +48,7 @@ def run(args, staleness: int, root: Path, warmup: Path | None) -> Path:
         f"parallel.tensor_model_parallel_size={args.tp}",
         "checkpoint.dir=null",
         "checkpoint.export_hf_at_end=false",
+        "checkpoint.save_every=0",
     ]
     start = time.perf_counter()
     done = subprocess.run(
