@@ -349,6 +349,11 @@ class GRPOConfig:
     """Truncated importance sampling cap (>= 1) on the trainer/engine probability ratio; null disables it."""
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """Above tis_cap: weight the token by the cap, or drop it from the loss."""
+    max_staleness: int = 0
+    """Overlap generation with training: engines generate the next step's rollouts while the trainer
+    trains on the current ones, and a rollout is trained on at most this many policy versions after the
+    one that generated it (weights reach the engines between batches, every max_staleness steps at
+    least). 0: the sequential loop (generate, train, sync)."""
     seed: int = 0
     """Seed for prompt order and anything random in the trainer."""
 
@@ -368,6 +373,12 @@ class GRPOConfig:
         )
         check(self, "overlong_penalty", self.overlong_penalty >= 0, ">= 0")
         check(self, "tis_cap", self.tis_cap is None or self.tis_cap >= 1, ">= 1 or null")
+        check(self, "max_staleness", self.max_staleness >= 0, ">= 0")
+        require(
+            self.max_staleness <= self.num_steps,
+            ("max_staleness", "num_steps"),
+            f"max_staleness {self.max_staleness} is larger than the run's {self.num_steps} steps",
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
