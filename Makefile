@@ -7,8 +7,9 @@ EXTRAS ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megagrpo-$(EXTRAS)-installed
 PYTEST_ARGS ?=
+SUITE ?= cpu
 
-.PHONY: setup demo sft-demo dpo-demo twin test test-unit test-dist test-e2e test-gpu lint bench clean
+.PHONY: setup demo sft-demo dpo-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-readme clean
 
 setup: $(STAMP)
 
@@ -81,6 +82,18 @@ test-gpu: setup
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# The benchmark suite (benchmarks/README.md): SUITE=cpu|gpu; results in benchmarks/results/suite_$(SUITE)/.
+bench: setup
+	$(PY) -m benchmarks run --suite $(SUITE)
+
+# Smoke run of the same benchmarks at their smallest sizes, one repetition (a few minutes on 2 cores).
+bench-quick: setup
+	$(PY) -m benchmarks run --suite $(SUITE) --quick
+
+# README.md's "Measured" table rewritten from the results files in benchmarks/results/.
+bench-readme: setup
+	$(PY) -m benchmarks readme
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -365,7 +365,8 @@ def measure_repeats(
     ``inputs``: what the command reads (default: the HF source), brought into the page cache first.
     """
     runs: list[Run] = []
-    while sum(r.other_cpus < CONTENDED_CPUS for r in runs) < args.repeat and len(runs) < 3 * args.repeat:
+    most = (3 if args.retry else 1) * args.repeat
+    while sum(r.other_cpus < CONTENDED_CPUS for r in runs) < args.repeat and len(runs) < most:
         cmd = cmd_for()  # removes the previous run's output first
         settle(inputs or args.source)
         waited = wait_for_quiet(args.quiet_wait)
@@ -638,6 +639,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=60,
         help="seconds to wait, before each run, for other processes to leave the CPUs idle",
+    )
+    parser.add_argument(
+        "--no-retry",
+        dest="retry",
+        action="store_false",
+        help="run each command --repeat times even when disturbed (a smoke run on a busy machine)",
     )
     parser.add_argument(
         "--no-phases",

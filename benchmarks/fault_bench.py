@@ -270,7 +270,7 @@ def _cmdline(pid: int) -> str:
 # ------------------------------------------------------------------------------------------ report
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -282,7 +282,7 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=3)
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--output", default="faults")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     report = {
         "machine": machine_info("torch", "megatron.core", "vllm", "ray", "xxhash"),

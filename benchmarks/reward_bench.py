@@ -184,7 +184,7 @@ def replacement_cost(hangs: int, deadline_s: float = 0.2) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -194,7 +194,7 @@ def main() -> None:
     parser.add_argument("--chars", type=int, default=1500)
     parser.add_argument("--hangs", type=int, default=10)
     parser.add_argument("--output", default="reward")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from megagrpo.rewards.arithmetic import arithmetic_reward
     from megagrpo.rewards.math import math_verify_reward

@@ -159,11 +159,11 @@ class TimedPolicyWorker(PolicyWorker):
     def pid(self) -> int:
         return os.getpid()
 
-    def open_weight_sync(self, groups: list, backend: str, timeout_s: float) -> None:
-        super().open_weight_sync(groups, backend, timeout_s)
+    def open_weight_sync(self, groups: list, keys: list, backend: str, timeout_s: float) -> None:
+        super().open_weight_sync(groups, keys, backend, timeout_s)
         self.sync_timings = defaultdict(float)
-        if self.sender.group is not None:
-            _time_broadcasts(self.sender.group, self.sync_timings, "send_wait_s")
+        for group in self.sender.groups.values():
+            _time_broadcasts(group, self.sync_timings, "send_wait_s")
 
     def send_weights(self, plan: tuple, with_checksums: bool = False):
         self.sync_timings.clear()
@@ -180,7 +180,7 @@ def _instrument_receiver(worker) -> None:
     """Inside the vLLM worker: time the waits on each broadcast and ``model.load_weights``."""
     engine = worker.weight_transfer_engine
     timings = engine.__dict__.setdefault("bench_timings", defaultdict(float))
-    for group in engine.groups:
+    for group in engine.groups.values():
         _time_broadcasts(group, timings, "recv_wait_s")
     model = engine.model
     if "load_weights" not in model.__dict__:

@@ -312,15 +312,21 @@ def time_weight_sender(worker, args) -> dict:
     and dropped). The bound is one device copy of the same number of bytes (``copy_s``): packing
     has to write every byte at least once. TP=1 (one rank), where the plan is this rank's own.
     """
+    from dataclasses import replace
+
+    from megagrpo.weight_sync.shards import SyncPath
     from megagrpo.weight_sync.transport import GroupAddress
 
     device = worker.ctx.device
-    address = worker.weight_sync_address()
-    plan = worker.weight_sync_plan(int(args.sync_bucket_mb * 2**20))
-    if address is None or plan is None:
+    # The gathered path's sender: whole HF tensors (at TP 1 the shard-wise path sends the same bytes).
+    path = SyncPath("gathered", "train_bench times one sender")
+    links = worker.weight_sync_offer(path, 1, int(args.sync_bucket_mb * 2**20))
+    if len(links) != 1:
         raise RuntimeError("--sync-bucket-mb times one sender: run it with --tp 1")
+    (link,) = links
+    plan = tuple(replace(b, source=0) for b in link.buckets)
     backend = weight_sync_backend(worker.cfg.parallel.resolved_backend)
-    worker.open_weight_sync([GroupAddress(*address, 1)], backend, 300.0)
+    worker.open_weight_sync([GroupAddress(link.address, link.port, 1)], [link.key], backend, 300.0)
     total = sum(b.nbytes for b in plan)
 
     def timed(fn) -> list[float]:

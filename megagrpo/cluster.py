@@ -404,6 +404,9 @@ class EnginePool:
         """The GRPO step now running (restart windows count in steps)."""
         self.restarts: list[tuple[int, float]] = []
         """(engine, seconds from its failure to the probe of its replacement), one per restart."""
+        self.restartable = True
+        """False while engines generate ahead of a training step (``grpo.max_staleness``): a
+        replacement would be sent the weights the trainer is changing, so a failure then stops."""
 
     def call(self, method: str, args_by_engine: dict[int, tuple], timeout_s: float) -> dict[int, Any]:
         """``method(*args)`` on each engine of ``args_by_engine``; results by engine. An engine that
@@ -450,6 +453,13 @@ class EnginePool:
     def replace(self, index: int, err: BaseException):
         """Restart engine ``index`` on its placement, re-sync and probe; returns the probe result."""
         gen = self.cfg.generation
+        if not self.restartable:
+            raise EngineFailure(
+                f"vLLM engine {index} failed while generating the next step's rollouts during training "
+                f"(grpo.max_staleness = {self.cfg.grpo.max_staleness}): engines are not restarted while "
+                f"the trainer changes the weights; last error: {_first_line(err)}",
+                index,
+            )
         if not self.budget.take(self.step):
             window = gen.engine_restart_window_steps
             raise EngineFailure(

@@ -8,6 +8,9 @@ to the GRPO paper, each chosen by config: the advantage baseline (``grpo.baselin
 mean, which without std normalization is Dr. GRPO, or RLOO's leave-one-out), clip-higher, dynamic
 sampling, overlong filtering and the soft overlong penalty (DAPO), truncated importance correction
 against the generator's logprobs, and a probe after every weight sync.
+With ``grpo.max_staleness: k >= 1`` the engines generate the next step's rollouts (in a thread of
+this process) while the trainer trains on the current ones, from weights at most k versions older
+than the policy that trains on them; the weights reach the engines between batches.
 Launch: ``megagrpo train --config FILE`` (local Ray), or on a cluster see ``launch/``.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,23 +87,41 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
     engines = start_engine_pool(cfg, model_dir, policy)
     sync, count = engines.sync, len(engines.actors)
     print(f"placement: {placement_summary(policy, engines.actors)}")
-    print(f"weight sync: {sync.backend}, {sync.total_bytes / 2**20:.1f} MiB to {count} engine(s)")
-    step, position = restore(cfg, policy, resume_from)
+    print(
+        f"weight sync: {sync.backend}, {sync.path.kind} ({sync.path.reason}); {count} engine(s), "
+        f"{sync.total_bytes / 2**20:.1f} MiB sent, {max(sync.worker_bytes) / 2**20:.1f} MiB per vLLM worker"
+    )
+    step, position, pending = restore(cfg, policy, resume_from)
     timings = {}
     with timed(timings, "sync_s"):
         engines.sync_weights()
+    engine_version = step  # the policy version (GRPO steps trained) whose weights the engines hold
+    ahead = ThreadPoolExecutor(1, thread_name_prefix="rollouts-ahead") if cfg.grpo.max_staleness else None
     with metrics_logger(cfg, run_dir, cfg.grpo.num_steps, step) as log:
         if step == 0 and cfg.logging.val_every:
             log.log(0, {**validate(cfg, engines, source, scorer), **prefixed("timing", timings)})
-        with graceful_interrupt() as stop, checkpoint_if_engines_fail(cfg, policy, step, position) as trained:
+        with (
+            graceful_interrupt() as stop,
+            checkpoint_if_engines_fail(cfg, policy, step, position, pending) as trained,
+        ):
             while step < cfg.grpo.num_steps and not stop.requested:
                 step += 1
                 engines.step = step
                 t0 = time.perf_counter()
-                with timed(timings, "generation_s"):
-                    rollouts, position, filtered = generate_groups(
-                        cfg, engines, source, scorer, position, step
+                timings = {}
+                if pending is None:  # sequential loop, or the first step of an overlapped run
+                    pending = produce(cfg, engines, source, scorer, position, step, engine_version)
+                    timings["generation_s"] = pending.seconds
+                current, pending = pending, None
+                position = current.position
+                next_batch = None
+                if ahead is not None and step < cfg.grpo.num_steps:
+                    # The next step's rollouts, from the weights the engines hold, while this one trains.
+                    engines.restartable = False  # a restart would sync weights the trainer is changing
+                    next_batch = ahead.submit(
+                        produce, cfg, engines, source, scorer, position, step + 1, engine_version
                     )
+                rollouts, filtered = current.rollouts, current.filtered
                 batch = to_train_batch(cfg, rollouts)
                 set_engines_awake(cfg, engines, False)  # colocated: hand the GPUs to the trainer
                 with timed(timings, "logprobs_s"):
@@ -109,23 +131,45 @@ def train(cfg: Config, *, resume: bool = False) -> Path:
                         batch = batch.replace(ref_logprobs=ref)
                 with timed(timings, "train_s"):
                     train_metrics = mean_metrics(policy.call_first(PolicyWorker.train, batch))
-                trained.update(step, position)
-                with timed(timings, "sync_s"):
-                    set_engines_awake(cfg, engines, True)
-                    probe = engines.sync_weights()
-                metrics = step_metrics(cfg, rollouts, batch, train_metrics, probe.error, filtered)
+                trained.update(step, position, None)
+                trainer_busy = timings["logprobs_s"] + timings["train_s"]
+                engine_busy = timings.get("generation_s", 0.0)
+                if next_batch is not None:
+                    with timed(timings, "wait_generation_s"):
+                        pending = next_batch.result()
+                    engines.restartable = True
+                    timings["generation_ahead_s"] = pending.seconds
+                    engine_busy = pending.seconds
+                trained.update(step, position, pending)
+                validating = bool(cfg.logging.val_every) and step % cfg.logging.val_every == 0
+                saving = bool(cfg.checkpoint.dir and cfg.checkpoint.save_every) and (
+                    step % cfg.checkpoint.save_every == 0
+                )
+                probe_error = float("nan")
+                if needs_sync(cfg, step, engine_version, validating or saving):
+                    with timed(timings, "sync_s"):
+                        set_engines_awake(cfg, engines, True)
+                        probe_error = engines.sync_weights().error
+                    engine_version = step
+                metrics = step_metrics(cfg, rollouts, batch, train_metrics, probe_error, filtered)
+                metrics |= staleness_metrics(rollouts, current.version, trained_version=step - 1)
                 metrics |= source.counts
-                if cfg.logging.val_every and step % cfg.logging.val_every == 0:
+                if validating:
                     metrics |= validate(cfg, engines, source, scorer)
                 timings["step_s"] = time.perf_counter() - t0
+                sync_s = timings.get("sync_s", 0.0)
+                timings["engine_idle_s"] = max(0.0, timings["step_s"] - engine_busy - sync_s)
+                timings["trainer_idle_s"] = max(0.0, timings["step_s"] - trainer_busy - sync_s)
                 metrics |= prefixed("timing", timings)
                 metrics["throughput/tokens_per_s"] = batch.num_tokens / timings["step_s"]
                 log.log(step, metrics)
-                if cfg.checkpoint.dir and cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-                    save_checkpoint(cfg, policy, step, position)
+                if saving:
+                    save_checkpoint(cfg, policy, step, position, pending)
         scorer.close()
         curves = log.write_curves()
-    final = save_checkpoint(cfg, policy, step, position) if cfg.checkpoint.dir else None
+    if ahead is not None:
+        ahead.shutdown()
+    final = save_checkpoint(cfg, policy, step, position, pending) if cfg.checkpoint.dir else None
     shutdown_ray()
     if stop.requested:
         print(
@@ -160,19 +204,25 @@ def start_engine_pool(cfg: Config, model_dir: str, policy: RankGroup) -> EngineP
     )
 
 
-def restore(cfg: Config, policy: RankGroup, checkpoint: Path | None) -> tuple[int, int]:
-    """(last completed step, data position): from ``checkpoint`` when resuming, else (0, 0)."""
+def restore(cfg: Config, policy: RankGroup, checkpoint: Path | None) -> tuple[int, int, Pending | None]:
+    """(last completed step, data position, rollouts generated ahead): from ``checkpoint`` when
+    resuming, else (0, 0, None)."""
     if checkpoint is None:
-        return 0, 0
+        return 0, 0, None
     policy.call_all(PolicyWorker.load, str(checkpoint))
     state = ckpt_io.load_driver_state(checkpoint)
     state.restore_rng()
-    print(f"resume: continuing after step {state.step} from {checkpoint}")
-    return state.step, state.data_position
+    pending = Pending.load(checkpoint)
+    ahead = f", with the rollouts of step {state.step + 1} generated ahead" if pending else ""
+    print(f"resume: continuing after step {state.step} from {checkpoint}{ahead}")
+    return state.step, state.data_position, pending
 
 
-def save_checkpoint(cfg: Config, policy: RankGroup, step: int, position: int) -> Path | None:
-    """Checkpoint ``step`` (policy, optimizer, driver state, config, manifest).
+def save_checkpoint(
+    cfg: Config, policy: RankGroup, step: int, position: int, pending: Pending | None = None
+) -> Path | None:
+    """Checkpoint ``step`` (policy, optimizer, driver state, config, the rollouts generated ahead for
+    the next step when there are any, manifest).
 
     A write that fails (disk full, unwritable directory) is removed, the previous checkpoint stays
     the latest, and the run stops (CheckpointWriteError) or, with ``checkpoint.on_error:
@@ -185,6 +235,8 @@ def save_checkpoint(cfg: Config, policy: RankGroup, step: int, position: int) ->
         digests = {}
         for rank_digests in policy.call_all(PolicyWorker.save, str(tmp)):
             digests |= rank_digests
+        if pending is not None:
+            pending.save(tmp)
         config_yaml = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
         state = ckpt_io.DriverState.capture(step, position)
         return ckpt_io.commit(tmp, state, config_yaml, cfg.checkpoint.keep_last, digests)
@@ -203,24 +255,29 @@ def save_checkpoint(cfg: Config, policy: RankGroup, step: int, position: int) ->
 
 
 class _Trained:
-    """The last step the policy has trained, and the data position after it."""
+    """The last step the policy has trained, the data position after it, and the rollouts generated
+    ahead for the next step (if any)."""
 
-    def __init__(self, step: int, position: int):
-        self.step, self.position = step, position
+    def __init__(self, step: int, position: int, pending: Pending | None):
+        self.update(step, position, pending)
 
-    def update(self, step: int, position: int) -> None:
-        self.step, self.position = step, position
+    def update(self, step: int, position: int, pending: Pending | None = None) -> None:
+        self.step, self.position, self.pending = step, position, pending
 
 
 @contextmanager
-def checkpoint_if_engines_fail(cfg: Config, policy: RankGroup, step: int, position: int):
+def checkpoint_if_engines_fail(
+    cfg: Config, policy: RankGroup, step: int, position: int, pending: Pending | None = None
+):
     """Engines failing past ``generation.max_engine_restarts``: checkpoint what the policy has
     trained, then stop (the EngineFailure goes on to the caller, saying where to resume)."""
-    trained = _Trained(step, position)
+    trained = _Trained(step, position, pending)
     try:
         yield trained
     except EngineFailure as err:
-        saved = save_checkpoint(cfg, policy, trained.step, trained.position) if cfg.checkpoint.dir else None
+        saved = None
+        if cfg.checkpoint.dir:
+            saved = save_checkpoint(cfg, policy, trained.step, trained.position, trained.pending)
         where = f"; saved {saved}, continue with --resume" if saved else ""
         raise EngineFailure(f"{err}{where}", err.engine) from err
 
@@ -241,6 +298,87 @@ def generate(
     """Completions for ``prompts`` (``settings.n`` each, in prompt order), split across engines
     (``EnginePool.generate``: an engine that fails is replaced and its share generated again)."""
     return engines.generate(prompts, settings, seeds)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Scored rollouts produced before the step that trains them, and the policy version that
+    generated them (``grpo.max_staleness``; in the sequential loop, the step's own rollouts)."""
+
+    rollouts: Rollouts
+    position: int
+    """Data position after their prompts."""
+    filtered: int
+    """Groups dropped by dynamic sampling while producing them."""
+    version: int
+    """The policy version (GRPO steps trained) whose weights the engines held."""
+    seconds: float
+    """Time spent generating and scoring them."""
+
+    FILE = "rollouts_ahead.pt"
+
+    def save(self, directory: Path) -> None:
+        """Into a checkpoint being written (its manifest covers the file)."""
+        r = self.rollouts
+        data = {
+            "prompts": [{"token_ids": p.token_ids, "answer": p.answer} for p in r.prompts],
+            "completions": [dataclasses.asdict(c) for c in r.completions],
+            "rewards": r.rewards,
+            "reward_timeouts": r.reward_timeouts,
+            "reward_errors": r.reward_errors,
+            "position": self.position,
+            "filtered": self.filtered,
+            "version": self.version,
+            "seconds": self.seconds,
+        }
+        torch.save(data, directory / self.FILE)
+
+    @classmethod
+    def load(cls, checkpoint: Path) -> Pending | None:
+        path = checkpoint / cls.FILE
+        if not path.is_file():
+            return None
+        data = torch.load(path, weights_only=True)
+        rollouts = Rollouts(
+            [Prompt(**p) for p in data["prompts"]],
+            [Completion(**c) for c in data["completions"]],
+            data["rewards"],
+            data["reward_timeouts"],
+            data["reward_errors"],
+        )
+        return cls(rollouts, data["position"], data["filtered"], data["version"], data["seconds"])
+
+
+def produce(cfg: Config, engines, source: PromptSource, scorer, position: int, step: int, version: int):
+    """The rollouts step ``step`` trains on, generated by the engines (holding policy ``version``)."""
+    start = time.perf_counter()
+    rollouts, position, filtered = generate_groups(cfg, engines, source, scorer, position, step)
+    return Pending(rollouts, position, filtered, version, time.perf_counter() - start)
+
+
+def needs_sync(cfg: Config, step: int, engine_version: int, forced: bool) -> bool:
+    """Whether the weights of ``step`` go to the engines now, at the end of that step.
+
+    Sequential loop: always. Overlapped: the rollouts the engines generate during step + 1 are
+    trained at step + 2 by policy version step + 1, so the engines' version may lag that by at most
+    ``max_staleness``; validation and checkpoints (``forced``) always see the trained weights, so a
+    resumed run's engines hold what the uninterrupted run's did.
+    """
+    k = cfg.grpo.max_staleness
+    return k == 0 or forced or engine_version < step + 1 - k
+
+
+def staleness_metrics(rollouts: Rollouts, version: int, *, trained_version: int) -> dict[str, float]:
+    """How many policy versions older than the trained policy the step's rollouts were, and which
+    version generated them (one per batch: weights reach the engines only between batches)."""
+    staleness = trained_version - version
+    tokens = sum(len(c.token_ids) for c in rollouts.completions)
+    return {
+        "staleness/generator_version": float(version),
+        "staleness/mean": float(staleness),
+        "staleness/max": float(staleness),
+        "staleness/off_policy_token_frac": 1.0 if staleness > 0 and tokens else 0.0,
+    }
 
 
 def generate_groups(cfg: Config, engines, source: PromptSource, scorer, position: int, step: int):
@@ -334,14 +472,7 @@ def validate(cfg: Config, engines, source: PromptSource, scorer) -> dict[str, fl
             stop_token_ids=source.stop_token_ids,
             n=ev.val_samples,
         )
-        report = evaluate(
-            engines.generate,
-            source.val,
-            sampled,
-            scorer,
-            source.decode,
-            seed=ev.seed,
-        )
+        report = evaluate(engines.generate, source.val, sampled, scorer, source.decode, seed=ev.seed)
         out |= report.metrics("val")
     return out
 

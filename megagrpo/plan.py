@@ -10,7 +10,9 @@ distributed optimizer), activations for ``policy.recompute`` at ``policy.micro_b
 bytes per layer with selective recompute; the local implementation's unfused attention adds its fp32
 [heads, s, s] probabilities), the logits and the chunked log-prob buffers on the last stage; per engine
 worker: weights + KV cache for ``model.seq_length`` at the engine's concurrency; and the bytes each
-sender puts on each link per sync (the gathered path: TP rank 0 of each stage broadcasts its stage).
+sender puts on each link and each vLLM worker receives per sync, on the path the runtime takes
+(shard-wise where trainer and engine TP nest: every TP rank sends its own shard; else gathered:
+TP rank 0 of each stage broadcasts its stage).
 These are estimates, calibrated in ``benchmarks/plan_calibration.py``.
 """
 
@@ -161,6 +163,63 @@ def _logits(cfg: Config, s: GPTShape, stage: int) -> int:
     return int(out + 3 * 4 * cfg.policy.logprob_chunk_size * vocab)  # fp32 chunk, softmax, grad
 
 
+def _stage_of(rule_name: str, shape: GPTShape, pp: int) -> int:
+    if rule_name.startswith("embedding."):
+        return 0
+    if not rule_name.startswith("decoder.layers."):
+        return pp - 1  # final norm, output layer
+    return int(rule_name.split(".")[2]) * pp // shape.num_layers
+
+
+def _sync_traffic(cfg: Config, shape: GPTShape, itemsize: int, link_gbps: float) -> dict:
+    """Bytes per sender and per receiving vLLM worker of one sync on the path the runtime takes
+    (``weight_sync.shards.choose_path``): shard-wise, every trainer TP rank of each stage sends its
+    pieces and each worker receives its shard; gathered, TP rank 0 of each stage sends the stage's
+    whole HF tensors and every worker receives the whole model. A broadcast carries each byte once
+    per link, so the time is the larger of the two over ``link_gbps``."""
+    from megagrpo.models.mapping import decoder_rules
+    from megagrpo.weight_sync.shards import SyncPath, choose_path, shard_bytes
+
+    par, gen = cfg.parallel, cfg.generation
+    tp, pp, etp = (
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        gen.engine_tensor_parallel_size,
+    )
+    fits = (
+        shape.num_layers % pp == 0
+        and shape.num_query_groups % tp == 0
+        and shape.num_attention_heads % tp == 0
+    )
+    path = (
+        choose_path(shape, tp, etp, gen.weight_sync_path)
+        if fits
+        else SyncPath("gathered", "the trainer layout does not fit the model (see the errors)")
+    )
+    rules = [r for r in decoder_rules(shape) if r.export]
+    shard_wise = path.kind == "shard"
+    t, e = (tp, etp) if shard_wise else (1, 1)
+    per_sender, per_worker = 0, [0] * e
+    for stage in range(pp):
+        stage_rules = [r for r in rules if _stage_of(r.megatron, shape, pp) == stage]
+        sent, received = shard_bytes(shape, stage_rules, t, e, itemsize)
+        per_sender = max(per_sender, *sent)
+        per_worker = [a + b for a, b in zip(per_worker, received, strict=True)]
+    worst = max(per_sender, *per_worker)
+    return {
+        "path": path.kind,
+        "path_reason": path.reason,
+        "senders": pp * t,
+        "receivers": gen.num_engines * etp,
+        "bytes_per_sender": per_sender,
+        "bytes_per_worker": max(per_worker),
+        "bytes_per_link": per_sender,  # a ring/tree broadcast carries each byte once per link
+        "total_bytes": sum(per_worker),  # what one engine receives, all its workers together
+        "link_gbps": link_gbps,
+        "est_seconds": worst * 8 / (link_gbps * 1e9),
+    }
+
+
 def make_plan(
     cfg: Config,
     shape: GPTShape,
@@ -219,17 +278,7 @@ def make_plan(
         "concurrency": concurrency,
         "claimed": int(gen.gpu_memory_utilization * gpu_memory_gib * GIB),
     }
-    stage_bytes = [math.ceil(_stage_params(shape, pp, s) * wb) for s in range(pp)]
-    sender = max(stage_bytes)
-    sync = {
-        "senders": pp,
-        "receivers": gen.num_engines * etp,
-        "bytes_per_sender": sender,
-        "bytes_per_link": sender,  # a ring/tree broadcast carries each byte once per link
-        "total_bytes": sum(stage_bytes),
-        "link_gbps": link_gbps,
-        "est_seconds": sender * 8 / (link_gbps * 1e9),
-    }
+    sync = _sync_traffic(cfg, shape, wb, link_gbps)
     gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     mem = int(gpu_memory_gib * GIB)
     plan = Plan(par.world_size, gpus, mem, impl, par.resolved_backend, params, ranks, engine, sync, errors)
@@ -328,9 +377,9 @@ def render(plan: Plan, cfg: Config) -> None:
     )
     s = plan.sync
     con.print(
-        f"weight sync: {s['senders']} sender(s) -> {s['receivers']} vLLM workers, "
-        f"{_size(s['bytes_per_sender'])} per sender and per link, ~{s['est_seconds']:.2f} s at "
-        f"{s['link_gbps']:g} Gb/s"
+        f"weight sync, {s['path']} ({s['path_reason']}): {s['senders']} sender(s) -> {s['receivers']} "
+        f"vLLM workers, {_size(s['bytes_per_sender'])} per sender, {_size(s['bytes_per_worker'])} per "
+        f"worker, ~{s['est_seconds']:.2f} s at {s['link_gbps']:g} Gb/s"
     )
     for err in plan.errors:
         con.print(f"[red]error:[/red] {err}")

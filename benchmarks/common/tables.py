@@ -38,9 +38,11 @@ def results_json(output: str) -> Path:
 
 def write_results(json_path: Path, report: dict, markdown: str) -> None:
     """``report`` as indented JSON at ``json_path`` and ``markdown`` in the ``.md`` beside it."""
+    from megagrpo.ckpt.durable import atomic_write
+
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    json_path.with_suffix(".md").write_text(markdown)
+    atomic_write(json_path, json.dumps(report, indent=2) + "\n")
+    atomic_write(json_path.with_suffix(".md"), markdown)
 
 
 def read_results(json_path: Path) -> dict:

@@ -244,6 +244,12 @@ def check_resources(cfg: Config) -> None:
         "mode); use 'disaggregated' on CPU",
     )
     require(
+        gen.placement != "colocated" or cfg.grpo.max_staleness == 0,
+        ("grpo.max_staleness", "generation.placement"),
+        "overlapping generation with training needs engines on devices of their own: colocated engines "
+        "sleep while the trainer runs; use 'disaggregated' or max_staleness 0",
+    )
+    require(
         gen.placement != "colocated" or gen.engine_tensor_parallel_size == 1,
         ("generation.placement", "generation.engine_tensor_parallel_size"),
         "colocated placement shares one GPU per engine with a trainer rank: engine_tensor_parallel_size "

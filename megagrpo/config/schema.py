@@ -281,6 +281,8 @@ class GenerationConfig:
     """Engines share the trainer's devices (sleeping during training), or run on devices of their own."""
     sync_bucket_mb: float = 512.0
     """Size of the buckets weights are sent to the engines in, in MiB."""
+    weight_sync_path: Literal["auto", "gathered"] = "auto"
+    """auto: shard-wise where the TP layouts allow it (weight_sync.shards), else gathered; gathered: always"""
     probe_max_error: float = 1.001
     """Largest trainer/engine probability ratio the post-sync probe tolerates (>= 1); catches broken syncs."""
     sync_timeout_s: float = 600.0
@@ -360,6 +362,11 @@ class GRPOConfig:
     """Truncated importance sampling cap (>= 1) on the trainer/engine probability ratio; null disables it."""
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """Above tis_cap: weight the token by the cap, or drop it from the loss."""
+    max_staleness: int = 0
+    """Overlap generation with training: engines generate the next step's rollouts while the trainer
+    trains on the current ones, and a rollout is trained on at most this many policy versions after the
+    one that generated it (weights reach the engines between batches, every max_staleness steps at
+    least). 0: the sequential loop (generate, train, sync)."""
     seed: int = 0
     """Seed for prompt order and anything random in the trainer."""
 
@@ -379,6 +386,12 @@ class GRPOConfig:
         )
         check(self, "overlong_penalty", self.overlong_penalty >= 0, ">= 0")
         check(self, "tis_cap", self.tis_cap is None or self.tis_cap >= 1, ">= 1 or null")
+        check(self, "max_staleness", self.max_staleness >= 0, ">= 0")
+        require(
+            self.max_staleness <= self.num_steps,
+            ("max_staleness", "num_steps"),
+            f"max_staleness {self.max_staleness} is larger than the run's {self.num_steps} steps",
+        )
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -158,26 +158,28 @@ class GenerationWorker:
     # --------------------------------------------------------------------------------- weight sync
 
     def init_weight_sync(
-        self, groups: Sequence[GroupAddress], *, rank_offset: int, backend: str, timeout_s: float
+        self, groups: Sequence[GroupAddress], *, engine_index: int, backend: str, timeout_s: float
     ) -> None:
-        """Join every sender's broadcast group (blocks until the trainer's senders have joined too).
+        """Join the senders' broadcast groups (blocks until the trainer's senders have joined too).
 
-        ``groups``: one address per sender (pipeline stage); ``rank_offset``: this engine's first rank
-        in every group (its workers take the ranks from there on).
+        ``groups``: one address per link, indexed by ``Bucket.source``; each worker joins those of its
+        engine TP rank (``GroupAddress.engine_rank``, or all when it is None). ``engine_index``: this
+        engine's place among the sync's engines (which fixes its workers' ranks in every group).
         """
         # vLLM hands this dict to the worker's transfer engine as ``MegagrpoInitInfo(**init_info)``.
         init_info = {
             "groups": list(groups),
-            "rank_offset": rank_offset,
+            "engine_index": engine_index,
             "backend": backend,
             "timeout_s": timeout_s,
         }
         self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
 
-    def receive_weights(self, plan: Sequence[Bucket], *, checksums: bool = False) -> list[str]:
+    def receive_weights(self, plan: Sequence[Bucket], *, checksums: bool = False) -> dict[int, str]:
         """Receive one full sync of ``plan`` (blocks until every bucket has arrived and loaded).
 
-        Returns one digest per bucket of ``plan`` (the first worker's) with ``checksums``, else [].
+        With ``checksums``: {plan index: digest} of every bucket a worker of this engine received
+        (the first to have it); else {}.
         """
         # vLLM hands this dict to the worker's transfer engine as ``MegagrpoUpdateInfo(**update_info)``.
         update_info = {"buckets": tuple(plan), "checksums": checksums}
@@ -187,12 +189,24 @@ class GenerationWorker:
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         if not checksums:
-            return []
-        return self.llm.collective_rpc(_received_digests)[0]
+            return {}
+        digests: dict[int, str] = {}
+        for worker in self.llm.collective_rpc(_received_digests):
+            for index, digest in worker.items():
+                digests.setdefault(index, digest)
+        return digests
+
+    def received_bytes(self) -> list[int]:
+        """Bucket bytes each of this engine's workers received in the last sync, by worker rank."""
+        return self.llm.collective_rpc(_received_bytes)
 
     def shutdown_weight_sync(self) -> None:
         self.llm.collective_rpc("shutdown_weight_transfer_engine")
 
 
-def _received_digests(worker) -> list[str]:
-    return list(worker.weight_transfer_engine.last_digests)
+def _received_bytes(worker) -> int:
+    return worker.weight_transfer_engine.received_bytes
+
+
+def _received_digests(worker) -> dict[int, str]:
+    return dict(worker.weight_transfer_engine.last_digests)

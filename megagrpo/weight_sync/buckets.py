@@ -7,13 +7,17 @@ tensor sits at an offset aligned to 16 bytes so it can be viewed in place with i
 These frozen dataclasses are also the weight sync's wire format: a plan (``tuple[Bucket, ...]``,
 in broadcast order) goes from the trainer's senders to the controller and from there to the
 senders and to every vLLM worker as it is; each sender answers a sync with :class:`SentBuckets`.
+
+A slot holds either a whole HF tensor (the gathered path: vLLM's ``load_weights`` cuts out each
+worker's shard) or a block of one engine rank's vLLM parameter (the shard-wise path, ``into``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,13 +37,18 @@ class Slot:
     """Where one tensor sits in its bucket."""
 
     name: str
-    """HF tensor name, as vLLM's ``load_weights`` expects it."""
+    """HF tensor name, as vLLM's ``load_weights`` expects it; with ``into``, the vLLM parameter's name."""
     dtype: str
     """Torch dtype name without the ``torch.`` prefix ("bfloat16", "float32", ...)."""
     shape: tuple[int, ...]
-    """The HF tensor's shape (whole, not a TP shard)."""
+    """The HF tensor's shape (whole, not a TP shard); with ``into``, the block's shape."""
     offset: int
     """Byte offset in the bucket (a multiple of ALIGN)."""
+    into: tuple[int, int] | None = None
+    """Shard-wise: (dim, start): the slot is the block of the receiving rank's parameter at ``start`` along
+    ``dim``; None: a whole HF tensor."""
+    pad: bool = False
+    """Shard-wise: zero the parameter's rows after the block (vLLM's vocabulary padding)."""
 
     @property
     def nbytes(self) -> int:
@@ -54,7 +63,7 @@ class Bucket:
     """One broadcast: a uint8 buffer of ``nbytes`` holding ``slots``' tensors."""
 
     source: int
-    """Which sender (pipeline stage) broadcasts it: rank ``source`` of the sync groups' senders."""
+    """The broadcast group (link) it travels on: index into the sync's group addresses."""
     nbytes: int
     """Bytes used: the end of the last slot."""
     slots: tuple[Slot, ...] = field(default_factory=tuple)
@@ -65,33 +74,39 @@ class Bucket:
 class SentBuckets:
     """What a stage's sender reports once it has broadcast its buckets of a sync."""
 
-    source: int
-    """The sender's pipeline stage (``Bucket.source`` of the buckets it sent)."""
-    digests: tuple[str, ...] | None
-    """[buckets of this stage] :func:`checksum` of each as sent, in plan order (checksum mode); else None."""
+    digests: tuple[tuple[int, str], ...] | None
+    """(index in the plan, :func:`checksum` as sent) of every bucket it sent (checksum mode); else None."""
 
 
-def plan_buckets(
-    tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int, source: int
-) -> list[Bucket]:
-    """Pack (name, dtype, shape) in order into buckets of at most ``bucket_bytes``.
+def plan_buckets(tensors: Iterable[tuple | Slot], bucket_bytes: int, source: int) -> list[Bucket]:
+    """Pack tensors in order into buckets of at most ``bucket_bytes``: (name, dtype, shape) each, or a
+    :class:`Slot` whose offset is to be set.
 
     A tensor larger than a bucket gets a bucket of its own (never split: vLLM loads whole tensors).
     """
     buckets: list[Bucket] = []
     slots: list[Slot] = []
     used = 0
-    for name, dtype, shape in tensors:
-        slot = Slot(name, dtype_name(dtype), tuple(shape), 0)
+    for item in tensors:
+        slot = item if isinstance(item, Slot) else Slot(item[0], dtype_name(item[1]), tuple(item[2]), 0)
         start = -(-used // ALIGN) * ALIGN
         if slots and start + slot.nbytes > bucket_bytes:
             buckets.append(Bucket(source, used, tuple(slots)))
             slots, start = [], 0
-        slots.append(Slot(slot.name, slot.dtype, slot.shape, start))
+        slots.append(replace(slot, offset=start))
         used = start + slot.nbytes
     if slots:
         buckets.append(Bucket(source, used, tuple(slots)))
     return buckets
+
+
+def interleave(per_link: Iterable[Sequence[Bucket]]) -> tuple[Bucket, ...]:
+    """One plan from every link's buckets: round robin (first buckets of every link, in link order,
+    then the second ones, ...), so that all senders work at once. Senders and receivers follow this
+    one order, each on its own links, which keeps the broadcasts of different groups free of
+    deadlock."""
+    lists = [list(b) for b in per_link]
+    return tuple(b for row in itertools.zip_longest(*lists) for b in row if b is not None)
 
 
 def pack(bucket: Bucket, tensors: Iterable[torch.Tensor], out: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,11 @@ The trainer ranks are driven through their :class:`~megagrpo.weight_sync.trainer
 methods (plans and what the senders report are the frozen dataclasses of ``buckets``), the engines
 through ``GenerationWorker.init_weight_sync`` / ``receive_weights`` / ``prompt_logprobs``.
 
+Set-up: the path is chosen once (``shards.choose_path``, on the first trainer rank, which holds the
+model shape); every sending rank offers its links (``transport.Link``: where its group listens and
+its buckets); the links are numbered in key order and their buckets interleaved into one plan that
+every sender and receiver follows (``buckets.interleave``).
+
 After every sync a fixed probe (a few token sequences made from a fixed seed) is scored by every
 vLLM engine (prompt logprobs) and by the trainer; ``mean exp|logprob_vllm - logprob_trainer|``
 must stay under ``generation.probe_max_error`` or the run stops, naming the engine and position
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import ray
@@ -23,9 +28,10 @@ import torch
 from megagrpo.config import Config
 from megagrpo.parallel.backends import weight_sync_backend
 from megagrpo.types import TrainBatch
-from megagrpo.weight_sync.buckets import Bucket, SentBuckets
+from megagrpo.weight_sync.buckets import Bucket, interleave
+from megagrpo.weight_sync.shards import SyncPath
 from megagrpo.weight_sync.trainer import WeightSyncEndpoints
-from megagrpo.weight_sync.transport import GroupAddress
+from megagrpo.weight_sync.transport import GroupAddress, LinkKey
 
 if TYPE_CHECKING:
     from megagrpo.cluster import RankGroup
@@ -63,37 +69,48 @@ def probe_sequences(
 
 
 class WeightSync:
-    """Broadcast groups from the trainer's senders to every vLLM worker, over the trainer's backend.
+    """Broadcast groups from the trainer's senders to the vLLM workers, over the trainer's backend.
 
     The transport is :func:`~megagrpo.parallel.backends.weight_sync_backend` of
-    ``cfg.parallel.resolved_backend`` (NCCL with CUDA, gloo without), kept as ``self.backend``.
+    ``cfg.parallel.resolved_backend`` (NCCL with CUDA, gloo without), kept as ``self.backend``; the
+    path (shard-wise or gathered) is :func:`~megagrpo.weight_sync.shards.choose_path`'s, kept as
+    ``self.path``. ``total_bytes``: the plan's bytes, what the senders broadcast per sync (each to every
+    engine); ``worker_bytes``: what each of an engine's workers receives, by engine TP rank.
     """
 
     def __init__(self, cfg: Config, policy: RankGroup, engines: list, vocab_size: int):
         self.cfg, self.policy, self.engines = cfg, policy, engines
         self.backend = backend = weight_sync_backend(cfg.parallel.resolved_backend)
         self.timeout_s = cfg.generation.sync_timeout_s
-        bucket_bytes = int(cfg.generation.sync_bucket_mb * 2**20)
-        stage_plans = [
-            p for p in policy.call_all(WeightSyncEndpoints.weight_sync_plan, bucket_bytes) if p is not None
-        ]
-        self.plan: tuple[Bucket, ...] = tuple(
-            bucket for stage in sorted(stage_plans, key=lambda p: p[0].source) for bucket in stage
+        gen = cfg.generation
+        etp = gen.engine_tensor_parallel_size
+        self.path: SyncPath = policy.call_first(
+            WeightSyncEndpoints.weight_sync_path, etp, gen.weight_sync_path
+        )
+        bucket_bytes = int(gen.sync_bucket_mb * 2**20)
+        offers = policy.call_all(WeightSyncEndpoints.weight_sync_offer, self.path, etp, bucket_bytes)
+        links = sorted((link for links in offers for link in links), key=lambda link: link.key)
+        self.keys: list[LinkKey] = [link.key for link in links]
+        self.plan: tuple[Bucket, ...] = interleave(
+            [replace(b, source=i) for b in link.buckets] for i, link in enumerate(links)
         )
         self.total_bytes = sum(b.nbytes for b in self.plan)
-        workers_per_engine = cfg.generation.engine_tensor_parallel_size
-        addresses = [a for a in policy.call_all(WeightSyncEndpoints.weight_sync_address) if a is not None]
-        world = 1 + len(engines) * workers_per_engine
-        groups = [GroupAddress(host, port, world) for host, port in addresses]
+        self.worker_bytes = [
+            sum(b.nbytes for b in self.plan if self.keys[b.source][2] in (-1, j)) for j in range(etp)
+        ]
+        shard_wise = self.path.kind == "shard"
+        world = 1 + len(engines) * (1 if shard_wise else etp)
+        groups = [
+            GroupAddress(link.address, link.port, world, link.key[2] if shard_wise else None)
+            for link in links
+        ]
         # Both sides block in the rendezvous until everyone has joined: start them together.
         engine_refs = [
-            e.init_weight_sync.remote(
-                groups, rank_offset=1 + i * workers_per_engine, backend=backend, timeout_s=self.timeout_s
-            )
+            e.init_weight_sync.remote(groups, engine_index=i, backend=backend, timeout_s=self.timeout_s)
             for i, e in enumerate(engines)
         ]
         trainer_refs = policy.submit_all(
-            WeightSyncEndpoints.open_weight_sync, groups, backend, self.timeout_s
+            WeightSyncEndpoints.open_weight_sync, groups, self.keys, backend, self.timeout_s
         )
         self._wait(engine_refs, trainer_refs, "opening the weight-sync groups")
         self.probe_batch = TrainBatch.from_sequences(probe_sequences(vocab_size), [1] * 4)
@@ -134,14 +151,19 @@ class WeightSync:
         trainer_refs = self.policy.submit_all(WeightSyncEndpoints.send_weights, self.plan, with_checksums)
         sent = self._wait(engine_refs, trainer_refs, "weight sync")
         if with_checksums:
-            want = _stage_ordered_digests(sent)
+            want = dict(d for r in sent if r is not None for d in r.digests)
             for e, got in enumerate(ray.get(engine_refs)):
-                for i, (a, b) in enumerate(zip(got, want, strict=True)):
-                    if a != b:
+                if set(got) != set(want):
+                    raise WeightSyncError(
+                        f"weight sync: engine {e} received buckets {sorted(got)}, "
+                        f"the senders sent {sorted(want)}"
+                    )
+                for i in sorted(want):
+                    if got[i] != want[i]:
                         names = [slot.name for slot in self.plan[i].slots]
                         raise WeightSyncError(
                             f"weight sync bucket {i} ({names[0]} .. {names[-1]}) differs on engine {e}: "
-                            f"checksum {a} != sent {b}"
+                            f"checksum {got[i]} != sent {want[i]}"
                         )
         return time.perf_counter() - start
 
@@ -182,9 +204,3 @@ class WeightSync:
                 "the engines are not running the trainer's weights"
             )
         return result
-
-
-def _stage_ordered_digests(sent: list[SentBuckets | None]) -> list[str]:
-    """The senders' digests in plan order (stage by stage)."""
-    by_source = {r.source: r.digests for r in sent if r is not None}
-    return [d for source in sorted(by_source) for d in by_source[source]]

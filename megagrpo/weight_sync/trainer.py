@@ -1,12 +1,19 @@
-"""Trainer side of weight sync: each pipeline stage streams its own layers, in HF layout, to vLLM.
+"""Trainer side of weight sync: each pipeline stage streams its own layers to vLLM, in two ways.
 
-Within a stage, the ranks of data-parallel replica 0 take part: each parameter is gathered over
-the TP group only when HF layout needs the whole tensor (TP-split weights), turned into HF tensors
-by the converter's map (QKV de-interleave, fc1 -> gate/up, vocabulary trimmed), and TP rank 0 of
-the stage packs them into fixed-size buckets and broadcasts them on its own group. Packing bucket
-k+1 overlaps the broadcast of bucket k (two buffers, on CPU kept from one sync to the next). No
-rank ever holds more than one parameter gathered plus two buckets; no rank funnels another stage's
-weights.
+Within a stage, the ranks of data-parallel replica 0 (and CP rank 0) take part. The path is
+:func:`megagrpo.weight_sync.shards.choose_path`'s:
+
+- **shard-wise**: every TP rank turns its own Megatron shards into HF layout (QKV de-interleaved per
+  query group, fc1 -> gate/up, vocabulary rows trimmed: ``shards.local_hf_tensors``, no gather) and
+  sends each engine TP rank the blocks of vLLM's per-rank parameters it holds
+  (``shards.rank_pieces``), one broadcast group per (trainer rank, engine rank) link;
+- **gathered**: each parameter is gathered over the TP group when HF layout needs the whole tensor,
+  turned into HF tensors by the converter's map, and TP rank 0 of the stage broadcasts them to every
+  vLLM worker, which cuts out its shard.
+
+Either way tensors are packed into fixed-size buckets; packing bucket k+1 overlaps the broadcast of
+bucket k (two buffers, on CPU kept from one sync to the next). No rank ever holds more than one
+parameter gathered plus two buckets; no rank funnels another stage's weights.
 
 :class:`WeightSyncEndpoints` is what the controller (``sync.WeightSync``) calls on every trainer
 rank; the policy worker inherits it, so the controller names these methods without importing the
@@ -25,8 +32,9 @@ import torch.distributed as dist
 from megagrpo.models.layout import is_gated_fc1, stage_param_names, tp_merge, tp_partition_dim
 from megagrpo.models.mapping import hf_tensor_shapes, to_hf
 from megagrpo.parallel.local import free_port, node_ip
-from megagrpo.weight_sync.buckets import Bucket, SentBuckets, checksum, pack, plan_buckets
-from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
+from megagrpo.weight_sync.buckets import Bucket, SentBuckets, Slot, checksum, dtype_name, pack, plan_buckets
+from megagrpo.weight_sync.shards import SyncPath, choose_path, local_hf_tensors, piece_tensor, rank_pieces
+from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress, Link, LinkKey
 
 if TYPE_CHECKING:
     from megagrpo.models.description import ModelDescription
@@ -37,8 +45,12 @@ if TYPE_CHECKING:
 class WeightSender:
     def __init__(self, ctx, module: torch.nn.Module, model_info):
         self.ctx, self.module, self.info = ctx, module, model_info
-        self.group: BroadcastGroup | None = None
-        self._buffers: list[torch.Tensor] | None = None  # the two packing buffers (sender only)
+        self.path: SyncPath | None = None
+        self.engine_tp = 1
+        self.groups: dict[int, BroadcastGroup] = {}  # plan source (link index) -> its group
+        self._mine: dict[LinkKey, Link] = {}  # this rank's links, as offered
+        self._keys: list[LinkKey] = []  # every link of the sync, in plan-source order
+        self._buffers: list[torch.Tensor] | None = None  # the two packing buffers (senders only)
         names = stage_param_names(module, ctx, model_info.shape.num_layers)
         params = dict(module.named_parameters())
         by_global = {g: params[local] for local, g in names.items()}
@@ -50,30 +62,75 @@ class WeightSender:
 
     @property
     def takes_part(self) -> bool:
-        """Ranks of DP replica 0 (and CP rank 0) gather; the others sit the sync out."""
+        """Ranks of DP replica 0 (and CP rank 0) send or gather; the others sit the sync out."""
         return self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0
 
     @property
-    def is_sender(self) -> bool:
-        return self.takes_part and self.ctx.tp_rank == 0
+    def shard_wise(self) -> bool:
+        return self.path is not None and self.path.kind == "shard"
 
-    def plan(self, bucket_bytes: int) -> tuple[Bucket, ...] | None:
-        """This stage's buckets, in broadcast order (sender ranks only)."""
-        if not self.is_sender:
-            return None
+    def choose(self, engine_tp: int, requested: str) -> SyncPath:
+        return choose_path(self.info.shape, self.ctx.sizes.tp, engine_tp, requested)
+
+    # ----------------------------------------------------------------------------------- planning
+
+    def _link_pieces(self, engine_rank: int) -> Iterator[tuple[int, int, object]]:
+        """(rule index, HF tensor index, piece) this rank sends engine rank ``engine_rank``, in rule order."""
+        shape, t, r = self.info.shape, self.ctx.sizes.tp, self.ctx.tp_rank
+        for k, rule in enumerate(self.rules):
+            for i, name in enumerate(rule.hf):
+                for piece in rank_pieces(name, shape, t, r, self.engine_tp):
+                    if piece.engine_rank == engine_rank:
+                        yield k, i, piece
+
+    def offer(self, path: SyncPath, engine_tp: int, bucket_bytes: int) -> tuple[Link, ...]:
+        """This rank's links with their buckets (``source`` set by the controller): shard-wise, one per
+        engine rank it sends to; gathered, one on TP rank 0 of the stage; none elsewhere."""
+        self.path, self.engine_tp = path, engine_tp
+        if not self.takes_part:
+            return ()
+        stage, dtype = self.ctx.pp_rank, self.info.dtype
+        if self.shard_wise:
+            engine_ranks = sorted({p.engine_rank for _, _, p in self._link_pieces_all()})
+            links = []
+            for j in engine_ranks:
+                slots = [
+                    Slot(p.param, dtype_name(dtype), p.shape, 0, into=(p.dim, p.dst_start), pad=p.pad)
+                    for _, _, p in self._link_pieces(j)
+                ]
+                links.append(self._link((stage, self.ctx.tp_rank, j), plan_buckets(slots, bucket_bytes, -1)))
+            return tuple(links)
+        if self.ctx.tp_rank != 0:
+            return ()
         shapes = hf_tensor_shapes(self.info.shape)
-        dtype = self.info.dtype
         tensors = [(name, dtype, shapes[name]) for rule in self.rules for name in rule.hf]
-        return tuple(plan_buckets(tensors, bucket_bytes, source=self.ctx.pp_rank))
+        return (self._link((stage, 0, -1), plan_buckets(tensors, bucket_bytes, -1)),)
 
-    def open(self, groups: Sequence[GroupAddress], *, backend: str, timeout_s: float) -> None:
-        """Senders become rank 0 of their stage's group (blocks until every vLLM worker joined)."""
-        if self.is_sender:
-            addr = groups[self.ctx.pp_rank]
-            self.group = BroadcastGroup(addr, 0, backend=backend, timeout_s=timeout_s, device=self.ctx.device)
+    def _link_pieces_all(self):
+        return (x for j in range(self.engine_tp) for x in self._link_pieces(j))
+
+    def _link(self, key: LinkKey, buckets: list[Bucket]) -> Link:
+        link = Link(key, node_ip(), free_port(), tuple(buckets))
+        self._mine[key] = link
+        return link
+
+    def open(
+        self, groups: Sequence[GroupAddress], keys: Sequence[LinkKey], *, backend: str, timeout_s: float
+    ):
+        """Become rank 0 of each of this rank's groups, in plan order (blocks until every receiver joined)."""
+        self.close()
+        self._keys = list(keys)
+        for index, key in enumerate(keys):
+            if key in self._mine:
+                self.groups[index] = BroadcastGroup(
+                    groups[index], 0, backend=backend, timeout_s=timeout_s, device=self.ctx.device
+                )
+
+    # ------------------------------------------------------------------------------------ sending
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF (name, tensor) of this stage in plan order; a TP collective on every participating rank."""
+        """Gathered path: HF (name, tensor) of this stage in plan order; a TP collective on every
+        participating rank, tensors on TP rank 0 only."""
         tp = self.ctx.sizes.tp
         for rule, param in zip(self.rules, self.params, strict=True):
             full = param.detach()
@@ -82,22 +139,48 @@ class WeightSender:
                 shards = [torch.empty_like(full) for _ in range(tp)]
                 dist.all_gather(shards, full.contiguous(), group=self.ctx.pgs.tp)
                 full = tp_merge(shards, partition_dim=dim, gated=is_gated_fc1(rule.megatron))
-            if self.is_sender:
+            if self.ctx.tp_rank == 0:
                 yield from zip(rule.hf, to_hf(rule, full, self.info.shape), strict=True)
 
+    def shard_tensors(self, engine_rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Shard-wise: (vLLM parameter, block) this rank sends engine rank ``engine_rank``, in plan
+        order; views into this rank's own parameters, no communication."""
+        shape, t, r = self.info.shape, self.ctx.sizes.tp, self.ctx.tp_rank
+        cached: tuple[int, list[torch.Tensor]] | None = None
+        for k, i, piece in self._link_pieces(engine_rank):
+            if cached is None or cached[0] != k:
+                cached = (k, local_hf_tensors(self.rules[k], self.params[k].detach(), shape, t, r))
+            yield piece.param, piece_tensor(cached[1][i], piece)
+
     def send(self, plan: Sequence[Bucket], *, with_checksums: bool = False) -> SentBuckets | None:
-        """Broadcast this stage's buckets of ``plan``; senders report them, the other ranks return None."""
+        """Broadcast this rank's buckets of ``plan``; senders report them, the other ranks return None."""
         if not self.takes_part:
             return None
-        mine = [b for b in plan if b.source == self.ctx.pp_rank]
+        if self.shard_wise:
+            streams = {index: self.shard_tensors(self._keys[index][2]) for index in self.groups}
+            return self._broadcast(plan, streams, with_checksums)
         stream = self.hf_tensors()
-        if not self.is_sender:
+        if not self.groups:
             for _ in stream:  # TP peers: take part in the gathers only
                 pass
             return None
-        if self.group is None:
+        try:
+            return self._broadcast(plan, dict.fromkeys(self.groups, stream), with_checksums)
+        except Exception:
+            # A receiver died mid-sync: still take part in the rest of the TP gathers, so that the
+            # TP peers, which cannot know, are not left waiting in one.
+            with contextlib.suppress(Exception):
+                for _ in stream:
+                    pass
+            raise
+
+    def _broadcast(self, plan: Sequence[Bucket], streams: dict, with_checksums: bool) -> SentBuckets:
+        """Pack and broadcast the buckets of ``plan`` on this rank's groups, tensors from ``streams``
+        (by plan source), two buckets in flight."""
+        if not self.groups:
             raise RuntimeError("weight sync: send() before open()")
-        size = max((b.nbytes for b in mine), default=0)
+        mine = [(i, b) for i, b in enumerate(plan) if b.source in self.groups]
+        size = max((b.nbytes for _, b in mine), default=0)
         if self._buffers is None or self._buffers[0].numel() < size:
             self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.ctx.device) for _ in range(2)]
         buffers = [b[:size] for b in self._buffers]
@@ -106,43 +189,36 @@ class WeightSender:
             # sync); a GPU's caching allocator reuses the memory, which colocated engines may need.
             self._buffers = None
         in_flight, digests = [None, None], []
-        try:
-            for i, bucket in enumerate(mine):
-                slot = i % 2
-                if in_flight[slot] is not None:
-                    in_flight[slot].wait()  # this buffer's previous broadcast must be done before reuse
-                tensors = []
-                for expected in bucket.slots:
-                    name, tensor = next(stream)
-                    if name != expected.name:
-                        raise RuntimeError(
-                            f"weight sync plan expected {expected.name}, the model produced {name}"
-                        )
-                    tensors.append(tensor)
-                buf = pack(bucket, tensors, buffers[slot])
-                if with_checksums:
-                    digests.append(checksum(buf))
-                in_flight[slot] = self.group.broadcast(buf, root=0)
-            for work in in_flight:
-                if work is not None:
-                    work.wait()
-        except Exception:
-            # A receiver died mid-sync: still take part in the rest of the TP gathers, so that the
-            # TP peers, which cannot know, are not left waiting in one.
-            with contextlib.suppress(Exception):
-                for _ in stream:
-                    pass
-            raise
-        leftover = next(stream, None)
-        if leftover is not None:
-            raise RuntimeError(f"weight sync plan is missing {leftover[0]}")
-        return SentBuckets(self.ctx.pp_rank, tuple(digests) if with_checksums else None)
+        for n, (index, bucket) in enumerate(mine):
+            slot = n % 2
+            if in_flight[slot] is not None:
+                in_flight[slot].wait()  # this buffer's previous broadcast must be done before reuse
+            tensors = []
+            for expected in bucket.slots:
+                name, tensor = next(streams[bucket.source])
+                if name != expected.name:
+                    raise RuntimeError(
+                        f"weight sync plan expected {expected.name}, the model produced {name}"
+                    )
+                tensors.append(tensor)
+            buf = pack(bucket, tensors, buffers[slot])
+            if with_checksums:
+                digests.append((index, checksum(buf)))
+            in_flight[slot] = self.groups[bucket.source].broadcast(buf, root=0)
+        for work in in_flight:
+            if work is not None:
+                work.wait()
+        for stream in streams.values():
+            leftover = next(stream, None)
+            if leftover is not None:
+                raise RuntimeError(f"weight sync plan is missing {leftover[0]}")
+        return SentBuckets(tuple(digests) if with_checksums else None)
 
     def close(self) -> None:
         self._buffers = None
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        for group in self.groups.values():
+            group.close()
+        self.groups = {}
 
 
 class WeightSyncEndpoints:
@@ -167,20 +243,22 @@ class WeightSyncEndpoints:
             self.sender = WeightSender(*self.weight_source())
         return self.sender
 
-    def weight_sync_address(self) -> tuple[str, int] | None:
-        """(host, free port) on this stage's sender rank, where its broadcast group will listen."""
-        return (node_ip(), free_port()) if self._sender().is_sender else None
+    def weight_sync_path(self, engine_tp: int, requested: str) -> SyncPath:
+        """The path for this model and these TP sizes (``shards.choose_path``, from this rank's shape)."""
+        return self._sender().choose(engine_tp, requested)
 
-    def weight_sync_plan(self, bucket_bytes: int) -> tuple[Bucket, ...] | None:
-        """This stage's buckets of at most ``bucket_bytes`` (on its sender rank; None elsewhere)."""
-        return self._sender().plan(bucket_bytes)
+    def weight_sync_offer(self, path: SyncPath, engine_tp: int, bucket_bytes: int) -> tuple[Link, ...]:
+        """This rank's links (where each group will listen, and its buckets of <= ``bucket_bytes``)."""
+        return self._sender().offer(path, engine_tp, bucket_bytes)
 
-    def open_weight_sync(self, groups: Sequence[GroupAddress], backend: str, timeout_s: float) -> None:
-        """Join the broadcast groups, one per stage (``groups[stage]``); senders host theirs."""
-        self._sender().open(groups, backend=backend, timeout_s=timeout_s)
+    def open_weight_sync(
+        self, groups: Sequence[GroupAddress], keys: Sequence[LinkKey], backend: str, timeout_s: float
+    ) -> None:
+        """Host this rank's broadcast groups (``groups[i]`` is link ``keys[i]``)."""
+        self._sender().open(groups, keys, backend=backend, timeout_s=timeout_s)
 
     def send_weights(self, plan: Sequence[Bucket], with_checksums: bool = False) -> SentBuckets | None:
-        """Collective: every rank calls it; stage senders broadcast, TP peers help gather."""
+        """Collective: every rank calls it; senders broadcast, TP peers of the gathered path help gather."""
         return self._sender().send(plan, with_checksums=with_checksums)
 
     def close_weight_sync(self) -> None:

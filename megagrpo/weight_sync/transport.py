@@ -1,8 +1,10 @@
 """Standalone broadcast groups between trainer senders and vLLM workers (gloo on CPU, NCCL on GPU).
 
-These groups live outside both jobs' default process groups: trainer rank ``s`` (the sender of
-pipeline stage ``s``) hosts a TCPStore and is rank 0 of group ``s``; every vLLM worker joins every
-group. Each group has its own timeout, so a dead peer turns into an exception, not a hang.
+These groups live outside both jobs' default process groups: the sending trainer rank hosts a
+TCPStore and is rank 0 of its group. On the gathered path there is one group per pipeline stage and
+every vLLM worker joins every group; on the shard-wise path one group per link (stage, trainer TP
+rank, engine TP rank: ``weight_sync.shards``), joined by that engine rank's worker of every engine.
+Each group has its own timeout, so a dead peer turns into an exception, not a hang.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.compat.torch_store import bound_tcp_store
+from megagrpo.weight_sync.buckets import Bucket
+
+LinkKey = tuple[int, int, int]
+"""(pipeline stage, trainer TP rank, engine TP rank or -1 for every worker of every engine)."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,22 @@ class GroupAddress:
     port: int
     world_size: int
     """1 sender + every receiving vLLM worker."""
+    engine_rank: int | None = None
+    """Shard-wise: the engine TP rank whose workers join (one per engine, at rank 1 + engine index);
+    None: every worker of every engine joins."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A sending trainer rank's broadcast group, as the rank offers it when the sync is set up."""
+
+    key: LinkKey
+    """Which stage and ranks it connects; the controller numbers the links in key order."""
+    address: str
+    """Where the sender's store will listen."""
+    port: int
+    buckets: tuple[Bucket, ...]
+    """Its buckets in send order (``source`` not yet set: the controller sets it to the link's number)."""
 
 
 class BroadcastGroup:

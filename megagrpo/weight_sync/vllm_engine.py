@@ -7,8 +7,13 @@ worker process). vLLM creates it at model load when the LLM is built with
 worker methods ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update`` (``LLM.collective_rpc``).
 
-Receiving overlaps loading: the broadcast of bucket k+1 is posted before bucket k is handed to
-``model.load_weights``.
+Each worker joins the groups of its engine TP rank (all of them on the gathered path) and receives
+the plan's buckets of those groups. Receiving overlaps loading: the broadcast of bucket k+1 is
+posted before bucket k is loaded. Gathered buckets hold whole HF tensors and go through
+``model.load_weights`` (vLLM's loaders cut out the worker's shard); shard-wise buckets hold blocks of
+this worker's own parameters, copied in place at their offset (:func:`load_block`), inside vLLM's
+layerwise reload like any other load, so vLLM re-processes each layer (on CPU: repacks its GEMM
+weights) once all of it has arrived.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megagrpo.weight_sync.buckets import Bucket, checksum, unpack
+from megagrpo.weight_sync.buckets import Bucket, Slot, checksum, unpack
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
 
 
@@ -31,9 +36,9 @@ from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
 @dataclass
 class MegagrpoInitInfo(WeightTransferInitInfo):
     groups: list[GroupAddress]
-    """One broadcast group per sender (pipeline stage), indexed by ``Bucket.source``."""
-    rank_offset: int
-    """This engine's first rank in every group (1 + engine index x workers per engine)."""
+    """One broadcast group per link, indexed by ``Bucket.source``."""
+    engine_index: int
+    """This engine's place among the sync's engines: its workers' ranks in the groups follow from it."""
     backend: str = "gloo"
     timeout_s: float = 120.0
 
@@ -52,35 +57,45 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.groups: list[BroadcastGroup] = []
-        self.last_digests: list[str] = []
+        self.groups: dict[int, BroadcastGroup] = {}  # plan source -> group, the groups this worker is in
+        self.last_digests: dict[int, str] = {}  # plan index -> digest of the buckets it received
+        self.received_bytes = 0  # bucket bytes this worker received in the last sync
+        self._loaders: dict[int, tuple[torch.Tensor, dict]] = {}  # parameters given _copy_block, by id
         self._kept: list[torch.Tensor] = []  # receive buffers kept between syncs (CPU)
 
     def init_transfer_engine(self, init_info: MegagrpoInitInfo) -> None:
         self.shutdown()
         par = self.parallel_config
-        rank = init_info.rank_offset + par.data_parallel_index * par.world_size + par.rank
-        self.groups = [
-            BroadcastGroup(
-                address,
-                rank,
-                backend=init_info.backend,
-                timeout_s=init_info.timeout_s,
-                device=self.device,
+        for index, address in enumerate(init_info.groups):  # in plan-source order, as the senders open them
+            if address.engine_rank is None:  # gathered: every worker of every engine
+                rank = 1 + init_info.engine_index * par.world_size + par.rank
+            elif address.engine_rank == par.rank:  # shard-wise: this engine rank's worker of every engine
+                rank = 1 + init_info.engine_index
+            else:
+                continue
+            self.groups[index] = BroadcastGroup(
+                address, rank, backend=init_info.backend, timeout_s=init_info.timeout_s, device=self.device
             )
-            for address in init_info.groups
-        ]
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._give_back_loaders()  # after a sync that failed half-way
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        self._give_back_loaders()
         self._retie_embeddings()
+
+    def _give_back_loaders(self) -> None:
+        """The reload registers the very meta tensors it recorded at model load: give them back the
+        loaders they had before :func:`load_block`, or a later gathered sync would find _copy_block."""
+        for param, loader in self._loaders.values():
+            _set_loader(param, loader)
+        self._loaders = {}
 
     def _retie_embeddings(self) -> None:
         """Tied input/output embeddings: the output layer receives no weights of its own (HF
@@ -103,7 +118,9 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
     def receive_weights(self, update_info: MegagrpoUpdateInfo) -> None:
         if not self.groups:
             raise RuntimeError("megagrpo weight transfer: init_weight_transfer_engine was not called")
-        buckets = update_info.buckets
+        buckets = [b for b in update_info.buckets if b.source in self.groups]
+        indices = [i for i, b in enumerate(update_info.buckets) if b.source in self.groups]
+        self.received_bytes = sum(b.nbytes for b in buckets)
         if not buckets:
             return
 
@@ -121,7 +138,7 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         def post(i: int):
             return buffers[i], self.groups[buckets[i].source].broadcast(buffers[i], root=0)
 
-        self.last_digests = []
+        self.last_digests = {}
         pending = post(0)
         for i, bucket in enumerate(buckets):
             buf, work = pending
@@ -129,11 +146,71 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
             if i + 1 < len(buckets):
                 pending = post(i + 1)
             if update_info.checksums:
-                self.last_digests.append(checksum(buf))
-            self.model.load_weights(list(unpack(bucket, buf)))
+                self.last_digests[indices[i]] = checksum(buf)
+            if bucket.slots[0].into is None:
+                self.model.load_weights(list(unpack(bucket, buf)))
+            else:
+                for slot, (_, block) in zip(bucket.slots, unpack(bucket, buf), strict=True):
+                    load_block(self.model, slot, block, self._loaders)
 
     def shutdown(self) -> None:
         self._kept = []
-        for group in self.groups:
+        for group in self.groups.values():
             group.close()
-        self.groups = []
+        self.groups = {}
+
+
+def _copy_block(param: torch.Tensor, loaded_weight: torch.Tensor, dim: int, start: int, pad: bool) -> None:
+    """A weight loader for a block of this rank's own shard: no TP slicing, only the offset."""
+    size = loaded_weight.shape[dim]
+    param.data.narrow(dim, start, size).copy_(loaded_weight)
+    if pad:  # vLLM's vocabulary padding rows, zeroed as its own embedding loader does
+        end = start + size
+        param.data.narrow(dim, end, param.shape[dim] - end).zero_()
+
+
+_LOADER_ATTRS = ("weight_loader", "_weight_loader")  # plain parameters; vLLM's BasevLLMParameter
+
+
+def _get_loader(param: torch.Tensor) -> dict:
+    return {k: param.__dict__[k] for k in _LOADER_ATTRS if k in param.__dict__}
+
+
+def _set_loader(param: torch.Tensor, loader: dict) -> None:
+    for k in _LOADER_ATTRS:
+        if k in loader:
+            param.__dict__[k] = loader[k]
+        else:
+            param.__dict__.pop(k, None)
+
+
+def load_block(model: torch.nn.Module, slot: Slot, block: torch.Tensor, touched: dict) -> None:
+    """Load ``block`` (a shard-wise slot) into its parameter, during a layerwise reload.
+
+    vLLM's layerwise reload (``initialize_layerwise_reload``) gives every parameter a loader that
+    records the call and replays it once the layer's elements have all been loaded; the loader it
+    replays is the one the parameter had. Giving the parameter :func:`_copy_block` first and then the
+    reload's wrapper (``make_online_process_loader``, as the reload does for vLLM's own loaders) puts
+    the block through the same bookkeeping. ``touched`` collects the parameters and the loaders they
+    had, for the engine to give back once the reload is finalized.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import make_online_process_loader
+
+    module_name, _, attr = slot.name.rpartition(".")
+    try:
+        layer = model.get_submodule(module_name)
+        param = getattr(layer, attr)
+    except AttributeError as err:
+        raise RuntimeError(f"shard-wise weight sync: vLLM's model has no parameter {slot.name}") from err
+    dim, start = slot.into
+    want = list(param.shape)
+    want[dim] = block.shape[dim]
+    if list(block.shape) != want or start + block.shape[dim] > param.shape[dim]:
+        raise RuntimeError(
+            f"shard-wise weight sync: block {list(block.shape)} at {start} along dim {dim} does not fit "
+            f"{slot.name} {list(param.shape)} of this vLLM worker"
+        )
+    touched.setdefault(id(param), (param, _get_loader(param)))
+    param.weight_loader = _copy_block
+    param.weight_loader = make_online_process_loader(layer, attr)
+    param.weight_loader(param, block, dim, start, slot.pad)

@@ -46,7 +46,7 @@ def _damage_on_arrival(worker, bucket: int) -> None:
     posted = itertools.count()
 
     def restore() -> None:
-        for group in groups:
+        for group in groups.values():
             group.__dict__.pop("broadcast", None)
 
     def wrap(plain):
@@ -59,5 +59,5 @@ def _damage_on_arrival(worker, bucket: int) -> None:
 
         return broadcast
 
-    for group in groups:
+    for group in groups.values():
         group.broadcast = wrap(group.broadcast)

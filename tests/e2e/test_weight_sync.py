@@ -15,6 +15,7 @@ import torch
 from hf_models import make_tiny_hf
 from policy_cases import policy_batch, policy_config
 
+from megagrpo.models.mapping import hf_tensor_shapes
 from megagrpo.policy.worker import PolicyWorker
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +32,7 @@ def stack(tmp_path_factory):
 
     hf_dir = str(make_tiny_hf("qwen2", tmp_path_factory.mktemp("sync") / "qwen2", hidden_size=128))
     cfg = policy_config(hf_dir, extra=["generation.num_engines=2", "generation.sync_timeout_s=30"])
-    start_ray(cfg.cluster, num_cpus=4)
+    start_ray(cfg.cluster, num_cpus=6)  # 2 engines, a TP-2 engine, up to 2 trainer ranks
     engines = start_engines(cfg, hf_dir, engine_cls=DamagingGenerationWorker)
     yield hf_dir, engines
     ray.shutdown()
@@ -68,19 +69,24 @@ def test_engines_match_trainer_after_real_updates(layout, stack):
     from megagrpo.weight_sync.sync import WeightSync
 
     hf_dir, engines = stack
-    sizes = {k: v for k, v in layout.items() if k != "layers"}
+    sizes = {k: v for k, v in layout.items() if k in ("tp", "pp")}
     # Small buckets: several per stage, so double buffering and bucket order are exercised. The torch
-    # layers (SDPA, packed micro-batches) send the same names and are probed the same way.
+    # layers (SDPA, packed micro-batches) send the same names and are probed the same way. Engine
+    # TP 1: shard-wise (trainer TP 2: both trainer ranks send; the gathered path is tested at engine
+    # TP 2, in test_engine_with_tensor_parallel_workers).
+    path = layout.get("path", "auto")
     extra = [
         "generation.sync_timeout_s=60",
         "generation.sync_bucket_mb=0.25",
         f"parallel.transformer_impl={layout.get('layers', 'local')}",
+        f"generation.weight_sync_path={path}",
     ]
     cfg = policy_config(hf_dir, **sizes, extra=extra)
     group = RankGroup(cfg, PolicyWorker, timeout_s=300)
     try:
         for targets in (engines[:1], engines):
             sync = WeightSync(cfg, group, targets, vocab_size=300)
+            assert sync.path.kind == ("gathered" if path == "gathered" else "shard")
             batch = policy_batch(seed=len(targets))
             metrics = group.call_first(
                 PolicyWorker.train, batch.replace(old_logprobs=group.call_first(PolicyWorker.logprobs, batch))
@@ -162,34 +168,60 @@ def test_seeded_rollouts_longer_than_one_scheduler_step(stack):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
 
 
+def _model_rules(hf_dir: str):
+    from megagrpo.models.registry import load_hf_config, shape_from_hf_config
+
+    arch, shape = shape_from_hf_config(load_hf_config(hf_dir))
+    return shape, [r for r in arch.rules(shape) if r.export]
+
+
 def test_engine_with_tensor_parallel_workers(stack):
-    """An engine with two TP workers (vLLM worker processes): both join the broadcast groups through
-    the plugin, and the sharded engine then scores and samples exactly like the trainer."""
+    """An engine with two TP workers (vLLM worker processes) fed by trainers of TP 2 (shard-wise: each
+    trainer rank feeds one worker; and gathered), and of PP 2 (shard-wise: each stage's rank feeds
+    both workers): the workers join their groups through the plugin, each receives exactly its shard
+    (shard-wise) or the whole model (gathered), and after a real optimizer step the engine scores and
+    samples exactly like the trainer."""
     from megagrpo.cluster import RankGroup, start_engines
+    from megagrpo.weight_sync.shards import shard_bytes
     from megagrpo.weight_sync.sync import WeightSync
 
     hf_dir, _ = stack
-    cfg = policy_config(
-        hf_dir,
-        extra=[
-            "generation.num_engines=1",
-            "generation.engine_tensor_parallel_size=2",
-            "generation.sync_timeout_s=60",
-            "generation.sync_bucket_mb=0.25",
-        ],
-    )
-    (engine,) = start_engines(cfg, hf_dir)
-    group = RankGroup(cfg, PolicyWorker, timeout_s=300)
+    shape, rules = _model_rules(hf_dir)
+    engine_cfg = [
+        "generation.num_engines=1",
+        "generation.engine_tensor_parallel_size=2",
+        "generation.sync_timeout_s=60",
+        "generation.sync_bucket_mb=0.25",
+    ]
+    (engine,) = start_engines(policy_config(hf_dir, extra=engine_cfg), hf_dir)
     try:
-        sync = WeightSync(cfg, group, [engine], vocab_size=300)
-        batch = policy_batch(seed=7)
-        group.call_first(
-            PolicyWorker.train, batch.replace(old_logprobs=group.call_first(PolicyWorker.logprobs, batch))
-        )
-        sync.sync(with_checksums=True)
-        probe = sync.probe()
-        assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4
-        assert _sampled_logprob_error(sync, group, [engine], cfg) <= 1.001
+        for tp, pp, path in ((2, 1, "auto"), (2, 1, "gathered"), (1, 2, "auto")):
+            cfg = policy_config(
+                hf_dir, tp=tp, pp=pp, extra=[*engine_cfg, f"generation.weight_sync_path={path}"]
+            )
+            group = RankGroup(cfg, PolicyWorker, timeout_s=300)
+            try:
+                sync = WeightSync(cfg, group, [engine], vocab_size=300)
+                batch = policy_batch(seed=7 + tp)
+                metrics = group.call_first(
+                    PolicyWorker.train,
+                    batch.replace(old_logprobs=group.call_first(PolicyWorker.logprobs, batch)),
+                )
+                assert metrics[0].update_applied == 1.0
+                sync.sync(with_checksums=True)
+                received = ray.get(engine.received_bytes.remote())
+                itemsize = torch.empty(0, dtype=getattr(torch, sync.plan[0].slots[0].dtype)).element_size()
+                whole = itemsize * sum(math.prod(s) for s in hf_tensor_shapes(shape).values())
+                if path == "gathered":
+                    assert sync.path.kind == "gathered" and received == [whole, whole]
+                else:
+                    assert sync.path.kind == "shard"
+                    assert received == shard_bytes(shape, rules, tp, 2, itemsize)[1] == sync.worker_bytes
+                    assert all(r < 0.55 * whole for r in received)  # half the model, plus the norms
+                probe = sync.probe()
+                assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4
+                assert _sampled_logprob_error(sync, group, [engine], cfg) <= 1.001
+            finally:
+                group.shutdown()
     finally:
-        group.shutdown()
         ray.kill(engine)

@@ -9,6 +9,12 @@ from megagrpo.cli import main, run
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture(autouse=True)
+def _in_a_temporary_directory(tmp_path, monkeypatch):
+    """Default output paths (``runs/<name>/checkpoints``) are relative: not this checkout's ``runs/``."""
+    monkeypatch.chdir(tmp_path)
+
+
 def test_help_lists_every_subcommand(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
@@ -115,8 +121,7 @@ def test_the_program_entry_point_exits_with_the_command_status(capsys, tmp_path)
     assert "no config.json" in capsys.readouterr().err
 
 
-def test_dpo_reports_a_layout_it_cannot_run_before_starting(capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the default checkpoint.dir is relative: not this checkout's runs/
+def test_dpo_reports_a_layout_it_cannot_run_before_starting(capsys, tmp_path):
     argv = ["dpo", f"logging.dir={tmp_path}", "policy.micro_batch_max_tokens=300"]
     assert main(argv) == 1
     err = capsys.readouterr().err

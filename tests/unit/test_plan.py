@@ -121,8 +121,21 @@ def test_llama_3_70b_on_128_nodes_of_8_gpus_fits(tmp_path):
     assert 68e9 < plan.params < 72e9
     assert [r.stage for r in plan.ranks] == [0, 1, 2, 3]
     assert all(0 < r.total < 80 * GIB for r in plan.ranks)
-    assert plan.sync["senders"] == 4 and plan.sync["receivers"] == 512
+    # TP 8 trainer, TP 8 engines, 8 KV heads: shard-wise, every TP rank of each stage sends its shard
+    assert plan.sync["path"] == "shard" and plan.sync["senders"] == 32 and plan.sync["receivers"] == 512
     assert plan.sync["est_seconds"] > 0
+    gathered = plan_of(
+        [*LLAMA_70B_ON_1024, f"model.hf_dir={model}", "generation.weight_sync_path=gathered"],
+        gpu_memory_gib=80,
+    ).sync
+    assert gathered["path"] == "gathered" and gathered["senders"] == 4
+    # gathered: every worker receives the whole bf16 model; shard-wise an eighth of it (plus the norms)
+    assert 2 * 68e9 < gathered["bytes_per_worker"] == gathered["total_bytes"] < 2 * 72e9
+    assert (
+        gathered["bytes_per_worker"] / 8 <= plan.sync["bytes_per_worker"] < gathered["bytes_per_worker"] / 7.9
+    )
+    assert plan.sync["total_bytes"] >= gathered["total_bytes"]
+    assert plan.sync["est_seconds"] < gathered["est_seconds"] / 4
 
 
 def test_an_infeasible_layout_names_the_stage_and_the_overflow(tmp_path):

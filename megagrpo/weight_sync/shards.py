@@ -1,0 +1,280 @@
+"""Shard-wise weight sync: which trainer TP rank sends which block of which vLLM parameter.
+
+Pure functions of the model shape and the two TP sizes (``t`` trainer, ``e`` engine), shared by the
+trainer's senders, ``megagrpo plan`` and the tests.
+
+:func:`choose_path` is the one place that picks the path. ``shard`` when ``t`` and ``e`` divide one
+another and vLLM splits every tensor without replicating any of it (query groups divisible by ``e``:
+with fewer KV heads than engine ranks vLLM copies KV heads onto several ranks); otherwise, or when
+``generation.weight_sync_path`` is ``gathered``, today's gathered path (all-gather over trainer TP,
+TP rank 0 of each stage broadcasts whole HF tensors, every vLLM worker cuts out its shard).
+
+The two layouts, per TP rank, of an HF tensor split along ``dim`` into equal parts (rows for the
+column-parallel q/k/v, gate/up and vocabulary tensors; columns for the row-parallel o_proj and
+down_proj; norms are whole on every rank):
+
+- Megatron (trainer rank ``r`` of ``t``): part ``r`` of ``t``, inside its own parameter layout:
+  ``linear_qkv`` interleaved per query group (``[q heads of group g, k_g, v_g]`` for the rank's
+  groups), ``linear_fc1`` = ``[gate_r; up_r]``, the vocabulary padded to a multiple of 128
+  (``models.shape.padded_vocab_size``) and split in ``padded / t`` rows.
+- vLLM 0.32 (engine rank ``j`` of ``e``; its Qwen2 / Llama / Qwen3 models): part ``j`` of ``e``,
+  placed as a block of a fused per-rank parameter: ``qkv_proj`` = ``[q_j; k_j; v_j]`` (heads, then
+  KV heads, then KV heads: concatenated, not interleaved), ``gate_up_proj`` = ``[gate_j; up_j]``,
+  ``embed_tokens`` / ``lm_head`` = rows ``[j P/e, (j + 1) P/e)`` of the vocabulary padded to a
+  multiple of :data:`VLLM_VOCAB_PADDING` (``P``; rows past the real vocabulary are zero).
+
+A trainer rank's share of an HF tensor (its Megatron shard turned into HF layout by
+:func:`local_hf_tensors`: no gather) and an engine rank's share are intervals along ``dim``; every
+non-empty intersection is a :class:`Piece`: a block the trainer rank sends and the engine rank
+copies into its parameter at ``dst_start``. A whole (replicated) tensor goes to engine rank ``j``
+from trainer rank ``j * t // e``. Each (trainer rank, engine rank) pair with pieces is a *link*:
+one broadcast group per link and pipeline stage, holding that trainer rank and engine rank ``j`` of
+every engine. So every vLLM worker receives exactly the bytes of its own shard (plus the norms).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from megagrpo.models.mapping import Rule, hf_tensor_shapes, to_hf
+from megagrpo.models.shape import GPTShape, padded_vocab_size
+
+VLLM_VOCAB_PADDING = 64
+"""vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: its embedding and LM head pad the vocabulary to a multiple of it
+(a unit test checks it against the installed vLLM)."""
+
+PathKind = Literal["shard", "gathered"]
+
+
+@dataclass(frozen=True)
+class SyncPath:
+    """Which weight-sync path a layout takes, and why (logged when the sync is set up)."""
+
+    kind: PathKind
+    """``shard``: each trainer TP rank sends its own shards; ``gathered``: all-gather, a sender per stage."""
+    reason: str
+    """One sentence naming the sizes that decided it."""
+
+
+def vllm_padded_vocab(vocab_size: int) -> int:
+    return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+
+
+def choose_path(shape: GPTShape, trainer_tp: int, engine_tp: int, requested: str = "auto") -> SyncPath:
+    """The weight-sync path for a model of ``shape`` with these TP sizes (``requested``: ``auto`` or
+    ``gathered``, the config's ``generation.weight_sync_path``)."""
+    t, e = trainer_tp, engine_tp
+    heads, groups, ffn = shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size
+    if requested == "gathered":
+        return SyncPath("gathered", "generation.weight_sync_path is 'gathered'")
+    if requested != "auto":
+        raise ValueError(f"generation.weight_sync_path must be 'auto' or 'gathered', got {requested!r}")
+    if t % e and e % t:
+        return SyncPath(
+            "gathered", f"trainer TP {t} and engine TP {e} do not divide one another: shards do not nest"
+        )
+    if groups % e:
+        return SyncPath(
+            "gathered",
+            f"{groups} query groups do not split over engine TP {e}: vLLM replicates KV heads across ranks",
+        )
+    if heads % e or ffn % e or shape.hidden_size % e:
+        return SyncPath(
+            "gathered",
+            f"{heads} heads / FFN {ffn} / hidden {shape.hidden_size} do not split over engine TP {e}",
+        )
+    per_engine_rank = vllm_padded_vocab(shape.vocab_size) // e
+    if shape.vocab_size <= (e - 1) * per_engine_rank:
+        return SyncPath(
+            "gathered",
+            f"vocabulary {shape.vocab_size} leaves engine rank {e - 1} without real rows at TP {e}",
+        )
+    return SyncPath(
+        "shard",
+        f"trainer TP {t} and engine TP {e} divide one another and {groups} query groups split over both: "
+        "each trainer TP rank sends its own shards, no all-gather",
+    )
+
+
+# ------------------------------------------------------------------------------------ vLLM layout
+
+_FUSED = re.compile(r"^(.*\.)(?:self_attn\.([qkv])_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
+_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an HF tensor lives in vLLM's per-rank parameters."""
+
+    param: str
+    """The vLLM parameter (``...qkv_proj.weight`` for q/k/v, ``...gate_up_proj.weight`` for gate/up)."""
+    dim: int
+    """The dim TP splits (0 rows, 1 columns); -1: the whole tensor on every rank."""
+    block: int
+    """Index of this tensor's block in the fused per-rank parameter (q, k, v: 0, 1, 2; gate, up: 0, 1)."""
+
+
+def vllm_placement(hf_name: str) -> Placement:
+    match = _FUSED.match(hf_name)
+    if match:
+        prefix, qkv, gate_up, kind = match.groups()
+        if qkv:
+            return Placement(f"{prefix}self_attn.qkv_proj.{kind}", 0, "qkv".index(qkv))
+        return Placement(f"{prefix}mlp.gate_up_proj.{kind}", 0, ("gate", "up").index(gate_up))
+    if hf_name.endswith(_ROW_PARALLEL):
+        return Placement(hf_name, 1, 0)
+    if hf_name in _VOCAB:
+        return Placement(hf_name, 0, 0)
+    return Placement(hf_name, -1, 0)
+
+
+def _block_offset(hf_name: str, placement: Placement, shape: GPTShape, engine_tp: int) -> int:
+    """Start of the tensor's block along ``dim`` in an engine rank's fused parameter."""
+    if placement.block == 0:
+        return 0
+    if ".self_attn." in hf_name:  # k after q, v after q and k
+        q_rows = shape.num_attention_heads * shape.head_dim // engine_tp
+        kv_rows = shape.num_query_groups * shape.head_dim // engine_tp
+        return q_rows + (placement.block - 1) * kv_rows
+    return shape.ffn_hidden_size // engine_tp  # up after gate
+
+
+def _share(length: int, parts: int, index: int) -> tuple[int, int]:
+    """Part ``index`` of ``parts`` equal parts of ``[0, length)``."""
+    per = length // parts
+    return index * per, (index + 1) * per
+
+
+def _vocab_share(vocab: int, padded: int, parts: int, index: int) -> tuple[int, int]:
+    """Part ``index`` of ``parts`` of ``padded`` vocabulary rows, clipped to the ``vocab`` real ones."""
+    per = padded // parts
+    return index * per, min((index + 1) * per, vocab)
+
+
+# ------------------------------------------------------------------------------------------ pieces
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_shapes(shape: GPTShape) -> dict[str, tuple[int, ...]]:
+    return hf_tensor_shapes(shape)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A block of one HF tensor that a trainer TP rank sends to one engine TP rank."""
+
+    hf: str
+    """The HF tensor it is part of."""
+    engine_rank: int
+    """The engine TP rank that holds it (of every engine)."""
+    param: str
+    """The vLLM parameter it is copied into."""
+    dim: int
+    """The dim it is a block along (0 for a whole tensor)."""
+    src_start: int
+    """Start along ``dim`` in the trainer rank's share of the HF tensor (:func:`local_hf_tensors`)."""
+    dst_start: int
+    """Start along ``dim`` in the engine rank's parameter."""
+    length: int
+    """Its extent along ``dim``."""
+    shape: tuple[int, ...]
+    """The block's shape."""
+    pad: bool = False
+    """The engine rank's last real vocabulary rows: the parameter's rows after them are zeroed (padding)."""
+
+
+def rank_pieces(
+    hf_name: str, shape: GPTShape, trainer_tp: int, trainer_rank: int, engine_tp: int
+) -> list[Piece]:
+    """What trainer rank ``trainer_rank`` sends of HF tensor ``hf_name``, by engine rank."""
+    t, r, e, V = trainer_tp, trainer_rank, engine_tp, shape.vocab_size
+    full = _hf_shapes(shape)[hf_name]
+    place = vllm_placement(hf_name)
+    if place.dim < 0:
+        return [Piece(hf_name, j, place.param, 0, 0, 0, full[0], full) for j in range(e) if j * t // e == r]
+    dim, vocab = place.dim, hf_name in _VOCAB
+    offset = _block_offset(hf_name, place, shape, e)
+    if vocab:
+        src_lo, src_hi = _vocab_share(V, padded_vocab_size(V, t), t, r)
+    else:
+        src_lo, src_hi = _share(full[dim], t, r)
+    pieces = []
+    for j in range(e):
+        if vocab:
+            dst_lo, dst_hi = _vocab_share(V, vllm_padded_vocab(V), e, j)
+        else:
+            dst_lo, dst_hi = _share(full[dim], e, j)
+        lo, hi = max(src_lo, dst_lo), min(src_hi, dst_hi)
+        if lo >= hi:
+            continue
+        block = list(full)
+        block[dim] = hi - lo
+        pad = vocab and hi == dst_hi and hi - dst_lo < vllm_padded_vocab(V) // e
+        pieces.append(
+            Piece(hf_name, j, place.param, dim, lo - src_lo, offset + lo - dst_lo, hi - lo, tuple(block), pad)
+        )
+    return pieces
+
+
+def stage_links(rules: list[Rule], shape: GPTShape, trainer_tp: int, engine_tp: int) -> list[tuple[int, int]]:
+    """Every (trainer rank, engine rank) pair that has pieces of these rules (a pipeline stage's), sorted."""
+    return sorted(
+        {
+            (r, p.engine_rank)
+            for rule in rules
+            for name in rule.hf
+            for r in range(trainer_tp)
+            for p in rank_pieces(name, shape, trainer_tp, r, engine_tp)
+        }
+    )
+
+
+def local_hf_tensors(rule: Rule, local: torch.Tensor, shape: GPTShape, trainer_tp: int, trainer_rank: int):
+    """This trainer rank's share of each HF tensor of ``rule`` (``rule.hf`` order), from its Megatron shard
+    ``local`` of the rule's parameter: the inverse of the map's transform, applied to one shard."""
+    t = trainer_tp
+    if rule.transform == "copy":
+        return [local]
+    if rule.transform == "gated":
+        return list(local.chunk(2, dim=0))
+    if rule.transform == "qkv":
+        # A rank's shard of linear_qkv is whole query groups: the same de-interleave with the rank's
+        # heads and groups (the head width stays the model's).
+        per_rank = replace(
+            shape,
+            num_attention_heads=shape.num_attention_heads // t,
+            num_query_groups=shape.num_query_groups // t,
+            kv_channels=shape.head_dim,
+        )
+        return to_hf(rule, local, per_rank)
+    if rule.transform == "vocab":
+        V = shape.vocab_size
+        lo, hi = _vocab_share(V, padded_vocab_size(V, t), t, trainer_rank)
+        return [local[: max(0, hi - lo)]]
+    raise AssertionError(f"unknown transform {rule.transform}")
+
+
+def piece_tensor(local_hf: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The block ``piece`` of the trainer rank's share ``local_hf`` of its HF tensor (a view)."""
+    return local_hf.narrow(piece.dim, piece.src_start, piece.length)
+
+
+def shard_bytes(shape: GPTShape, rules: list[Rule], trainer_tp: int, engine_tp: int, itemsize: int):
+    """(bytes each trainer rank sends, bytes each engine rank receives) for these rules, shard-wise."""
+    sent, received = [0] * trainer_tp, [0] * engine_tp
+    for rule in rules:
+        for name in rule.hf:
+            for r in range(trainer_tp):
+                for p in rank_pieces(name, shape, trainer_tp, r, engine_tp):
+                    n = itemsize
+                    for d in p.shape:
+                        n *= d
+                    sent[r] += n
+                    received[p.engine_rank] += n
+    return sent, received

@@ -1,0 +1,98 @@
+"""Generation overlapped with training (``grpo.max_staleness: 1``) on the real stack (tiny config:
+TP=2 Megatron over gloo, one vLLM CPU engine):
+- after the first step every trained rollout is exactly one policy version old, the probe passes
+  after every sync, and a run stopped by Ctrl-C and resumed (the rollouts generated ahead are saved
+  with its checkpoint) logs the same next steps as the run that went straight through;
+- an engine killed while it generates ahead of a training step ends the run with a clear error and
+  a checkpoint of what was trained.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from _grpo_runs import DETERMINISTIC, metrics, reuse_warmup, run_overrides
+from test_faults import EngineKiller
+
+from megagrpo.config import load_config
+
+pytestmark = pytest.mark.e2e
+
+
+def _overlapped(root, name, ckpt, steps=4, extra=()):
+    return load_config(
+        None, run_overrides(root, name, ckpt, steps=steps, extra=["grpo.max_staleness=1", *extra])
+    )
+
+
+def test_one_step_off_policy_versions_and_resume(undisturbed, tmp_path, capsys):
+    from megagrpo.driver import train
+
+    root = undisturbed.root
+    reuse_warmup(root, "overlap")
+    want = metrics(train(_overlapped(root, "overlap", tmp_path / "ckpt_a")))
+    assert sorted(want) == [0, 1, 2, 3, 4]
+    assert want[1]["staleness/max"] == 0 and want[1]["staleness/generator_version"] == 0
+    for step in (2, 3, 4):
+        assert want[step]["staleness/mean"] == want[step]["staleness/max"] == 1
+        assert want[step]["staleness/generator_version"] == step - 2
+        assert want[step]["staleness/off_policy_token_frac"] == 1.0
+    for step in (1, 2, 3, 4):  # k = 1 syncs after every step
+        assert 1.0 <= want[step]["sync/probe_error"] <= 1.001
+    assert all(want[step]["timing/generation_ahead_s"] > 0 for step in (1, 2, 3))  # none after the last
+    # Step 1 trains the same rollouts as the sequential loop (generated from the same weights).
+    assert want[1]["reward/mean"] == undisturbed.metrics[1]["reward/mean"]
+
+    # Ctrl-C once step 2 is logged: the step running then finishes, a checkpoint with the rollouts
+    # generated ahead is saved, and --resume continues exactly as the run that was not stopped.
+    reuse_warmup(root, "overlap_resumed")
+    cfg = _overlapped(root, "overlap_resumed", tmp_path / "ckpt_b")
+    interrupt = threading.Thread(
+        target=_interrupt_once_logged, args=(root / "runs" / "overlap_resumed" / "metrics.jsonl", 2)
+    )
+    interrupt.start()
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    interrupt.join()
+    stopped = max(metrics(root / "runs" / "overlap_resumed"))
+    assert stopped < 4
+    capsys.readouterr()
+    got = metrics(train(cfg, resume=True))
+    assert f"with the rollouts of step {stopped + 1} generated ahead" in capsys.readouterr().out
+    for step in range(stopped + 1, 5):
+        for key in (*DETERMINISTIC, "staleness/generator_version"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+def _interrupt_once_logged(path, step: int) -> None:
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.is_file() else []
+        if any(line.startswith(f'{{"step": {step},') for line in lines):
+            os.kill(os.getpid(), signal.SIGINT)  # the driver's handler runs in the main thread
+            return
+        time.sleep(0.05)
+
+
+def test_engine_killed_while_generating_ahead_stops_the_run(undisturbed, tmp_path):
+    from megagrpo.ckpt import run as ckpt_io
+    from megagrpo.cluster import EngineFailure
+    from megagrpo.driver import train
+
+    root = undisturbed.root
+    reuse_warmup(root, "overlap_killed")
+    killer = EngineKiller(root / "runs" / "overlap_killed" / "metrics.jsonl", after_step=1)
+    killer.start()
+    with pytest.raises(EngineFailure) as info:
+        train(_overlapped(root, "overlap_killed", tmp_path / "ckpt", extra=["generation.timeout_s=120"]))
+    killer.join(timeout=10)
+    assert killer.error is None, killer.error
+    assert killer.killed is not None
+    message = str(info.value)
+    assert "failed while generating the next step's rollouts during training" in message
+    assert "continue with --resume" in message
+    assert ckpt_io.latest(tmp_path / "ckpt").name == "step_2"  # step 2 trained before the failure surfaced

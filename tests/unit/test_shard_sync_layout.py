@@ -1,0 +1,197 @@
+"""Shard-wise weight sync, pure layout: which path each TP pair takes, and every trainer rank's pieces
+put together on an engine rank equal vLLM's own slicing of the whole HF tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megagrpo.models.layout import is_gated_fc1, tp_partition_dim, tp_shard
+from megagrpo.models.mapping import decoder_rules, hf_tensor_shapes, to_megatron
+from megagrpo.models.shape import GPTShape, padded_vocab_size
+from megagrpo.weight_sync import shards
+
+pytestmark = pytest.mark.unit
+
+
+def _shape(heads=8, groups=4, vocab=300, tie=False, qk_norm=False, bias=True) -> GPTShape:
+    return GPTShape(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        vocab_size=vocab,
+        max_position_embeddings=64,
+        qkv_bias=bias,
+        qk_layernorm=qk_norm,
+        tie_word_embeddings=tie,
+    )
+
+
+@pytest.mark.parametrize(
+    ("heads", "groups", "t", "e", "kind", "words"),
+    [
+        (8, 4, 2, 2, "shard", "divide one another"),
+        (8, 4, 2, 1, "shard", "divide one another"),
+        (8, 4, 1, 2, "shard", "divide one another"),
+        (8, 4, 4, 2, "shard", "divide one another"),
+        (8, 4, 2, 4, "shard", "divide one another"),
+        (8, 4, 1, 1, "shard", "divide one another"),
+        (12, 6, 2, 3, "gathered", "do not divide one another"),
+        (12, 6, 3, 2, "gathered", "do not divide one another"),
+        (8, 2, 1, 4, "gathered", "replicates KV heads"),
+        (8, 2, 2, 4, "gathered", "replicates KV heads"),
+        (8, 1, 1, 2, "gathered", "replicates KV heads"),
+    ],
+)
+def test_path_for_tp_pairs_and_head_counts(heads, groups, t, e, kind, words):
+    path = shards.choose_path(_shape(heads, groups), t, e)
+    assert path.kind == kind
+    assert words in path.reason
+
+
+def test_gathered_on_request_and_unknown_request_refused():
+    assert shards.choose_path(_shape(), 2, 2, "gathered").kind == "gathered"
+    with pytest.raises(ValueError, match="weight_sync_path"):
+        shards.choose_path(_shape(), 2, 2, "shardwise")
+
+
+def test_vllm_vocab_padding_is_vllms():
+    from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PADDING_SIZE
+
+    assert shards.VLLM_VOCAB_PADDING == DEFAULT_VOCAB_PADDING_SIZE
+
+
+def _vllm_rank_params(
+    hf: dict[str, torch.Tensor], shape: GPTShape, e: int, j: int
+) -> dict[str, torch.Tensor]:
+    """Engine rank j's parameters as vLLM 0.32's loaders cut them from whole HF tensors
+    (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)."""
+    out = {}
+    hd = shape.head_dim
+    for name, full in hf.items():
+        if ".self_attn.q_proj." in name:
+            prefix, kind = name.split(".self_attn.q_proj.")
+            parts = []
+            for proj, heads in (
+                ("q", shape.num_attention_heads),
+                ("k", shape.num_query_groups),
+                ("v", shape.num_query_groups),
+            ):
+                rows = heads // e * hd
+                parts.append(hf[f"{prefix}.self_attn.{proj}_proj.{kind}"].narrow(0, j * rows, rows))
+            out[f"{prefix}.self_attn.qkv_proj.{kind}"] = torch.cat(parts)
+        elif name.endswith("mlp.gate_proj.weight"):
+            prefix = name.removesuffix("gate_proj.weight")
+            rows = shape.ffn_hidden_size // e
+            gate, up = hf[name], hf[prefix + "up_proj.weight"]
+            out[prefix + "gate_up_proj.weight"] = torch.cat(
+                [gate.narrow(0, j * rows, rows), up.narrow(0, j * rows, rows)]
+            )
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            cols = full.shape[1] // e
+            out[name] = full.narrow(1, j * cols, cols)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            per = shards.vllm_padded_vocab(shape.vocab_size) // e
+            lo, hi = j * per, min((j + 1) * per, shape.vocab_size)
+            rows = torch.zeros(per, full.shape[1])
+            rows[: hi - lo] = full[lo:hi]
+            out[name] = rows
+        elif any(p in name for p in (".k_proj.", ".v_proj.", ".up_proj.")):
+            continue  # fused above
+        else:
+            out[name] = full
+    return out
+
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (4, 4), (1, 4)]
+
+
+@pytest.mark.parametrize(("t", "e"), LAYOUTS, ids=[f"t{t}-e{e}" for t, e in LAYOUTS])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        _shape(vocab=300),
+        _shape(vocab=512, tie=True, qk_norm=True, bias=False),
+        _shape(heads=4, groups=4, vocab=260),
+    ],
+    ids=["qwen2-vocab300", "qwen3-tied-vocab512", "mha-vocab260"],
+)
+def test_pieces_rebuild_vllms_per_rank_parameters(shape, t, e):
+    """Each trainer rank's Megatron shard (made as Megatron splits the whole tensor) -> its HF-layout share
+    -> pieces; put together per engine rank, they equal vLLM's slicing of the whole HF tensors, every
+    element written once, and an engine rank receives exactly its parameters' real rows."""
+    from megagrpo.weight_sync.vllm_engine import _copy_block
+
+    assert shards.choose_path(shape, t, e).kind == "shard"
+    gen = torch.Generator().manual_seed(t * 10 + e)
+    hf = {n: torch.randn(s, generator=gen) for n, s in hf_tensor_shapes(shape).items()}
+    padded = padded_vocab_size(shape.vocab_size, t)
+    rules = [r for r in decoder_rules(shape) if r.export]
+    want = [_vllm_rank_params(hf, shape, e, j) for j in range(e)]
+    got = [{n: torch.full_like(p, float("nan")) for n, p in w.items()} for w in want]
+    written = [{n: torch.zeros_like(p, dtype=torch.int32) for n, p in w.items()} for w in want]
+    received = [0] * e
+    for rule in rules:
+        full = to_megatron(rule, [hf[n] for n in rule.hf], shape, padded)
+        dim = tp_partition_dim(rule.megatron)
+        for r in range(t):
+            local = tp_shard(full, partition_dim=dim, tp_rank=r, tp_size=t, gated=is_gated_fc1(rule.megatron))
+            local_hf = shards.local_hf_tensors(rule, local, shape, t, r)
+            for i, name in enumerate(rule.hf):
+                for piece in shards.rank_pieces(name, shape, t, r, e):
+                    block = shards.piece_tensor(local_hf[i], piece)
+                    assert tuple(block.shape) == piece.shape
+                    j = piece.engine_rank
+                    _copy_block(got[j][piece.param], block, piece.dim, piece.dst_start, piece.pad)
+                    written[j][piece.param].narrow(piece.dim, piece.dst_start, piece.length).add_(1)
+                    received[j] += block.numel()
+    for j in range(e):
+        assert got[j].keys() == want[j].keys()
+        for name in want[j]:
+            torch.testing.assert_close(got[j][name], want[j][name], rtol=0, atol=0, msg=f"rank {j} {name}")
+        # every element once, except vLLM's vocabulary padding rows (zeroed, not sent)
+        pad_rows = sum(
+            int((written[j][n] == 0).all(dim=1).sum()) * want[j][n].shape[1]
+            for n in ("model.embed_tokens.weight", "lm_head.weight")
+            if n in written[j]
+        )
+        assert all(int(w.max()) == 1 for w in written[j].values())
+        assert received[j] == sum(p.numel() for p in want[j].values()) - pad_rows
+    sent, recv = shards.shard_bytes(shape, rules, t, e, 4)
+    assert recv == [4 * n for n in received]
+    assert (
+        sum(sent)
+        == sum(recv)
+        >= 4 * sum(v.numel() for v in hf.values())
+        - 4 * sum(hf[n].numel() for n in hf if n.endswith("norm.weight"))
+    )
+
+
+def test_equal_tp_every_trainer_rank_feeds_one_engine_rank_with_half_the_bytes():
+    shape = _shape(vocab=512)
+    rules = [r for r in decoder_rules(shape) if r.export]
+    assert shards.stage_links(rules, shape, 2, 2) == [(0, 0), (1, 1)]
+    assert shards.stage_links(rules, shape, 2, 1) == [(0, 0), (1, 0)]
+    assert shards.stage_links(rules, shape, 1, 2) == [(0, 0), (0, 1)]
+    _, whole = shards.shard_bytes(shape, rules, 1, 1, 4)
+    _, halves = shards.shard_bytes(shape, rules, 2, 2, 4)
+    norms = 4 * sum(
+        n for name, s in hf_tensor_shapes(shape).items() if name.endswith("norm.weight") for n in s
+    )
+    assert halves[0] == halves[1] == (whole[0] - norms) // 2 + norms
+
+
+def test_path_is_chosen_in_one_place_and_printed_at_start():
+    import inspect
+
+    from megagrpo import driver, plan
+    from megagrpo.weight_sync import sync, trainer
+
+    # the controller asks the trainer's first rank, which calls shards.choose_path; plan calls it too
+    assert "WeightSyncEndpoints.weight_sync_path" in inspect.getsource(sync.WeightSync.__init__)
+    assert "choose_path(" in inspect.getsource(trainer.WeightSender.choose)
+    assert "choose_path(" in inspect.getsource(plan)
+    printed = inspect.getsource(driver.train)
+    assert "sync.path.kind" in printed and "sync.path.reason" in printed
