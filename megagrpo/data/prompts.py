@@ -208,4 +208,11 @@ def build_source(cfg: Config) -> PromptSource:
 
     if cfg.model.hf_dir is None:
         raise DataError("data.train_path needs a tokenizer: set model.hf_dir (or model.init_from)")
-    return dataset_source(cfg, AutoTokenizer.from_pretrained(cfg.model.hf_dir))
+    for path in (cfg.data.train_path, cfg.data.val_path if cfg.data.num_val_prompts else None):
+        if path is not None and not Path(path).is_file():  # the cheap check first: before the tokenizer
+            raise DataError(f"{path}: dataset file not found")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+    except (OSError, ValueError) as err:
+        raise DataError(f"model.hf_dir {cfg.model.hf_dir}: no tokenizer could be loaded ({err})") from err
+    return dataset_source(cfg, tokenizer)
