@@ -72,7 +72,16 @@ class Rollouts:
 
 
 def train(cfg: Config, *, resume: bool = False) -> Path:
-    """Run GRPO as configured; returns the run directory."""
+    """Run GRPO as configured; returns the run directory. A run stopped by an error leaves no Ray
+    behind in the calling process (a later run there starts a fresh one)."""
+    try:
+        return _train(cfg, resume=resume)
+    except BaseException:
+        shutdown_ray()
+        raise
+
+
+def _train(cfg: Config, *, resume: bool) -> Path:
     run_dir = Path(cfg.logging.dir) / cfg.run_name
     cfg = resolve_init_from(cfg)  # a staged recipe's previous stage, checked before anything starts
     check_checkpoint_dir(cfg, resume)

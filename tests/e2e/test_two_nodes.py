@@ -15,6 +15,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,10 @@ def two_nodes(tmp_path):
         }
         yield address, env, nodes
     finally:
-        stop_processes(session_processes(temp))
+        deadline = time.monotonic() + 60  # a SIGKILLed process holds its files until it is gone
+        while (left := session_processes(temp)) and time.monotonic() < deadline:
+            stop_processes(left)
+            time.sleep(0.5)
         assert session_processes(temp) == []
 
 
