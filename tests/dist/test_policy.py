@@ -102,6 +102,39 @@ def test_first_step_is_exactly_on_policy(reference):
     assert (reference["new"][mask] - reference["old"][mask]).abs().max() > 1e-3
 
 
+def _one_step_without_old_logprobs(rank: int, world_size: int, cfg) -> dict:
+    from megagrpo.policy.worker import PolicyWorker
+
+    worker = PolicyWorker(cfg)
+    try:
+        batch = policy_batch()
+        metrics = worker.train(batch)  # one optimizer step: the old logprobs are the forward's own
+        return {"metrics": metrics, "new": worker.logprobs(batch)}
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(tp=2, budget=SMALL_BUDGET)], ids=["tp1", "tp2-small"])
+def test_one_optimizer_step_needs_no_old_logprob_pass(layout, hf_dir, reference):
+    """The driver skips the old-logprob forward when a batch gets one optimizer step: the training
+    forward's detached logprobs are then the old ones, so the step equals the one given them."""
+    world = 2 if layout else 1
+    results = run_local_ranks(_one_step_without_old_logprobs, world, policy_config(hf_dir, **layout), timeout_s=300)
+    (want,) = reference["metrics"]
+    mask = policy_batch().response_mask()
+    for res in results:
+        (got,) = res["metrics"]
+        assert got.ratio_min == got.ratio_max == 1.0
+        assert _rel(got.loss, want.loss) <= 1e-5, (got.loss, want.loss)
+        assert _rel(got.grad_norm, want.grad_norm) <= 1e-5, (got.grad_norm, want.grad_norm)
+        torch.testing.assert_close(res["new"][mask], reference["new"][mask], atol=1e-4, rtol=1e-4)
+
+
+def test_several_optimizer_steps_need_old_logprobs(hf_dir):
+    with pytest.raises(RuntimeError, match="several optimizer steps per batch need old_logprobs"):
+        run_local_ranks(_one_step_without_old_logprobs, 1, policy_config(hf_dir, mini=4), timeout_s=300)
+
+
 def _save_then_continue(rank: int, world_size: int, cfg, path: str) -> dict:
     from megagrpo.policy.worker import PolicyWorker
 
