@@ -46,6 +46,7 @@ def run(args, staleness: int, root: Path, warmup: Path | None) -> Path:
         f"grpo.num_steps={args.steps}",
         f"grpo.max_staleness={staleness}",
         f"parallel.tensor_model_parallel_size={args.tp}",
+        "cluster.cpu_threads=1",  # one core each side: the sequential run's rank would take both
         "checkpoint.dir=null",
         "checkpoint.export_hf_at_end=false",
         "checkpoint.save_every=0",

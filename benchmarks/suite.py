@@ -91,6 +91,17 @@ def _train_metrics(report: dict) -> Samples:
     return out
 
 
+def _step_metrics(report: dict) -> Samples:
+    out: Samples = {}
+    for name, r in report["setups"].items():
+        out[f"{name} step s"] = ([r["step_s"]], "s")
+        out[f"{name} overhead share"] = (
+            [(r["train_call_overhead_s"] + r["driver_overhead_s"]) / r["step_s"]],
+            "ratio",
+        )
+    return out
+
+
 def _rollout_metrics(report: dict) -> Samples:
     out: Samples = {
         f"{kind} tokens/s": ([r["tokens_per_s"] for r in runs], "tokens/s")
@@ -300,6 +311,17 @@ BENCHMARKS: tuple[Bench, ...] = (
             ]
         },
         _rollout_metrics,
+    ),
+    Bench(
+        "step",
+        "step_bench.py",
+        "the end-to-end GRPO step by stage, and the overhead outside the stages' work",
+        ("cpu",),
+        {"cpu": ["--steps", "20"]},
+        {"cpu": ["--steps", "5", "--setups", "tiny_tp1", "--extra", "warmup.steps=10"]},
+        _step_metrics,
+        repeat_flag=None,
+        output_flag="--out",
     ),
     Bench(
         "sync",

@@ -30,7 +30,7 @@ import dataclasses
 import math
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -124,6 +124,17 @@ def shutdown_ray() -> None:
         _local_session = None
 
 
+def rank_cpu_threads(cfg: Config, ranks_on_node: int, node_cores: int) -> int:
+    """Intra-op threads of a CPU trainer rank (``cluster.cpu_threads``): as configured, or the node's
+    cores shared out among its ranks when nothing else computes while they train (engines wait
+    during training unless ``grpo.max_staleness`` > 0), else its reserved ``cpus_per_worker``."""
+    if cfg.cluster.cpu_threads is not None:
+        return cfg.cluster.cpu_threads
+    if cfg.grpo.max_staleness > 0:
+        return max(1, int(cfg.cluster.cpus_per_worker))
+    return max(1, node_cores // max(1, ranks_on_node))
+
+
 @ray.remote
 class RankActor:
     """Hosts one rank of a distributed worker (e.g. a PolicyWorker) inside a Ray actor."""
@@ -145,8 +156,21 @@ class RankActor:
         return ray.get_runtime_context().get_node_id()
 
     def setup(
-        self, worker_cls: type, cfg: Config, rank: int, world_size: int, master: tuple[str, int]
-    ) -> bool:
+        self,
+        worker_cls: type,
+        cfg: Config,
+        rank: int,
+        world_size: int,
+        master: tuple[str, int],
+        ranks_on_node: int = 1,
+    ) -> int | None:
+        """Start the worker; returns its intra-op CPU threads (None with a GPU: left as Ray set them)."""
+        threads = None
+        if cfg.cluster.gpus_per_node == 0:
+            import torch
+
+            threads = rank_cpu_threads(cfg, ranks_on_node, len(os.sched_getaffinity(0)))
+            torch.set_num_threads(threads)  # Ray starts a 1-CPU actor with one thread
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
@@ -156,11 +180,14 @@ class RankActor:
             MASTER_PORT=str(master[1]),
         )
         self.worker = worker_cls(cfg)
-        return True
+        return threads
 
-    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[float, Any]:
+        """(seconds inside the method, its result)."""
+        start = time.perf_counter()
         # By name, so a subclass's override runs (the group checked the method against the class).
-        return getattr(self.worker, name)(*args, **kwargs)
+        result = getattr(self.worker, name)(*args, **kwargs)
+        return time.perf_counter() - start, result
 
 
 class RankGroup:
@@ -206,12 +233,17 @@ class RankGroup:
         master = ray.get(self.actors[0].address.remote(), timeout=timeout_s)
         self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=timeout_s)
         self.node_ids = ray.get([a.node_id.remote() for a in self.actors], timeout=timeout_s)
-        self._get(
+        per_node = Counter(self.node_ids)
+        self.cpu_threads = self._get(
             [
-                a.setup.remote(worker_cls, cfg, rank, self.world_size, master)
+                a.setup.remote(worker_cls, cfg, rank, self.world_size, master, per_node[self.node_ids[rank]])
                 for rank, a in enumerate(self.actors)
             ]
         )
+        """Intra-op CPU threads of each rank (None on GPUs)."""
+        self.last_call_s = 0.0
+        """Time the slowest rank spent inside the last method called (the call's wall time minus
+        this is Ray's: scheduling, argument and result transfer)."""
 
     def _get(self, refs: list) -> list:
         # One failed rank usually leaves the others waiting in a collective: report the first
@@ -255,11 +287,14 @@ class RankGroup:
         return [a.call.remote(name, *shared, **kwargs) for a in self.actors]
 
     def wait(self, refs: list) -> list[Any]:
-        return self._get(refs)
+        """The results of ``submit_all``'s calls (``last_call_s``: the slowest rank's time inside)."""
+        timed = self._get(refs)
+        self.last_call_s = max(seconds for seconds, _ in timed)
+        return [result for _, result in timed]
 
     def call_all(self, method: Callable, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``method`` on every rank; large arguments go to the object store once."""
-        return self._get(self.submit_all(method, *args, **kwargs))
+        return self.wait(self.submit_all(method, *args, **kwargs))
 
     def call_first(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on every rank and return rank 0's result."""
@@ -404,6 +439,8 @@ class EnginePool:
         """The GRPO step now running (restart windows count in steps)."""
         self.restarts: list[tuple[int, float]] = []
         """(engine, seconds from its failure to the probe of its replacement), one per restart."""
+        self.last_probe_s = 0.0
+        """Time the last sync's probe took (scored by every engine and the trainer)."""
         self.restartable = True
         """False while engines generate ahead of a training step (``grpo.max_staleness``): a
         replacement would be sent the weights the trainer is changing, so a failure then stops."""
@@ -444,7 +481,10 @@ class EnginePool:
 
         try:
             self.sync.sync()
-            return self.sync.probe()
+            start = time.perf_counter()
+            probe = self.sync.probe()
+            self.last_probe_s = time.perf_counter() - start
+            return probe
         except WeightSyncError as err:
             if err.engine is None:
                 raise

@@ -69,6 +69,8 @@ class Rollouts:
     """Responses of the step (every dynamic-sampling round) whose scoring was cut at reward.timeout_s."""
     reward_errors: int = 0
     """Responses of the step whose scoring failed (raised, or its worker died)."""
+    reward_seconds: float = 0.0
+    """Time spent decoding and scoring them (every dynamic-sampling round; not saved with them)."""
 
 
 def train(cfg: Config, *, resume: bool = False) -> Path:
@@ -96,6 +98,8 @@ def _train(cfg: Config, *, resume: bool) -> Path:
     engines = start_engine_pool(cfg, model_dir, policy)
     sync, count = engines.sync, len(engines.actors)
     print(f"placement: {placement_summary(policy, engines.actors)}")
+    if policy.cpu_threads[0] is not None:
+        print(f"trainer: {'/'.join(map(str, sorted(set(policy.cpu_threads))))} CPU thread(s) per rank")
     print(
         f"weight sync: {sync.backend}, {sync.path.kind} ({sync.path.reason}); {count} engine(s), "
         f"{sync.total_bytes / 2**20:.1f} MiB sent, {max(sync.worker_bytes) / 2**20:.1f} MiB per vLLM worker"
@@ -121,6 +125,7 @@ def _train(cfg: Config, *, resume: bool) -> Path:
                 if pending is None:  # sequential loop, or the first step of an overlapped run
                     pending = produce(cfg, engines, source, scorer, position, step, engine_version)
                     timings["generation_s"] = pending.seconds
+                    timings["reward_s"] = pending.rollouts.reward_seconds  # part of generation_s
                 current, pending = pending, None
                 position = current.position
                 next_batch = None
@@ -141,6 +146,7 @@ def _train(cfg: Config, *, resume: bool) -> Path:
                         batch = batch.replace(ref_logprobs=ref)
                 with timed(timings, "train_s"):
                     train_metrics = mean_metrics(policy.call_first(PolicyWorker.train, batch))
+                timings["train_rank_s"] = policy.last_call_s  # inside the ranks: the rest is Ray
                 trained.update(step, position, None)
                 trainer_busy = timings["logprobs_s"] + timings["train_s"]
                 engine_busy = timings.get("generation_s", 0.0)
@@ -160,12 +166,14 @@ def _train(cfg: Config, *, resume: bool) -> Path:
                     with timed(timings, "sync_s"):
                         set_engines_awake(cfg, engines, True)
                         probe_error = engines.sync_weights().error
+                    timings["probe_s"] = engines.last_probe_s  # part of sync_s
                     engine_version = step
                 metrics = step_metrics(cfg, rollouts, batch, train_metrics, probe_error, filtered)
                 metrics |= staleness_metrics(rollouts, current.version, trained_version=step - 1)
                 metrics |= source.counts
                 if validating:
-                    metrics |= validate(cfg, engines, source, scorer)
+                    with timed(timings, "validation_s"):
+                        metrics |= validate(cfg, engines, source, scorer)
                 timings["step_s"] = time.perf_counter() - t0
                 sync_s = timings.get("sync_s", 0.0)
                 timings["engine_idle_s"] = max(0.0, timings["step_s"] - engine_busy - sync_s)
@@ -406,14 +414,17 @@ def generate_groups(cfg: Config, engines, source: PromptSource, scorer, position
     settings = SamplingSettings.from_config(cfg, stop_token_ids=source.stop_token_ids, n=g)
     kept_prompts, kept_comps, kept_rewards, filtered = [], [], [], 0
     timeouts = errors = 0
+    reward_seconds = 0.0
     for _ in range(4 if cfg.grpo.filter_zero_variance_groups else 1):
         need = want - len(kept_prompts)
         prompts = source.batch(position, need)
         seeds = [cfg.generation.seed * 1_000_003 + position + i for i in range(need)]
         position += need
         comps = generate(cfg, engines, prompts, settings, seeds)
+        scoring = time.perf_counter()
         texts = [source.decode(c.token_ids) for c in comps]
         scored = scorer.score(texts, [prompts[c.prompt_index].answer for c in comps])
+        reward_seconds += time.perf_counter() - scoring
         rewards = torch.tensor(scored.scores, dtype=torch.float32)
         timeouts, errors = timeouts + scored.timeouts, errors + scored.errors
         flat = (
@@ -437,7 +448,7 @@ def generate_groups(cfg: Config, engines, source: PromptSource, scorer, position
             kept_prompts.append(prompts[p])
             kept_comps += comps[p * g : (p + 1) * g]
             kept_rewards.append(rewards[p * g : (p + 1) * g])
-    rollouts = Rollouts(kept_prompts, kept_comps, torch.cat(kept_rewards), timeouts, errors)
+    rollouts = Rollouts(kept_prompts, kept_comps, torch.cat(kept_rewards), timeouts, errors, reward_seconds)
     return rollouts, position, filtered
 
 

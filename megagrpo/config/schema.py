@@ -684,6 +684,10 @@ class ClusterConfig:
     """GPUs used per node; 0 runs everything on CPU."""
     cpus_per_worker: float = 1.0
     """CPUs reserved per Ray actor (fractions allowed)."""
+    cpu_threads: int | None = None
+    """Intra-op threads of each trainer rank without GPUs. null: the node's cores shared out among
+    the trainer ranks on it when the engines do not generate during training (grpo.max_staleness 0:
+    they wait while the trainer trains), else cpus_per_worker (at least 1)."""
     policy_resource: str | None = None
     """Custom Ray resource every policy rank requires: a node label (start the training nodes with
     `ray start --resources '{"NAME": 1}'`); null places ranks on any node."""
@@ -703,6 +707,7 @@ class ClusterConfig:
             )
         check(self, "gpus_per_node", self.gpus_per_node >= 0, ">= 0")
         check(self, "cpus_per_worker", self.cpus_per_worker > 0, "> 0")
+        check(self, "cpu_threads", self.cpu_threads is None or self.cpu_threads > 0, "> 0 or null")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -138,7 +138,7 @@ class WeightSync:
                 f"{what} did not finish within {self.timeout_s:.0f}s; waiting on {', '.join(names)}",
                 stuck[0] if stuck else None,
             )
-        return ray.get(trainer_refs)
+        return [result for _, result in ray.get(trainer_refs)]  # the ranks answer (seconds, result)
 
     def sync(self, *, with_checksums: bool = False) -> float:
         """Push the trainer's current weights into every engine; returns seconds taken.
