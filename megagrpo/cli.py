@@ -156,16 +156,29 @@ def _plan(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from megagrpo.config import load_config
     from megagrpo.evaluate import model_dir_for_eval, run_eval
 
-    cfg = _load(args)
+    def evaluated(model: Path) -> list[str]:
+        # The model evaluated is the config's model (its tokenizer reads the problems), whatever
+        # model the config names for training.
+        return [
+            "model.init_from=null",
+            "model.tiny=null",
+            "model.megatron_ckpt=null",
+            f"model.hf_dir={model}",
+        ]
+
     if args.samples is not None and args.samples < 1:
         print("megagrpo eval: error: --samples must be >= 1", file=sys.stderr)
         return 1
+    given = Path(args.model or args.checkpoint)
+    cfg = load_config(args.config, [*args.overrides, *evaluated(given)])
     out = Path(args.out) if args.out else Path(cfg.logging.dir) / cfg.run_name / "eval"
-    model_dir = Path(args.model) if args.model else model_dir_for_eval(Path(args.checkpoint), out)
+    model_dir = given if args.model else model_dir_for_eval(given, out)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (an HF model directory is expected)")
+    cfg = load_config(args.config, [*args.overrides, *evaluated(model_dir)])
     report = run_eval(cfg, model_dir, out, samples=args.samples)
     print(report.to_markdown(f"megagrpo eval: {cfg.run_name}"))
     print(f"wrote {out / 'eval.json'} and {out / 'eval.md'}")

@@ -100,6 +100,22 @@ def test_stage_2_starts_from_stage_1s_result(twin):
     assert trained > 1e-5  # stage 1 moved away from the made model (Adam steps of ~lr = 1e-4)
     assert kept < 1e-7  # stage 2 began where stage 1 ended
 
+    # `eval --checkpoint step_N` verifies and exports that checkpoint, then scores what the run's own
+    # HF export (the same weights) scores.
+    from megagrpo.cli import main
+
+    step = twin / "ckpt1" / "step_2"
+    common = ["eval", "--config", "deepscaler/cpu_twin_1", "--samples", "2", f"logging.dir={twin}"]
+    common.append(f"data.val_path={twin / 'val.jsonl'}")  # the evaluated model replaces the config's
+    assert main([*common, "--checkpoint", str(step), "--out", str(twin / "eval_ckpt")]) == 0
+    export = run1 / "hf_export"
+    assert main([*common, "--model", str(export), "--out", str(twin / "eval_export")]) == 0
+    by_ckpt, by_export = (
+        json.loads((twin / d / "eval.json").read_text()) for d in ("eval_ckpt", "eval_export")
+    )
+    assert (twin / "eval_ckpt" / "hf" / "config.json").is_file()
+    assert by_ckpt["summary"] == by_export["summary"] and by_ckpt["problems"] == by_export["problems"]
+
 
 def test_eval_twice_with_the_same_seed_gives_the_same_table(twin, capsys):
     from megagrpo.cli import main
