@@ -292,6 +292,40 @@ def _sync(r):
     )
 
 
+def _sync_bound(r):
+    s = r["sync_bound"]
+    rows = s["variants"]["default"]["results"]
+    two = lambda v: f"{v:.2f}"
+    engines, repeat = max(x["engines"] for x in rows), s["args"]["repeat"]
+    command = f"--engines 1 2 --bucket-mb 512 --variants default --repeat {repeat} --output sync_bound"
+    sync, load, flat = ([x[k] for x in rows] for k in ("sync_s", "load_s", "flat_s"))
+    return (
+        f"weight sync vs what any sync pays: one flat broadcast + vLLM's own reload of the same tensors from "
+        f"memory, {mb(s['model']['bytes'])} MB, 1-{engines} engines (`sync_bench.py {command}`)",
+        f"(flat + reload) / sync = {span([x['fraction_of_flat_plus_load'] for x in rows], two)} "
+        f"(sync {span(sync, two)} s, vLLM reload {span(load, two)} s, flat {span(flat, two)} s)",
+        ">= 0.9",
+    )
+
+
+def _step(r):
+    s = r["step"]["setups"]
+    parts = []
+    for name, x in s.items():
+        over = x["train_call_overhead_s"] + x["driver_overhead_s"]
+        parts.append(
+            f"{name}: {x['step_s']:.2f} s (generation {x['generation_s'] / x['step_s']:.0%}, train "
+            f"{x['train_s'] / x['step_s']:.0%}, sync {x['sync_s'] / x['step_s']:.0%}, overhead outside the "
+            f"stages' work {over / x['step_s']:.0%})"
+        )
+    return (
+        "end-to-end GRPO step by stage (`step_bench.py`: the demo's config at TP 1 / 2; a ~25M model, "
+        "16 x 8 x 128 tokens, TP 1 / 2)",
+        "; ".join(parts),
+        "breakdown, overhead found",
+    )
+
+
 def _shard_sync(r):
     d = r["shard_sync"]
     shard, gathered = d["results"]["shard"], d["results"]["gathered"]
