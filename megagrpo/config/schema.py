@@ -415,6 +415,11 @@ class DataConfig:
     """Synthetic arithmetic: operands are drawn uniformly from [0, arithmetic_max_operand]."""
     arithmetic_ops: str = "+-"
     """Synthetic arithmetic: operators to draw from (any of "+-*")."""
+    math_terse_frac: float = 0.0
+    """Synthetic math SFT: share of the worked solutions that give the boxed answer alone, without the
+    steps. A model made from such data answers some problems at once and works others through, as
+    distilled models mix short answers with reasoning; GRPO then has a behaviour to learn (the steps
+    pay off: a small model answering at once is mostly wrong)."""
     num_val_prompts: int = 0
     """Validation prompts evaluated every logging.val_every steps; 0 disables validation."""
     template: str = "{prompt}"
@@ -444,6 +449,7 @@ class DataConfig:
         for name in keys:
             require(bool(getattr(self, name)), name, "must not be empty")
         check(self, "num_val_prompts", self.num_val_prompts >= 0, ">= 0")
+        check(self, "math_terse_frac", 0.0 <= self.math_terse_frac <= 1.0, "in [0, 1]")
         check(self, "arithmetic_max_operand", 1 <= self.arithmetic_max_operand <= 9999, "in [1, 9999]")
         check(
             self,

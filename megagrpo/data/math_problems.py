@@ -6,6 +6,9 @@ integers (``23``, ``-4``) or reduced fractions in LaTeX (``\\frac{5}{6}``); ever
 ``\\boxed{answer}``, as math-verify expects of a response. Numbers are small so that a model of a few
 hundred thousand parameters (the CPU twin's) can learn the steps.
 
+``math_records(n, seed, terse_frac=...)`` can give a share of the records a terse solution: the boxed
+answer alone, without the steps (the CPU twin's made model learns both styles, and GRPO which pays).
+
 ``math_records(n, seed)`` is deterministic: record ``i`` depends only on ``seed`` and ``i``, so a training
 file and a validation file drawn from seeds far apart do not share a stream. ``write_math_dataset``
 writes them as JSONL, a JSON array or Parquet (by suffix), atomically.
@@ -100,14 +103,23 @@ FAMILIES = {"arithmetic": _arithmetic, "fractions": _fractions, "percentage": _p
 """Problem family name -> generator of one record from a ``random.Random``."""
 
 
-def math_records(n: int, seed: int) -> list[dict[str, str]]:
-    """``n`` records; record ``i`` is drawn from ``random.Random(seed * 1_000_003 + i)``."""
+def math_records(n: int, seed: int, *, terse_frac: float = 0.0) -> list[dict[str, str]]:
+    """``n`` records; record ``i`` is drawn from ``random.Random(seed * 1_000_003 + i)``. With
+    ``terse_frac``, that share of the records (chosen by a stream of their own, so the problems do not
+    change) have a solution that states the boxed answer without the steps."""
     out = []
     for i in range(n):
         rng = random.Random(seed * 1_000_003 + i)
         family = rng.choice(sorted(FAMILIES))
-        out.append(FAMILIES[family](rng))
+        record = FAMILIES[family](rng)
+        if terse_frac and random.Random(f"terse {seed} {i}").random() < terse_frac:
+            record["solution"] = _terse(record["answer"])
+        out.append(record)
     return out
+
+
+def _terse(answer: str) -> str:
+    return f"The answer is $\\boxed{{{answer}}}$."
 
 
 def write_math_dataset(path: str | Path, records: list[dict]) -> Path:

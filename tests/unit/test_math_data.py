@@ -179,3 +179,20 @@ def test_synthetic_math_is_for_sft_only(tmp_path):
     cfg = load_config(None, ["data.synthetic_task=math"])
     with pytest.raises(DataError, match="SFT data only"):
         build_source(cfg)
+
+
+def test_a_share_of_terse_solutions_keeps_the_problems():
+    full = math_records(400, seed=3)
+    mixed = math_records(400, seed=3, terse_frac=0.5)
+    terse = [m for f, m in zip(full, mixed, strict=True) if m["solution"] != f["solution"]]
+    assert [(m["problem"], m["answer"]) for m in mixed] == [(f["problem"], f["answer"]) for f in full]
+    assert 150 <= len(terse) <= 250
+    assert all(m["solution"] == f"The answer is $\\boxed{{{m['answer']}}}$." for m in terse)
+    assert math_records(400, seed=3, terse_frac=0.5) == mixed
+
+
+def test_terse_share_is_checked():
+    from megagrpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"data\.math_terse_frac"):
+        load_config(None, ["data.math_terse_frac=1.5"])
