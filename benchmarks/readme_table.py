@@ -312,17 +312,18 @@ def _step(r):
     s = r["step"]["setups"]
     parts = []
     for name, x in s.items():
+        share = lambda v, step=x["step_s"]: f"{v / step:.0%}"
         over = x["train_call_overhead_s"] + x["driver_overhead_s"]
         parts.append(
-            f"{name}: {x['step_s']:.2f} s (generation {x['generation_s'] / x['step_s']:.0%}, train "
-            f"{x['train_s'] / x['step_s']:.0%}, sync {x['sync_s'] / x['step_s']:.0%}, overhead outside the "
-            f"stages' work {over / x['step_s']:.0%})"
+            f"{name}: {x['step_s']:.2f} s (generation {share(x['generation_s'])}, old logprobs "
+            f"{share(x['logprobs_s'])}, train {share(x['train_s'])}, sync {share(x['sync_s'])}, Ray calls + "
+            f"driver between stages {share(over)})"
         )
     return (
-        "end-to-end GRPO step by stage (`step_bench.py`: the demo's config at TP 1 / 2; a ~25M model, "
-        "16 x 8 x 128 tokens, TP 1 / 2)",
+        "end-to-end GRPO step by stage (`step_bench.py --steps 20`: the demo's config at TP 1 / 2; a ~25M "
+        "model, 16 x 8 prompts x 128 tokens, one optimizer step, TP 1 / 2)",
         "; ".join(parts),
-        "breakdown, overhead found",
+        "each stage and the overhead reported",
     )
 
 
@@ -434,6 +435,7 @@ ROWS: tuple[Row, ...] = (
     Row(("reward",), _reward),
     Row(("faults",), _engine_kill),
     Row(("shard_sync",), _shard_sync),
+    Row(("step",), _step),
     Row(("gpu_h200/train_4096",), _h200_sender),
 )
 
