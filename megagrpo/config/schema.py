@@ -417,9 +417,8 @@ class DataConfig:
     """Synthetic arithmetic: operators to draw from (any of "+-*")."""
     math_terse_frac: float = 0.0
     """Synthetic math SFT: share of the worked solutions that give the boxed answer alone, without the
-    steps. A model made from such data answers some problems at once and works others through, as
-    distilled models mix short answers with reasoning; GRPO then has a behaviour to learn (the steps
-    pay off: a small model answering at once is mostly wrong)."""
+    steps (a model made from such data answers some problems at once and works others through; the CPU
+    twin's made model uses none, see benchmarks/results/twin_sweep.md)."""
     num_val_prompts: int = 0
     """Validation prompts evaluated every logging.val_every steps; 0 disables validation."""
     template: str = "{prompt}"
