@@ -304,7 +304,12 @@ def _sync_bound(r):
         f"memory, {mb(s['model']['bytes'])} MB, 1-{engines} engines (`sync_bench.py {command}`)",
         f"(flat + reload) / sync = {span([x['fraction_of_flat_plus_load'] for x in rows], two)} "
         f"(sync {span(sync, two)} s, vLLM reload {span(load, two)} s, flat {span(flat, two)} s)",
-        ">= 0.9",
+        ">= 0.9 ("
+        + ", ".join(
+            f"{'met' if x['fraction_of_flat_plus_load'] >= 0.9 else 'missed'} with {x['engines']}"
+            for x in rows
+        )
+        + " engine(s))",
     )
 
 
@@ -431,6 +436,7 @@ ROWS: tuple[Row, ...] = (
     Row(("gpu_h200/logprob_memory",), _logprob_h200),
     Row(("rollout",), _rollout),
     Row(("sync",), _sync),
+    Row(("sync_bound",), _sync_bound),
     Row(("faults",), _checkpoint),
     Row(("reward",), _reward),
     Row(("faults",), _engine_kill),
