@@ -75,8 +75,15 @@ def test_stage_2_starts_from_stage_1s_result(twin):
     from megagrpo.driver import train
 
     made = twin / "cpu-twin-model"
+    # The 40-step model's rollouts of these prompts at temperature 0.6 include right and wrong answers,
+    # so stage 1's steps have a signal (sampled at the stage's 1.0 they happen to be all wrong: every
+    # advantage 0, no update to see).
+    sampling = ["generation.temperature=0.6", "grpo.kl_coef=0.001"]
     run1 = train(
-        load_config("deepscaler/cpu_twin_1", _stage(twin, 1, made, "grpo.num_steps=2", "logging.val_every=2"))
+        load_config(
+            "deepscaler/cpu_twin_1",
+            _stage(twin, 1, made, "grpo.num_steps=2", "logging.val_every=2", *sampling),
+        )
     )
     assert run1 == twin / "cpu-twin-1"
     # Stage 2 with a longer context but stage 1's response budget, so its greedy and seeded samples of
@@ -92,6 +99,7 @@ def test_stage_2_starts_from_stage_1s_result(twin):
     for key in ("val/accuracy", "val/pass@1", "val/pass@2"):
         assert m2[0][key] == m1[2][key], key  # the same model answers the same problems the same way
     assert m1[2]["data/skipped_rows"] == 0 and "data/skipped_long_prompts" in m2[1]
+    assert max(m1[step]["reward/std"] for step in (1, 2)) > 0  # stage 1 had something to learn
 
     made_w, w1, w2 = (_weights(d / "hf_export") for d in (made, run1, run2))
     assert made_w.keys() == w1.keys() == w2.keys()
