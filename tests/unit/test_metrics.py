@@ -4,6 +4,7 @@ import math
 import re
 import struct
 import sys
+import time
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -198,7 +199,10 @@ def test_wandb_offline_run_records_the_logged_steps(tmp_path, monkeypatch):
             log.log(step, {"train/loss": 1.0 / step, "val/accuracy": 0.25 * step})
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
     (record,) = run.glob("run-*.wandb")  # what `wandb sync` uploads
-    history = _wandb_history(record.read_bytes())
+    # wandb's own service process writes the file; its last blocks may land just after finish() returns.
+    deadline = time.monotonic() + 60
+    while len(history := _wandb_history(record.read_bytes())) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert [h["_step"] for h in history] == [1, 2, 3]
     assert [h["train/loss"] for h in history] == [1.0, 0.5, pytest.approx(1 / 3)]
     assert [h["val/accuracy"] for h in history] == [0.25, 0.5, 0.75]
