@@ -17,15 +17,13 @@ accuracy at the last step within 5 points of the sequential run's.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from common import RESULTS, TMP
+from common.runs import metrics_rows, train_run
 from common.sampling import machine_info
 from common.tables import md_table, write_results
 
@@ -33,38 +31,16 @@ SKIP_STEPS = 5  # start-up steps (first compilations, the first overlapped batch
 
 
 def run(args, staleness: int, root: Path, warmup: Path | None) -> Path:
-    name = f"staleness_{staleness}"
-    run_dir = root / "runs" / name
-    if warmup is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(warmup, run_dir / "warmup")
     overrides = [
-        f"logging.dir={root / 'runs'}",
-        f"run_name={name}",
-        "logging.tensorboard=false",
-        "logging.progress_bar=false",
-        f"grpo.num_steps={args.steps}",
         f"grpo.max_staleness={staleness}",
         f"parallel.tensor_model_parallel_size={args.tp}",
         "cluster.cpu_threads=1",  # one core each side: the sequential run's rank would take both
-        "checkpoint.dir=null",
-        "checkpoint.export_hf_at_end=false",
-        "checkpoint.save_every=0",
     ]
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "megagrpo.cli", "train", *overrides], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        raise SystemExit(
-            f"run at staleness {staleness} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        )
-    print(f"[overlap_bench] staleness {staleness}: {time.perf_counter() - start:.0f}s", flush=True)
-    return run_dir
+    return train_run(root, f"staleness_{staleness}", args.steps, overrides, warmup)
 
 
 def summarize(run_dir: Path) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     steps = [r for r in rows if r["step"] > SKIP_STEPS]
 
     def med(key: str) -> float:

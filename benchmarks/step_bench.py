@@ -23,15 +23,13 @@ is the driver's own time between them (advantages, batch building, metrics, logg
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from common import RESULTS, TMP
+from common.runs import metrics_rows, train_run
 from common.sampling import machine_info
 from common.tables import md_table, write_results
 
@@ -60,31 +58,9 @@ STAGES = ("generation_s", "logprobs_s", "train_s", "sync_s", "validation_s")
 
 
 def run(name: str, steps: int, root: Path, warmups: dict[str, Path], extra: list[str]) -> Path:
-    run_dir = root / "runs" / name
-    family = name.split("_")[0]
-    if family in warmups:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(warmups[family], run_dir / "warmup")
-    overrides = [
-        f"logging.dir={root / 'runs'}",
-        f"run_name={name}",
-        "logging.tensorboard=false",
-        "logging.progress_bar=false",
-        f"grpo.num_steps={steps}",
-        "logging.val_every=0",
-        "checkpoint.dir=null",
-        "checkpoint.export_hf_at_end=false",
-        "checkpoint.save_every=0",
-        *SETUPS[name],
-        *extra,
-    ]
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "megagrpo.cli", "train", *overrides], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    print(f"[step_bench] {name}: {time.perf_counter() - start:.0f}s", flush=True)
+    family = name.split("_")[0]  # tiny or m25: the setups of a family share one warm-up
+    overrides = ["logging.val_every=0", *SETUPS[name], *extra]
+    run_dir = train_run(root, name, steps, overrides, warmups.get(family))
     if family not in warmups and (run_dir / "warmup").is_dir():
         warmups[family] = root / f"warmup_{family}"
         shutil.copytree(run_dir / "warmup", warmups[family])
@@ -92,8 +68,7 @@ def run(name: str, steps: int, root: Path, warmups: dict[str, Path], extra: list
 
 
 def summarize(run_dir: Path) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["step"] > SKIP_STEPS]
+    steps = [r for r in metrics_rows(run_dir) if r["step"] > SKIP_STEPS]
 
     def med(key: str) -> float:
         values = [r.get(f"timing/{key}", 0.0) for r in steps]

@@ -1,0 +1,45 @@
+"""``megagrpo train`` runs for the benchmarks that time the whole GRPO step (step_bench, overlap_bench):
+each in a process of its own, with an earlier run's warm-up reused, and its metrics.jsonl read back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def train_run(root: Path, name: str, steps: int, overrides: list[str], warmup: Path | None = None) -> Path:
+    """Run ``name`` under ``root/runs`` for ``steps`` GRPO steps with ``overrides`` (no TensorBoard,
+    progress bar, checkpoints or export), starting from the copy of ``warmup`` when given; returns its
+    run directory. A failed run stops the benchmark with the run's output."""
+    run_dir = root / "runs" / name
+    if warmup is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(warmup, run_dir / "warmup")
+    args = [
+        f"logging.dir={root / 'runs'}",
+        f"run_name={name}",
+        "logging.tensorboard=false",
+        "logging.progress_bar=false",
+        f"grpo.num_steps={steps}",
+        "checkpoint.dir=null",
+        "checkpoint.export_hf_at_end=false",
+        "checkpoint.save_every=0",
+        *overrides,
+    ]
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "megagrpo.cli", "train", *args], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    print(f"[{Path(sys.argv[0]).stem}] {name}: {time.perf_counter() - start:.0f}s", flush=True)
+    return run_dir
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl, one dict per logged step."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
