@@ -419,6 +419,10 @@ class DataConfig:
     """Synthetic math SFT: share of the worked solutions that give the boxed answer alone, without the
     steps (a model made from such data answers some problems at once and works others through; the CPU
     twin's made model uses none, see benchmarks/results/twin_sweep.md)."""
+    math_unboxed_frac: float = 0.0
+    """Synthetic math SFT: share of the other worked solutions that end in the answer without
+    \\boxed{} (the math reward scores such a response 0: a made model then loses reward to format, as
+    a real one does at first, and GRPO has a behaviour to learn)."""
     num_val_prompts: int = 0
     """Validation prompts evaluated every logging.val_every steps; 0 disables validation."""
     template: str = "{prompt}"
@@ -449,6 +453,7 @@ class DataConfig:
             require(bool(getattr(self, name)), name, "must not be empty")
         check(self, "num_val_prompts", self.num_val_prompts >= 0, ">= 0")
         check(self, "math_terse_frac", 0.0 <= self.math_terse_frac <= 1.0, "in [0, 1]")
+        check(self, "math_unboxed_frac", 0.0 <= self.math_unboxed_frac <= 1.0, "in [0, 1]")
         check(self, "arithmetic_max_operand", 1 <= self.arithmetic_max_operand <= 9999, "in [1, 9999]")
         check(
             self,

@@ -6,8 +6,10 @@ integers (``23``, ``-4``) or reduced fractions in LaTeX (``\\frac{5}{6}``); ever
 ``\\boxed{answer}``, as math-verify expects of a response. Numbers are small so that a model of a few
 hundred thousand parameters (the CPU twin's) can learn the steps.
 
-``math_records(n, seed, terse_frac=...)`` can give a share of the records a terse solution: the boxed
-answer alone, without the steps (the CPU twin's made model learns both styles, and GRPO which pays).
+``math_records(n, seed, terse_frac=..., unboxed_frac=...)`` can give a share of the records a terse
+solution (the boxed answer alone, without the steps) or an unboxed one (the steps, then the answer in
+plain math mode: math-verify scores it 0, as a real reward does a response that never boxes). A model
+made from such data has styles to choose between, and GRPO learns which pays.
 
 ``math_records(n, seed)`` is deterministic: record ``i`` depends only on ``seed`` and ``i``, so a training
 file and a validation file drawn from seeds far apart do not share a stream. ``write_math_dataset``
@@ -33,8 +35,12 @@ def _latex(value: Fraction) -> str:
 
 def _record(problem: str, steps: list[str], answer: Fraction | int) -> dict[str, str]:
     answer = _latex(Fraction(answer))
-    solution = " ".join([*steps, f"The answer is $\\boxed{{{answer}}}$."])
+    solution = " ".join([*steps, _final(answer)])
     return {"problem": problem, "answer": answer, "solution": solution}
+
+
+def _final(answer: str, boxed: bool = True) -> str:
+    return f"The answer is $\\boxed{{{answer}}}$." if boxed else f"The answer is ${answer}$."
 
 
 def _arithmetic(rng: random.Random) -> dict[str, str]:
@@ -103,23 +109,25 @@ FAMILIES = {"arithmetic": _arithmetic, "fractions": _fractions, "percentage": _p
 """Problem family name -> generator of one record from a ``random.Random``."""
 
 
-def math_records(n: int, seed: int, *, terse_frac: float = 0.0) -> list[dict[str, str]]:
+def math_records(
+    n: int, seed: int, *, terse_frac: float = 0.0, unboxed_frac: float = 0.0
+) -> list[dict[str, str]]:
     """``n`` records; record ``i`` is drawn from ``random.Random(seed * 1_000_003 + i)``. With
-    ``terse_frac``, that share of the records (chosen by a stream of their own, so the problems do not
-    change) have a solution that states the boxed answer without the steps."""
+    ``terse_frac``, that share of the records have a solution that states the boxed answer without the
+    steps; with ``unboxed_frac``, that share of the others end in the answer without ``\\boxed{}``. Each
+    share is chosen by a stream of its own, so the problems do not change."""
     out = []
     for i in range(n):
         rng = random.Random(seed * 1_000_003 + i)
         family = rng.choice(sorted(FAMILIES))
         record = FAMILIES[family](rng)
         if terse_frac and random.Random(f"terse {seed} {i}").random() < terse_frac:
-            record["solution"] = _terse(record["answer"])
+            record["solution"] = _final(record["answer"])
+        elif unboxed_frac and random.Random(f"unboxed {seed} {i}").random() < unboxed_frac:
+            steps = record["solution"].removesuffix(_final(record["answer"]))
+            record["solution"] = steps + _final(record["answer"], boxed=False)
         out.append(record)
     return out
-
-
-def _terse(answer: str) -> str:
-    return f"The answer is $\\boxed{{{answer}}}$."
 
 
 def write_math_dataset(path: str | Path, records: list[dict]) -> Path:

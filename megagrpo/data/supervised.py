@@ -323,7 +323,8 @@ def _math_sft_source(cfg: Config, tok) -> SFTSource:
         return out
 
     count = min(cfg.sft.num_steps * cfg.sft.batch_size, 20_000)
-    train = examples(math_records(count, cfg.sft.seed, terse_frac=data.math_terse_frac), "training")
+    styles = {"terse_frac": data.math_terse_frac, "unboxed_frac": data.math_unboxed_frac}
+    train = examples(math_records(count, cfg.sft.seed, **styles), "training")
     val = examples(math_records(cfg.sft.num_val_examples, cfg.sft.seed + VAL_SEED_OFFSET), "validation")
     return SFTSource(cfg, tok, train=train, val=val)
 

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from megagrpo.config import load_config
+from megagrpo.config import ConfigError, load_config
 from megagrpo.data.math_problems import math_records, write_math_dataset
 from megagrpo.data.prompts import DataError, build_source, read_prompt_rows
 from megagrpo.data.records import BadRows
@@ -192,7 +192,23 @@ def test_a_share_of_terse_solutions_keeps_the_problems():
 
 
 def test_terse_share_is_checked():
-    from megagrpo.config import ConfigError, load_config
-
     with pytest.raises(ConfigError, match=r"data\.math_terse_frac"):
         load_config(None, ["data.math_terse_frac=1.5"])
+
+
+def test_a_share_of_unboxed_solutions_keeps_the_steps_and_scores_zero():
+    from megagrpo.rewards.math import math_verify_reward
+
+    full = math_records(400, seed=3)
+    mixed = math_records(400, seed=3, unboxed_frac=0.5)
+    changed = [(f, m) for f, m in zip(full, mixed, strict=True) if m["solution"] != f["solution"]]
+    assert [(m["problem"], m["answer"]) for m in mixed] == [(f["problem"], f["answer"]) for f in full]
+    assert 150 <= len(changed) <= 250
+    for f, m in changed:
+        steps = f["solution"].removesuffix(f"The answer is $\\boxed{{{f['answer']}}}$.")
+        assert m["solution"] == f"{steps}The answer is ${m['answer']}$."
+    f, m = changed[0]
+    assert math_verify_reward(f["solution"], f["answer"]) == 1.0
+    assert math_verify_reward(m["solution"], m["answer"]) == 0.0
+    with pytest.raises(ConfigError, match=r"data\.math_unboxed_frac"):
+        load_config(None, ["data.math_unboxed_frac=-0.1"])

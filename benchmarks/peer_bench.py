@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""megagrpo beside TRL's ``GRPOTrainer``: the same HF model, prompts, group size, response budget and
+optimizer settings, run alternately on the same machine.
+
+    python benchmarks/peer_bench.py [--sizes tiny m25] [--rounds 2] [--steps tiny=20 m25=4]
+        [--trl-generation generate paged] [--out FILE.json]
+
+Needs the ``bench`` extra (TRL). Two sizes, as step_bench's setups:
+
+- ``tiny``: ``make demo``'s model after its warm-up (exported to HF with its character tokenizer),
+  64 prompts x 8 per step, at most 8 new tokens, 256 completions per optimizer step (two per batch);
+- ``m25``: the ~25M-parameter model from (nearly) random weights, 16 prompts x 8, 128 new tokens, one
+  optimizer step per batch.
+
+Each round runs, one after the other, megagrpo at TP = 1 (the size's best layout on one machine),
+TRL in each ``--trl-generation`` mode (``generate``: ``transformers``' ``generate``; ``paged``: its
+continuous batching), and megagrpo at TP = 2 (the demo's layout). The first megagrpo run makes the
+model (its warm-up) and every later run, TRL's included, starts from it. megagrpo runs with
+``grpo.baseline: mean`` (TRL's group-mean advantage), everything else as its config.
+
+A run's step time is the median over its steps after the first ``SKIP`` (start-up compilations);
+the report gives, per setup, the median over the rounds, the ratio TRL / megagrpo (above 1: megagrpo
+is faster), and greedy validation accuracy on the same 64 held-out problems before and after the same
+number of steps (at m25 the random model's accuracy is 0 and says nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from common import RESULTS, TMP
+from common.runs import metrics_rows, train_run
+from common.sampling import machine_info
+from common.tables import md_table, write_results
+from step_bench import M25
+
+HERE = Path(__file__).resolve().parent
+SKIP = {"tiny": 3, "m25": 1}
+STEPS = {"tiny": 20, "m25": 4}
+TRL_ARGS = {
+    "tiny": ["--prompts", "64", "--mini-batch", "256", "--max-new-tokens", "8"],
+    "m25": ["--prompts", "16", "--mini-batch", "128", "--max-new-tokens", "128"],
+}
+OURS = {"tiny": [], "m25": M25}
+
+
+def ours(root: Path, size: str, tp: int, steps: int, tag: str, warmup: Path | None) -> dict:
+    overrides = [
+        *OURS[size],
+        f"parallel.tensor_model_parallel_size={tp}",
+        "grpo.baseline=mean",
+        f"logging.val_every={steps}",
+    ]
+    run_dir = train_run(root, f"{size}_tp{tp}_{tag}", steps, overrides, warmup)
+    rows = metrics_rows(run_dir)
+    val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+    # The last step validates (val_every = steps): its validation is left out of the step time, as
+    # TRL's runs validate outside training.
+    times = [r["timing/step_s"] - r.get("timing/validation_s", 0.0) for r in rows if r["step"] > SKIP[size]]
+    return {
+        "run_dir": str(run_dir),
+        "step_s": statistics.median(times),
+        "val_before": val[0] if val else None,
+        "val_after": val[-1] if len(val) > 1 else None,
+    }
+
+
+def trl(root: Path, size: str, model: Path, steps: int, mode: str, tag: str) -> dict:
+    out = root / f"trl_{size}_{mode}_{tag}.json"
+    cmd = [sys.executable, str(HERE / "peer_trl.py"), "--model", str(model), "--steps", str(steps)]
+    cmd += [*TRL_ARGS[size], "--generation", mode, "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"TRL {size} {mode} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    print(done.stdout.strip().splitlines()[-1], flush=True)
+    report = json.loads(out.read_text())
+    return {
+        "step_s": statistics.median(report["step_s"][SKIP[size] :]),
+        "val_before": report["val_accuracy_before"],
+        "val_after": report["val_accuracy_after"],
+        "torch_threads": report["torch_threads"],
+        "trl": report["trl"],
+    }
+
+
+def export_warmup(run_dir: Path, out: Path) -> Path:
+    """The run's warmed-up model as an HF directory (weights, config, tokenizer), for TRL."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "megagrpo.cli", "export", "--ckpt", str(run_dir / "warmup" / "ckpt")]
+    subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True)
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["tiny", "m25"], choices=list(STEPS))
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", nargs="*", default=[], help="SIZE=N: GRPO steps per run (tiny=20 m25=4)")
+    modes = ["generate", "paged"]
+    p.add_argument("--trl-generation", nargs="+", default=modes, choices=modes)
+    p.add_argument("--out", type=Path, default=RESULTS / "peer.json")
+    args = p.parse_args(argv)
+    steps = {**STEPS, **{k: int(v) for k, v in (s.split("=", 1) for s in args.steps)}}
+    root = TMP / "peer_bench"
+    shutil.rmtree(root, ignore_errors=True)
+    report = {
+        "benchmark": "megagrpo vs TRL GRPOTrainer, same model and settings",
+        "command": " ".join(["python", *(sys.argv if argv is None else ["benchmarks/peer_bench.py", *argv])]),
+        "machine": machine_info("torch", "vllm", "megatron.core", "trl", "transformers"),
+        "args": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "steps": steps},
+        "sizes": {},
+    }
+    for size in args.sizes:
+        runs: dict[str, list[dict]] = {}
+        warmup = model = None
+        for rnd in range(args.rounds):
+            tag = f"r{rnd}"
+            r = ours(root, size, 1, steps[size], tag, warmup)
+            if warmup is None:
+                warmup = root / f"warmup_{size}"
+                shutil.copytree(Path(r["run_dir"]) / "warmup", warmup)
+                model = export_warmup(Path(r["run_dir"]), root / f"{size}_hf")
+            runs.setdefault("megagrpo TP1", []).append(r)
+            for mode in args.trl_generation:
+                runs.setdefault(f"TRL {mode}", []).append(trl(root, size, model, steps[size], mode, tag))
+            runs.setdefault("megagrpo TP2", []).append(ours(root, size, 2, steps[size], tag, warmup))
+        report["sizes"][size] = {
+            name: {
+                "step_s": statistics.median(r["step_s"] for r in rs),
+                "step_s_rounds": [r["step_s"] for r in rs],
+                "val_before": rs[-1]["val_before"],
+                "val_after": [r["val_after"] for r in rs],
+            }
+            for name, rs in runs.items()
+        }
+    write_results(args.out, report, markdown(report))
+    print(markdown(report))
+    return report
+
+
+def markdown(report: dict) -> str:
+    rows = []
+    for size, setups in report["sizes"].items():
+        trl_best = min((s["step_s"] for n, s in setups.items() if n.startswith("TRL")), default=None)
+        for name, s in setups.items():
+            ratio = f"{trl_best / s['step_s']:.2f}" if trl_best and name.startswith("megagrpo") else ""
+            after = ", ".join("-" if v is None else f"{v:.3f}" for v in s["val_after"])
+            before = "-" if s["val_before"] is None else f"{s['val_before']:.3f}"
+            rounds = ", ".join(f"{v:.3f}" for v in s["step_s_rounds"])
+            rows.append([size, name, f"{s['step_s']:.3f}", rounds, ratio, before, after])
+    steps = report["args"]["steps"]
+    return (
+        "\n".join(
+            [
+                "# megagrpo beside TRL's GRPOTrainer",
+                "",
+                f"Command: `{report['command']}`; machine: {report['machine']['cpu']}, "
+                f"{report['machine']['cpus_usable']} CPUs, load average at start "
+                f"{report['machine'].get('loadavg_at_start')}; TRL {report['machine'].get('trl')}, "
+                f"transformers {report['machine'].get('transformers')}.",
+                f"Steps per run: {steps}; step time = median over each run's steps after the first "
+                f"{SKIP}, then the median over rounds. speed-up = best TRL mode's step time / this setup's "
+                "(above 1: megagrpo faster). Validation: greedy accuracy on the same 64 held-out problems "
+                "before training and after the run's steps (one value per round).",
+                "",
+                *md_table(
+                    "size | setup | step s (median) | step s per round | speed-up vs TRL | val. before | "
+                    "val. after",
+                    rows,
+                ),
+            ]
+        )
+        + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""The peer's side of peer_bench: TRL's ``GRPOTrainer`` on an HF model, in a process of its own.
+
+    python benchmarks/peer_trl.py --model HF_DIR --steps N --out FILE.json [--prompts 64] [--generations 8]
+        [--max-new-tokens 8] [--mini-batch 256] [--lr 3e-4] [--generation generate|paged]
+
+The prompts are the embedded arithmetic task's (``37+45=``), drawn from the same stream as
+``megagrpo train``'s (prompt ``i`` of the run from seed ``grpo.seed * 1_000_003 + i``), in the same
+order (TRL's shuffling off); the reward is the same exact-integer match; validation is greedy accuracy
+on the same held-out problems, before and after training, with ``transformers``' ``generate``.
+
+The settings mirror the megagrpo run it is compared with: ``--prompts`` x ``--generations`` completions
+per GRPO step, ``--mini-batch`` completions per optimizer step (TRL's ``steps_per_generation``), one
+pass over each batch, Adam at a constant ``--lr``, gradient clipping at 1, clip range 0.2 / 0.28, no
+KL term, token-level loss over the batch (TRL's ``dapo``), advantages ``(r - group mean) / group std``
+(TRL's ``scale_rewards: group``; megagrpo runs with ``grpo.baseline: mean`` beside it).
+
+A GRPO step's time is the time between the ends of the optimizer steps that close two consecutive
+generation batches (generation, reward, logprobs, the optimizer steps, logging), from a
+``TrainerCallback``. Writes the per-step times and the validation accuracies as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def arithmetic_rows(n: int, seed: int) -> list[dict]:
+    """Prompts 0..n-1 of megagrpo's training stream for the embedded task (tiny_cpu.yaml's settings)."""
+    from megagrpo.config import load_config
+    from megagrpo.data.prompts import arithmetic_source
+
+    source = arithmetic_source(load_config(None, [f"grpo.seed={seed}"]))
+    rows = []
+    for prompt in source.batch(0, n):
+        rows.append({"prompt": source.decode(prompt.token_ids[1:]), "answer": prompt.answer})
+    return rows
+
+
+def val_rows() -> list[dict]:
+    from megagrpo.config import load_config
+    from megagrpo.data.prompts import arithmetic_val_problems
+
+    return [{"prompt": p.prompt, "answer": p.answer} for p in arithmetic_val_problems(load_config(None, []))]
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
+    import torch
+
+    from megagrpo.rewards.arithmetic import arithmetic_reward
+
+    tokenizer.padding_side = "left"
+    batch = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(
+            **batch,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    return sum(arithmetic_reward(t, r["answer"]) for t, r in zip(texts, rows, strict=True)) / len(rows)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory (config, safetensors, tokenizer)")
+    p.add_argument("--steps", type=int, required=True, help="GRPO steps (generation batches)")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--mini-batch", type=int, default=256, help="completions per optimizer step")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--generation",
+        choices=["generate", "paged"],
+        default="generate",
+        help="transformers' generate, or its continuous-batching (paged) generation",
+    )
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from megagrpo.rewards.arithmetic import arithmetic_reward
+
+    batch = args.prompts * args.generations
+    if batch % args.mini_batch:
+        raise SystemExit(f"--mini-batch {args.mini_batch} must divide a batch of {batch} completions")
+    per_batch = batch // args.mini_batch
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    val = val_rows()
+    before = greedy_accuracy(model, tokenizer, val, args.max_new_tokens)
+
+    def reward(completions, answer, **_):
+        return [arithmetic_reward(c, a) for c, a in zip(completions, answer, strict=True)]
+
+    ends: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, _args, state, *_, **__):
+            if state.global_step % per_batch == 0:
+                ends.append(time.perf_counter())
+
+    config = GRPOConfig(
+        output_dir=str(args.out.parent / f"{args.out.stem}_trl"),
+        per_device_train_batch_size=args.mini_batch,
+        gradient_accumulation_steps=1,
+        num_generations=args.generations,
+        generation_batch_size=batch,
+        max_completion_length=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        max_steps=args.steps * per_batch,
+        shuffle_dataset=False,
+        logging_steps=per_batch,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=args.seed,
+        disable_dropout=True,
+        use_transformers_continuous_batching=args.generation == "paged",
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_list(arithmetic_rows(args.steps * args.prompts, args.seed)),
+        processing_class=tokenizer,
+        callbacks=[StepTimes()],
+    )
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    after = greedy_accuracy(trainer.model, tokenizer, val, args.max_new_tokens)
+    step_s = [b - a for a, b in itertools.pairwise(ends)]
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    report = {
+        "trl": __import__("trl").__version__,
+        "generation": args.generation,
+        "torch_threads": torch.get_num_threads(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "step_s": step_s,
+        "train_wall_s": wall,
+        "reward": rewards,
+        "val_accuracy_before": before,
+        "val_accuracy_after": after,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(
+        f"TRL {report['trl']} ({args.generation}): {len(step_s)} steps, median "
+        f"{statistics.median(step_s[1:] or step_s):.3f} s/step, greedy val {before:.3f} -> {after:.3f}"
+    )
+    return report
+
+
+if __name__ == "__main__":
+    main()
