@@ -106,6 +106,10 @@ def main(argv=None) -> dict:
     p.add_argument("--trl-generation", nargs="+", default=modes, choices=modes)
     p.add_argument("--out", type=Path, default=RESULTS / "peer.json")
     args = p.parse_args(argv)
+    try:
+        import trl  # the peer runs in processes of its own: checked here, before any run
+    except ImportError:
+        raise SystemExit("peer_bench needs TRL: pip install -e '.[bench]'") from None
     steps = {**STEPS, **{k: int(v) for k, v in (s.split("=", 1) for s in args.steps)}}
     root = TMP / "peer_bench"
     shutil.rmtree(root, ignore_errors=True)

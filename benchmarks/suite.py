@@ -102,6 +102,25 @@ def _step_metrics(report: dict) -> Samples:
     return out
 
 
+def _peer_metrics(report: dict) -> Samples:
+    out: Samples = {}
+    for size, setups in report["sizes"].items():
+        for name, r in setups.items():
+            out[f"{size} {name} step s"] = (r["step_s_rounds"], "s")
+    return out
+
+
+def _scaling_metrics(report: dict) -> Samples:
+    curves, out = report["curves"], {}
+    for p in curves.get("prompts", []):
+        out[f"step s at {p['prompts']} prompts"] = ([p["step_s"]], "s")
+    for p in curves.get("lengths", []):
+        out[f"step s at {p['max_new_tokens']} new tokens"] = ([p["step_s"]], "s")
+    for p in curves.get("sync", []):
+        out[f"sync s at {p['bytes'] / 1e9:.2f} GB"] = ([p["sync_s"]], "s")
+    return out
+
+
 def _rollout_metrics(report: dict) -> Samples:
     out: Samples = {
         f"{kind} tokens/s": ([r["tokens_per_s"] for r in runs], "tokens/s")
@@ -340,6 +359,29 @@ BENCHMARKS: tuple[Bench, ...] = (
         {"cpu": []},
         {"cpu": ["--size-mb", "64", "--rounds", "1"]},
         _shard_sync_metrics,
+    ),
+    Bench(
+        "scaling",
+        "scaling_bench.py",
+        "step time vs prompts per step and vs response length; sync time vs model size",
+        ("cpu",),
+        {"cpu": []},
+        {"cpu": ["--prompts", "8", "16", "--lengths", "16", "32", "--sizes-mb", "150", "--steps", "3"]},
+        _scaling_metrics,
+        repeat_flag=None,
+        output_flag="--out",
+    ),
+    Bench(
+        "peer",
+        "peer_bench.py",
+        "megagrpo beside TRL's GRPOTrainer: same model, prompts, group, tokens and optimizer (bench extra)",
+        ("cpu",),
+        {"cpu": []},
+        {"cpu": ["--sizes", "tiny", "--rounds", "1", "--steps", "tiny=5", "--trl-generation", "generate"]},
+        _peer_metrics,
+        repeat_flag="--rounds",
+        repeat_default=2,
+        output_flag="--out",
     ),
 )
 """The suite, cheapest first (a failing set-up shows early)."""

@@ -157,7 +157,13 @@ def test_killed_engine_is_replaced_and_the_run_matches_an_undisturbed_one(
     outside = {addr: pid for addr, pid in killer.listening.items() if addr.rsplit(":", 1)[0] not in _LOOPBACK}
     assert killer.listening and not outside, (outside, [_cmdline(p) for p in outside.values()])
     if mounted:  # steps 2.. no longer fit: reported, skipped, the run went on; step_1 stays the latest
-        assert "checkpoint step_2 could not be written" in out and "No space left on device" in out
+        # On failure, say what the run printed of its checkpoints and what the file system holds.
+        saved = [line for line in out.splitlines() if "checkpoint" in line.lower()]
+        usage = subprocess.run(["df", "-B1", str(mount)], capture_output=True, text=True).stdout
+        held = sorted(str(p.relative_to(mount)) for p in mount.rglob("*") if p.is_file())
+        why = (saved, usage, held[:40])
+        assert "checkpoint step_2 could not be written" in out, why
+        assert "No space left on device" in out, why
         assert "the latest checkpoint is still step_1; continuing without it" in out
         assert ckpt_io.latest(mount / "ckpt").name == "step_1"
         assert not list((mount / "ckpt").glob(".step_*.tmp"))
