@@ -2,7 +2,7 @@
 """megagrpo beside TRL's ``GRPOTrainer``: the same HF model, prompts, group size, response budget and
 optimizer settings, run alternately on the same machine.
 
-    python benchmarks/peer_bench.py [--sizes tiny m25] [--rounds 2] [--steps tiny=20 m25=4]
+    python benchmarks/peer_bench.py [--sizes tiny m25] [--rounds tiny=2 m25=1] [--steps tiny=20 m25=4]
         [--trl-generation generate paged] [--out FILE.json]
 
 Needs the ``bench`` extra (TRL). Two sizes, as step_bench's setups:
@@ -100,7 +100,12 @@ def export_warmup(run_dir: Path, out: Path) -> Path:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=["tiny", "m25"], choices=list(STEPS))
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--rounds",
+        nargs="+",
+        default=["tiny=2", "m25=1"],
+        help="N, or SIZE=N: rounds per size (tiny=2 m25=1)",
+    )
     p.add_argument("--steps", nargs="*", default=[], help="SIZE=N: GRPO steps per run (tiny=20 m25=4)")
     modes = ["generate", "paged"]
     p.add_argument("--trl-generation", nargs="+", default=modes, choices=modes)
@@ -111,19 +116,27 @@ def main(argv=None) -> dict:
     except ImportError:
         raise SystemExit("peer_bench needs TRL: pip install -e '.[bench]'") from None
     steps = {**STEPS, **{k: int(v) for k, v in (s.split("=", 1) for s in args.steps)}}
+    rounds = {
+        size: int(r)
+        for size, r in (x.split("=", 1) if "=" in x else (s, x) for x in args.rounds for s in STEPS)
+    }
     root = TMP / "peer_bench"
     shutil.rmtree(root, ignore_errors=True)
     report = {
         "benchmark": "megagrpo vs TRL GRPOTrainer, same model and settings",
         "command": " ".join(["python", *(sys.argv if argv is None else ["benchmarks/peer_bench.py", *argv])]),
         "machine": machine_info("torch", "vllm", "megatron.core", "trl", "transformers"),
-        "args": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "steps": steps},
+        "args": {
+            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "steps": steps,
+            "rounds": rounds,
+        },
         "sizes": {},
     }
     for size in args.sizes:
         runs: dict[str, list[dict]] = {}
         warmup = model = None
-        for rnd in range(args.rounds):
+        for rnd in range(rounds.get(size, 1)):
             tag = f"r{rnd}"
             r = ours(root, size, 1, steps[size], tag, warmup)
             if warmup is None:

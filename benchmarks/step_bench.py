@@ -57,10 +57,12 @@ STAGES = ("generation_s", "logprobs_s", "train_s", "sync_s", "validation_s")
 """The stages a step is made of (reward_s is part of generation_s, probe_s part of sync_s)."""
 
 
-def run(name: str, steps: int, root: Path, warmups: dict[str, Path], extra: list[str]) -> Path:
+def run(
+    name: str, steps: int, root: Path, warmups: dict[str, Path], extra: list[str], profile: Path | None = None
+) -> Path:
     family = name.split("_")[0]  # tiny or m25: the setups of a family share one warm-up
     overrides = ["logging.val_every=0", *SETUPS[name], *extra]
-    run_dir = train_run(root, name, steps, overrides, warmups.get(family))
+    run_dir = train_run(root, name, steps, overrides, warmups.get(family), profile)
     if family not in warmups and (run_dir / "warmup").is_dir():
         warmups[family] = root / f"warmup_{family}"
         shutil.copytree(run_dir / "warmup", warmups[family])
@@ -86,11 +88,62 @@ def summarize(run_dir: Path) -> dict:
     return out
 
 
+def driver_profile(name: str, root: Path, warmups: dict[str, Path], extra: list[str], steps: tuple[int, int]):
+    """Where the driver process's time goes per step: setup ``name`` run twice under cProfile, for
+    ``steps[0]`` and ``steps[1]`` steps; each function's own time (cProfile's tottime, wall clock)
+    in the longer run minus the shorter, divided by the extra steps, so start-up and shutdown cancel.
+    Time the driver spends waiting on the actors (Ray's get, inside ``ray/_private/worker.py``) is
+    the stages' work seen from the driver; the rest is the driver's own overhead."""
+    import pstats
+
+    own = []
+    for n in steps:
+        prof = root / f"profile_{n}" / "driver.prof"
+        prof.parent.mkdir(parents=True, exist_ok=True)
+        run(name, n, prof.parent, warmups, extra, profile=prof)
+        own.append({f: row[2] for f, row in pstats.Stats(str(prof)).stats.items()})
+    extra_steps = steps[1] - steps[0]
+    per_step = {f: (own[1].get(f, 0.0) - own[0].get(f, 0.0)) / extra_steps for f in own[1]}
+    by_group: dict[str, float] = {}
+    for func, seconds in per_step.items():
+        by_group[profile_group(func)] = by_group.get(profile_group(func), 0.0) + seconds
+    top = sorted(per_step.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "setup": name,
+        "steps": list(steps),
+        "per_step_s_by_group": dict(sorted(by_group.items(), key=lambda kv: -kv[1])),
+        "top_functions": [{"function": f"{f[0]}:{f[1]}({f[2]})", "per_step_s": s} for f, s in top],
+    }
+
+
+def profile_group(func: tuple[str, int, str]) -> str:
+    """A profiled function's group: the package its file is in, or for a C function what it does."""
+    filename, _, name = func
+    if filename == "~":
+        waits = ("acquire", "select", "poll", "sleep", "wait", "recv", "get_objects")
+        if any(w in name for w in waits):
+            return "C: waits (locks, sockets, Ray object fetch)"
+        if any(w in name for w in ("pickle", "dumps", "loads")):
+            return "C: serialization"
+        return "C: other builtins"
+    if "ray/_private/worker.py" in filename:
+        return "ray: get/wait (the actors' work)"
+    for package in ("megagrpo", "ray", "torch", "numpy", "transformers", "vllm", "yaml", "tqdm", "rich"):
+        if f"/{package}/" in filename:
+            return package
+    return "other Python"
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     p.add_argument("--extra", nargs="*", default=[], help="more config overrides for every setup")
+    p.add_argument(
+        "--profile",
+        choices=list(SETUPS),
+        help="also profile this setup's driver process (two runs under cProfile: --steps and 3 x --steps)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "step.json")
     args = p.parse_args(argv)
     root = TMP / "step_bench"
@@ -105,6 +158,9 @@ def main(argv=None) -> dict:
     warmups: dict[str, Path] = {}
     for name in args.setups:
         report["setups"][name] = summarize(run(name, args.steps, root, warmups, args.extra))
+    if args.profile:
+        steps = (args.steps, 3 * args.steps)
+        report["profile"] = driver_profile(args.profile, root / "profile", warmups, args.extra, steps)
     rows = []
     for name, r in report["setups"].items():
         step = r["step_s"]
@@ -142,9 +198,28 @@ def main(argv=None) -> dict:
             rows,
         ),
     ]
+    if "profile" in report:
+        lines += profile_markdown(report["profile"])
     write_results(args.out, report, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return report
+
+
+def profile_markdown(prof: dict) -> list[str]:
+    a, b = prof["steps"]
+    groups = [[g, f"{1e3 * s:.1f}"] for g, s in prof["per_step_s_by_group"].items() if abs(s) >= 5e-4]
+    top = [[f"`{t['function']}`", f"{1e3 * t['per_step_s']:.1f}"] for t in prof["top_functions"]]
+    return [
+        "",
+        f"## The driver process of {prof['setup']}, profiled",
+        "",
+        f"cProfile over the whole driver process, runs of {a} and {b} steps; per step = own time "
+        f"(tottime, wall clock) in the {b}-step run minus the {a}-step run, over {b - a} steps.",
+        "",
+        *md_table("group | ms per step", groups),
+        "",
+        *md_table("function (own time) | ms per step", top),
+    ]
 
 
 if __name__ == "__main__":

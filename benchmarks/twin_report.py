@@ -25,6 +25,27 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _family(problem: str) -> str:
+    """The generator family of a validation problem (megagrpo.data.math_problems), from its text."""
+    if problem.startswith("Solve"):
+        return "linear"
+    if problem.startswith("What is"):
+        return "percentage"
+    return "fractions" if "\\frac" in problem else "arithmetic"
+
+
+def _by_family(report: dict, problems: list[str]) -> dict[str, float]:
+    """pass@1 per problem family, and the share of first samples that box their answer."""
+    sums: dict[str, list[float]] = {}
+    for p in report["problems"]:
+        sums.setdefault(_family(problems[p["index"]]), []).append(p["pass_at"]["1"])
+    out = {f: sum(v) / len(v) for f, v in sorted(sums.items())}
+    out["first samples boxed"] = sum("\\boxed" in p["example"] for p in report["problems"]) / len(
+        report["problems"]
+    )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -61,6 +82,9 @@ def main() -> None:
                 "reward_errors": sum(r["reward/errors"] for r in steps),
             }
         )
+    val_file = runs / "cpu-twin-data" / "val.jsonl"
+    problems = [json.loads(line)["problem"] for line in val_file.read_text().splitlines()]
+    families = {"before": _by_family(before, problems), "after": _by_family(after, problems)}
     sft = None
     if args.sft_log:
         found = re.search(r"real\s+(\d+)m([\d.]+)s", Path(args.sft_log).read_text())
@@ -70,6 +94,7 @@ def main() -> None:
         "after": after["summary"],
         "settings": after["settings"],
         "stages": stages,
+        "by_family": families,
         "sft_wall_s": sft,
         "note": args.note,
     }
@@ -101,6 +126,17 @@ def main() -> None:
             f"{s['val_pass1_first']:.3f} -> {s['val_pass1_last']:.3f} | {s['truncated_frac_last_5']:.3f} | "
             f"{s['reward_timeouts']} | {s['reward_errors']} |"
         )
+    lines += [
+        "",
+        "pass@1 by problem family, and the share of first samples (one per problem) that box their answer:",
+        "",
+        "| model | " + " | ".join(families["before"]) + " |",
+        "|---|" + "---:|" * len(families["before"]),
+        *(
+            f"| {name} | " + " | ".join(f"{v:.3f}" for v in families[key].values()) + " |"
+            for key, name in (("before", "made model"), ("after", "stage 3's export"))
+        ),
+    ]
     if sft is not None:
         lines += ["", f"Model making (BPE + SFT, cpu_twin_model.yaml): {sft:.0f} s wall."]
     atomic_write(out.with_suffix(".md"), "\n".join(lines) + "\n")

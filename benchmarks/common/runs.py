@@ -11,10 +11,18 @@ import time
 from pathlib import Path
 
 
-def train_run(root: Path, name: str, steps: int, overrides: list[str], warmup: Path | None = None) -> Path:
+def train_run(
+    root: Path,
+    name: str,
+    steps: int,
+    overrides: list[str],
+    warmup: Path | None = None,
+    profile: Path | None = None,
+) -> Path:
     """Run ``name`` under ``root/runs`` for ``steps`` GRPO steps with ``overrides`` (no TensorBoard,
     progress bar, checkpoints or export), starting from the copy of ``warmup`` when given; returns its
-    run directory. A failed run stops the benchmark with the run's output."""
+    run directory. With ``profile``, the driver process runs under cProfile, its stats written there.
+    A failed run stops the benchmark with the run's output."""
     run_dir = root / "runs" / name
     if warmup is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -31,8 +39,9 @@ def train_run(root: Path, name: str, steps: int, overrides: list[str], warmup: P
         *overrides,
     ]
     start = time.perf_counter()
+    profiler = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
     done = subprocess.run(
-        [sys.executable, "-m", "megagrpo.cli", "train", *args], capture_output=True, text=True
+        [sys.executable, *profiler, "-m", "megagrpo.cli", "train", *args], capture_output=True, text=True
     )
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

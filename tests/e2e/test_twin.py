@@ -22,7 +22,8 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="session")
 def twin(tmp_path_factory) -> Path:
     """A root holding the made model's run (``cpu-twin-model``, as cpu_twin_model.yaml makes it, with
-    fewer steps) and the data (``train.parquet``, ``val.jsonl``); made once per session."""
+    fewer steps and every solution boxed, so that 40 steps make a model whose answers sometimes
+    score) and the data (``train.parquet``, ``val.jsonl``); made once per session."""
     from megagrpo.sft import run_sft
 
     root = tmp_path_factory.mktemp("twin")
@@ -34,6 +35,7 @@ def twin(tmp_path_factory) -> Path:
             f"logging.dir={root}",
             f"checkpoint.dir={root / 'model-ckpt'}",
             "sft.num_steps=40",
+            "data.math_unboxed_frac=0",
             "sft.val_every=0",
             "sft.num_val_examples=8",
         ],
