@@ -9,7 +9,7 @@ STAMP := $(VENV)/.megagrpo-$(EXTRAS)-installed
 PYTEST_ARGS ?=
 SUITE ?= cpu
 
-.PHONY: setup demo sft-demo dpo-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-readme clean
+.PHONY: setup demo sft-demo dpo-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-deps bench-readme clean
 
 setup: $(STAMP)
 
@@ -84,12 +84,17 @@ lint: setup
 	$(PY) -m ruff format --check .
 
 # The benchmark suite (benchmarks/README.md): SUITE=cpu|gpu; results in benchmarks/results/suite_$(SUITE)/.
-bench: setup
+# The peer comparison needs TRL (the `bench` extra), installed here on first use.
+bench: setup bench-deps
 	$(PY) -m benchmarks run --suite $(SUITE)
 
 # Smoke run of the same benchmarks at their smallest sizes, one repetition (a few minutes on 2 cores).
-bench-quick: setup
+bench-quick: setup bench-deps
 	$(PY) -m benchmarks run --suite $(SUITE) --quick
+
+bench-deps: setup
+	@# Only the extra: reinstalling the cpu extra would bring back the torchvision that setup removes.
+	$(PY) -c "import trl" 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
 
 # README.md's "Measured" table rewritten from the results files in benchmarks/results/.
 bench-readme: setup

@@ -14,9 +14,10 @@ Needs the ``bench`` extra (TRL). Two sizes, as step_bench's setups:
 
 Each round runs, one after the other, megagrpo at TP = 1 (the size's best layout on one machine),
 TRL in each ``--trl-generation`` mode (``generate``: ``transformers``' ``generate``; ``paged``: its
-continuous batching), and megagrpo at TP = 2 (the demo's layout). The first megagrpo run makes the
-model (its warm-up) and every later run, TRL's included, starts from it. megagrpo runs with
-``grpo.baseline: mean`` (TRL's group-mean advantage), everything else as its config.
+continuous batching), and megagrpo at TP = 2 (the demo's layout); ``--tp`` changes the layouts.
+The first megagrpo run makes the model (its warm-up) and every later run, TRL's included, starts
+from it. megagrpo runs with ``grpo.baseline: mean`` (TRL's group-mean advantage), everything else
+as its config.
 
 A run's step time is the median over its steps after the first ``SKIP`` (start-up compilations);
 the report gives, per setup, the median over the rounds, the ratio TRL / megagrpo (above 1: megagrpo
@@ -27,6 +28,7 @@ number of steps (at m25 the random model's accuracy is 0 and says nothing).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import statistics
@@ -109,12 +111,17 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", nargs="*", default=[], help="SIZE=N: GRPO steps per run (tiny=20 m25=4)")
     modes = ["generate", "paged"]
     p.add_argument("--trl-generation", nargs="+", default=modes, choices=modes)
+    p.add_argument(
+        "--tp",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="megagrpo's trainer TP sizes: the first runs before TRL",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "peer.json")
     args = p.parse_args(argv)
-    try:
-        import trl  # the peer runs in processes of its own: checked here, before any run
-    except ImportError:
-        raise SystemExit("peer_bench needs TRL: pip install -e '.[bench]'") from None
+    if importlib.util.find_spec("trl") is None:  # the peer runs in processes of its own
+        raise SystemExit("peer_bench needs TRL: pip install -e '.[bench]' (or make bench-deps)")
     steps = {**STEPS, **{k: int(v) for k, v in (s.split("=", 1) for s in args.steps)}}
     rounds = {
         size: int(r)
@@ -138,15 +145,16 @@ def main(argv=None) -> dict:
         warmup = model = None
         for rnd in range(rounds.get(size, 1)):
             tag = f"r{rnd}"
-            r = ours(root, size, 1, steps[size], tag, warmup)
+            r = ours(root, size, args.tp[0], steps[size], tag, warmup)
             if warmup is None:
                 warmup = root / f"warmup_{size}"
                 shutil.copytree(Path(r["run_dir"]) / "warmup", warmup)
                 model = export_warmup(Path(r["run_dir"]), root / f"{size}_hf")
-            runs.setdefault("megagrpo TP1", []).append(r)
+            runs.setdefault(f"megagrpo TP{args.tp[0]}", []).append(r)
             for mode in args.trl_generation:
                 runs.setdefault(f"TRL {mode}", []).append(trl(root, size, model, steps[size], mode, tag))
-            runs.setdefault("megagrpo TP2", []).append(ours(root, size, 2, steps[size], tag, warmup))
+            for tp in args.tp[1:]:
+                runs.setdefault(f"megagrpo TP{tp}", []).append(ours(root, size, tp, steps[size], tag, warmup))
         report["sizes"][size] = {
             name: {
                 "step_s": statistics.median(r["step_s"] for r in rs),
