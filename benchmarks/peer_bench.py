@@ -49,7 +49,10 @@ TRL_ARGS = {
     "tiny": ["--prompts", "64", "--mini-batch", "256", "--max-new-tokens", "8"],
     "m25": ["--prompts", "16", "--mini-batch", "128", "--max-new-tokens", "128"],
 }
-OURS = {"tiny": [], "m25": M25}
+# The tiny config's micro-batch budget (1024 tokens, the demo's) splits an optimizer step's 256
+# sequences into several micro-batches; TRL runs each optimizer step's 256 completions as one.
+# Both sides here run one micro-batch per optimizer step (megagrpo's default budget).
+OURS = {"tiny": ["policy.micro_batch_max_tokens=8192"], "m25": M25}
 
 
 def ours(root: Path, size: str, tp: int, steps: int, tag: str, warmup: Path | None) -> dict:
@@ -70,6 +73,9 @@ def ours(root: Path, size: str, tp: int, steps: int, tag: str, warmup: Path | No
         "step_s": statistics.median(times),
         "val_before": val[0] if val else None,
         "val_after": val[-1] if len(val) > 1 else None,
+        "response_tokens": statistics.median(
+            r["response/length_mean"] for r in rows if r["step"] > SKIP[size]
+        ),
     }
 
 
@@ -88,6 +94,7 @@ def trl(root: Path, size: str, model: Path, steps: int, mode: str, tag: str) -> 
         "val_after": report["val_accuracy_after"],
         "torch_threads": report["torch_threads"],
         "trl": report["trl"],
+        "response_tokens": statistics.median(report["response_length_mean"]),
     }
 
 
@@ -139,6 +146,7 @@ def main(argv=None) -> dict:
             "rounds": rounds,
         },
         "sizes": {},
+        "provenance": {},
     }
     for size in args.sizes:
         runs: dict[str, list[dict]] = {}
@@ -161,12 +169,30 @@ def main(argv=None) -> dict:
                 "step_s_rounds": [r["step_s"] for r in rs],
                 "val_before": rs[-1]["val_before"],
                 "val_after": [r["val_after"] for r in rs],
+                "response_tokens": statistics.median(r["response_tokens"] for r in rs),
             }
             for name, rs in runs.items()
         }
+        report["provenance"][size] = {"command": report["command"], "machine": report["machine"]}
+    keep_earlier(report, args.out, args.sizes)
     write_results(args.out, report, markdown(report))
     print(markdown(report))
     return report
+
+
+def keep_earlier(report: dict, out: Path, measured: list[str]) -> None:
+    """Sizes not measured by this run keep the results ``out`` holds for them, with the command and
+    machine that measured them (``provenance``), so one size can be re-measured alone."""
+    if not out.is_file():
+        return
+    earlier = json.loads(out.read_text())
+    for size, setups in earlier.get("sizes", {}).items():
+        if size not in measured:
+            report["sizes"][size] = setups
+            report["provenance"][size] = earlier.get("provenance", {}).get(size) or {
+                "command": earlier["command"],
+                "machine": earlier["machine"],
+            }
 
 
 def markdown(report: dict) -> str:
@@ -178,7 +204,9 @@ def markdown(report: dict) -> str:
             after = ", ".join("-" if v is None else f"{v:.3f}" for v in s["val_after"])
             before = "-" if s["val_before"] is None else f"{s['val_before']:.3f}"
             rounds = ", ".join(f"{v:.3f}" for v in s["step_s_rounds"])
-            rows.append([size, name, f"{s['step_s']:.3f}", rounds, ratio, before, after])
+            tokens = s.get("response_tokens")
+            tokens = "-" if tokens is None else f"{tokens:.1f}"
+            rows.append([size, name, f"{s['step_s']:.3f}", rounds, ratio, tokens, before, after])
     steps = report["args"]["steps"]
     return (
         "\n".join(
@@ -192,11 +220,17 @@ def markdown(report: dict) -> str:
                 f"Steps per run: {steps}; step time = median over each run's steps after the first "
                 f"{SKIP}, then the median over rounds. speed-up = best TRL mode's step time / this setup's "
                 "(above 1: megagrpo faster). Validation: greedy accuracy on the same 64 held-out problems "
-                "before training and after the run's steps (one value per round).",
+                "before training and after the run's steps (one value per round). Response tokens: the "
+                "median over steps of the mean response length.",
+                *(
+                    f"Size {size} kept from an earlier run: `{p['command']}` ({p['machine'].get('date')})."
+                    for size, p in report.get("provenance", {}).items()
+                    if p["command"] != report["command"]
+                ),
                 "",
                 *md_table(
-                    "size | setup | step s (median) | step s per round | speed-up vs TRL | val. before | "
-                    "val. after",
+                    "size | setup | step s (median) | step s per round | speed-up vs TRL | response tokens | "
+                    "val. before | val. after",
                     rows,
                 ),
             ]

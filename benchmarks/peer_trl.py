@@ -166,6 +166,9 @@ def main(argv=None) -> dict:
     after = greedy_accuracy(trainer.model, tokenizer, val, args.max_new_tokens)
     step_s = [b - a for a, b in itertools.pairwise(ends)]
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    lengths = [
+        h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
+    ]
     report = {
         "trl": __import__("trl").__version__,
         "generation": args.generation,
@@ -174,6 +177,7 @@ def main(argv=None) -> dict:
         "step_s": step_s,
         "train_wall_s": wall,
         "reward": rewards,
+        "response_length_mean": lengths,
         "val_accuracy_before": before,
         "val_accuracy_after": after,
     }

@@ -332,6 +332,51 @@ def _step(r):
     )
 
 
+def _peer(r):
+    sizes = r["peer"]["sizes"]
+    parts = []
+    for size, setups in sizes.items():
+        trl = {n: s for n, s in setups.items() if n.startswith("TRL")}
+        best_name, best = min(trl.items(), key=lambda kv: kv[1]["step_s"])
+        ours = [
+            f"{n.removeprefix('megagrpo ')} {s['step_s']:.2f} s ({best['step_s'] / s['step_s']:.2f}x)"
+            for n, s in setups.items()
+            if n.startswith("megagrpo")
+        ]
+        vals = lambda s: "/".join(f"{v:.2f}" for v in s["val_after"] if v is not None) or "-"
+        tp1 = setups["megagrpo TP1"]
+        val = (
+            f"; greedy val. {tp1['val_before']:.2f} -> ours {vals(tp1)}, TRL {vals(best)}"
+            if size == "tiny"
+            else ""
+        )
+        parts.append(
+            f"{size}: TRL ({best_name.removeprefix('TRL ')}) {best['step_s']:.2f} s/step, megagrpo "
+            + ", ".join(ours)
+            + val
+        )
+    steps = r["peer"]["args"]["steps"]
+    return (
+        "megagrpo beside TRL's GRPOTrainer on the same model, prompts, group, tokens and optimizer, run "
+        f"alternately (`peer_bench.py`: tiny = the demo's warmed-up model, 64 x 8, 8 tokens, {steps['tiny']} "
+        f"steps; m25 = ~25M random model, 16 x 8, 128 tokens, {steps['m25']} steps; speed-up vs TRL's "
+        "faster mode)",
+        "; ".join(parts),
+        f"faster than TRL at tiny ({verdict(sizes, 'tiny', 1.0)}); "
+        f">= 1.25x at ~25M ({verdict(sizes, 'm25', 1.25)})",
+    )
+
+
+def verdict(sizes: dict, size: str, target: float) -> str:
+    """Whether megagrpo's best layout is ``target`` times TRL's best mode's speed at ``size``."""
+    setups = sizes.get(size)
+    if not setups:
+        return "not measured"
+    trl = min(s["step_s"] for n, s in setups.items() if n.startswith("TRL"))
+    ours = min(s["step_s"] for n, s in setups.items() if n.startswith("megagrpo"))
+    return f"{'met' if trl / ours > target else 'missed'}: {trl / ours:.2f}x"
+
+
 def _shard_sync(r):
     d = r["shard_sync"]
     shard, gathered = d["results"]["shard"], d["results"]["gathered"]
@@ -442,6 +487,7 @@ ROWS: tuple[Row, ...] = (
     Row(("faults",), _engine_kill),
     Row(("shard_sync",), _shard_sync),
     Row(("step",), _step),
+    Row(("peer",), _peer),
     Row(("gpu_h200/train_4096",), _h200_sender),
 )
 
