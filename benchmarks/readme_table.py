@@ -377,6 +377,31 @@ def verdict(sizes: dict, size: str, target: float) -> str:
     return f"{'met' if trl / ours > target else 'missed'}: {trl / ours:.2f}x"
 
 
+def _scaling(r):
+    c = r["scaling"]["curves"]
+    pr, ln, sy = c["prompts"], c["lengths"], c["sync"]
+    per_token = [p["ms_per_token"] for p in ln]
+    linear = (
+        pr[-1]["s_per_rollout"] <= pr[0]["s_per_rollout"]
+        and max(per_token) <= 1.1 * per_token[0]
+        and sy[-1]["s_per_gb"] <= sy[0]["s_per_gb"]
+    )
+    joined = lambda values, form: " / ".join(form.format(v) for v in values)
+    return (
+        "scaling (`scaling_bench.py`, `results/scaling.png`): tiny model at TP 1, one optimizer step per "
+        "batch; step time vs rollouts per step and vs response length (random weights, 16 x 8); sync vs "
+        "model size (one engine)",
+        f"per rollout {1e3 * pr[0]['s_per_rollout']:.2f} ms at {pr[0]['rollouts']} rollouts -> "
+        f"{1e3 * pr[-1]['s_per_rollout']:.2f} ms at {pr[-1]['rollouts']}; per generated token "
+        f"{joined(per_token, '{:.3f}')} ms from {ln[0]['generated_tokens']:.0f} to "
+        f"{ln[-1]['generated_tokens']:.0f} tokens per step; sync "
+        f"{joined([p['s_per_gb'] for p in sy], '{:.2f}')} s per GB at "
+        f"{joined([p['bytes'] / 1e9 for p in sy], '{:.2f}')} GB (flat broadcast "
+        f"{joined([p['flat_s_per_gb'] for p in sy], '{:.2f}')})",
+        f"growth no worse than linear ({'met' if linear else 'missed'})",
+    )
+
+
 def _shard_sync(r):
     d = r["shard_sync"]
     shard, gathered = d["results"]["shard"], d["results"]["gathered"]
@@ -488,6 +513,7 @@ ROWS: tuple[Row, ...] = (
     Row(("shard_sync",), _shard_sync),
     Row(("step",), _step),
     Row(("peer",), _peer),
+    Row(("scaling",), _scaling),
     Row(("gpu_h200/train_4096",), _h200_sender),
 )
 
