@@ -59,6 +59,15 @@ from megagrpo.types import TrainBatch
 
 # Model shapes: the CPU default is small enough for a 2-core machine; qwen2-1.5b is the real shape.
 PRESETS = {
+    # make demo's model (tiny_cpu.yaml).
+    "tiny": dict(
+        num_layers=2,
+        hidden_size=128,
+        ffn_hidden_size=256,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=512,
+    ),
     "cpu": dict(
         num_layers=4,
         hidden_size=512,
