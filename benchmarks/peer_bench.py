@@ -67,15 +67,18 @@ def ours(root: Path, size: str, tp: int, steps: int, tag: str, warmup: Path | No
     val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
     # The last step validates (val_every = steps): its validation is left out of the step time, as
     # TRL's runs validate outside training.
-    times = [r["timing/step_s"] - r.get("timing/validation_s", 0.0) for r in rows if r["step"] > SKIP[size]]
+    timed = [r for r in rows if r["step"] > SKIP[size]]
+    times = [r["timing/step_s"] - r.get("timing/validation_s", 0.0) for r in timed]
     return {
         "run_dir": str(run_dir),
         "step_s": statistics.median(times),
         "val_before": val[0] if val else None,
         "val_after": val[-1] if len(val) > 1 else None,
-        "response_tokens": statistics.median(
-            r["response/length_mean"] for r in rows if r["step"] > SKIP[size]
-        ),
+        "response_tokens": statistics.median(r["response/length_mean"] for r in timed),
+        "parts_s": {
+            k: statistics.median(r.get(f"timing/{k}", 0.0) for r in timed)
+            for k in ("generation_s", "logprobs_s", "train_s", "sync_s")
+        },
     }
 
 
@@ -95,6 +98,7 @@ def trl(root: Path, size: str, model: Path, steps: int, mode: str, tag: str) -> 
         "torch_threads": report["torch_threads"],
         "trl": report["trl"],
         "response_tokens": statistics.median(report["response_length_mean"]),
+        "parts_s": {k.removeprefix("GRPOTrainer."): v for k, v in report.get("parts_s", {}).items()},
     }
 
 
@@ -170,6 +174,7 @@ def main(argv=None) -> dict:
                 "val_before": rs[-1]["val_before"],
                 "val_after": [r["val_after"] for r in rs],
                 "response_tokens": statistics.median(r["response_tokens"] for r in rs),
+                "parts_s": rs[-1].get("parts_s", {}),
             }
             for name, rs in runs.items()
         }
@@ -208,6 +213,24 @@ def markdown(report: dict) -> str:
             tokens = "-" if tokens is None else f"{tokens:.1f}"
             rows.append([size, name, f"{s['step_s']:.3f}", rounds, ratio, tokens, before, after])
     steps = report["args"]["steps"]
+    parts = [
+        f"- {size} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in s["parts_s"].items())
+        for size, setups in report["sizes"].items()
+        for name, s in setups.items()
+        if s.get("parts_s")
+    ]
+    if parts:
+        parts = [
+            "",
+            "Where a step goes (seconds, medians over the last round's steps): megagrpo's stages; the "
+            "parts TRL times itself (its `profiling_context`; nested parts are also counted in their "
+            "parents: `_prepare_inputs` holds generation and the old-logprob pass, "
+            "`_get_per_token_logps_and_entropies` the old-logprob pass and the training forwards, "
+            "`compute_loss` the training forwards; the backward passes and optimizer steps are outside "
+            "all of them).",
+            "",
+            *parts,
+        ]
     return (
         "\n".join(
             [
@@ -233,6 +256,7 @@ def markdown(report: dict) -> str:
                     "val. before | val. after",
                     rows,
                 ),
+                *parts,
             ]
         )
         + "\n"

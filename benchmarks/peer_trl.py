@@ -109,6 +109,21 @@ def main(argv=None) -> dict:
         return [arithmetic_reward(c, a) for c, a in zip(completions, answer, strict=True)]
 
     ends: list[float] = []
+    # TRL times its parts (generation, logprob passes, loss, reward) with ProfilingContext, which reports
+    # only to experiment trackers: its report hook is wrapped here to keep them, by GRPO step.
+    from trl.extras.profiling import ProfilingContext
+
+    parts: list[dict[str, float]] = []
+    report_part = ProfilingContext._log_metrics
+
+    def keep_part(self, duration: float) -> None:
+        while len(parts) < len(ends):
+            parts.append({})
+        step = parts[max(len(ends) - 1, 0)] if parts else {}
+        step[self.name] = step.get(self.name, 0.0) + duration
+        report_part(self, duration)
+
+    ProfilingContext._log_metrics = keep_part
 
     class StepTimes(TrainerCallback):
         def on_train_begin(self, *_, **__):
@@ -177,6 +192,11 @@ def main(argv=None) -> dict:
         "step_s": step_s,
         "train_wall_s": wall,
         "reward": rewards,
+        # Seconds per GRPO step of each part TRL times (nested parts are counted in their parents too).
+        "parts_s": {
+            name: statistics.median(p.get(name, 0.0) for p in parts[1:] or parts)
+            for name in sorted({n for p in parts for n in p})
+        },
         "response_length_mean": lengths,
         "val_accuracy_before": before,
         "val_accuracy_after": after,
