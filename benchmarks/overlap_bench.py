@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 from pathlib import Path
 
 from common import RESULTS, TMP
-from common.runs import metrics_rows, train_run
-from common.sampling import machine_info
+from common.runs import metrics_rows, run_report, train_run
 from common.tables import md_table, write_results
 
 SKIP_STEPS = 5  # start-up steps (first compilations, the first overlapped batch) left out of medians
@@ -74,15 +72,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     root = TMP / "overlap_bench"
     shutil.rmtree(root, ignore_errors=True)
-    report = {
-        "benchmark": "GRPO step, generation overlapped with training (grpo.max_staleness) vs sequential",
-        "command": " ".join(
-            ["python", *(sys.argv if argv is None else ["benchmarks/overlap_bench.py", *argv])]
-        ),
-        "machine": machine_info("torch", "vllm", "megatron.core"),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "runs": {},
-    }
+    what = "GRPO step, generation overlapped with training (grpo.max_staleness) vs sequential"
+    report = run_report(what, "overlap_bench.py", argv, args)
+    report["runs"] = {}
     warmup = None
     for k in args.staleness:
         run_dir = run(args, k, root, warmup)

@@ -37,8 +37,7 @@ import sys
 from pathlib import Path
 
 from common import RESULTS, TMP
-from common.runs import metrics_rows, train_run
-from common.sampling import machine_info
+from common.runs import metrics_rows, run_report, train_run
 from common.tables import md_table, write_results
 from step_bench import M25
 
@@ -102,6 +101,15 @@ def trl(root: Path, size: str, model: Path, steps: int, mode: str, tag: str) -> 
     }
 
 
+def per_size(values: list[str]) -> dict[str, int]:
+    """``["tiny=20", "m25=4"]`` -> {"tiny": 20, "m25": 4}; a bare ``N`` applies to every size."""
+    out: dict[str, int] = {}
+    for value in values:
+        size, _, n = value.rpartition("=")
+        out |= {size: int(n)} if size else dict.fromkeys(STEPS, int(n))
+    return out
+
+
 def export_warmup(run_dir: Path, out: Path) -> Path:
     """The run's warmed-up model as an HF directory (weights, config, tokenizer), for TRL."""
     shutil.rmtree(out, ignore_errors=True)
@@ -133,25 +141,12 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if importlib.util.find_spec("trl") is None:  # the peer runs in processes of its own
         raise SystemExit("peer_bench needs TRL: pip install -e '.[bench]' (or make bench-deps)")
-    steps = {**STEPS, **{k: int(v) for k, v in (s.split("=", 1) for s in args.steps)}}
-    rounds = {
-        size: int(r)
-        for size, r in (x.split("=", 1) if "=" in x else (s, x) for x in args.rounds for s in STEPS)
-    }
+    steps, rounds = STEPS | per_size(args.steps), per_size(args.rounds)
     root = TMP / "peer_bench"
     shutil.rmtree(root, ignore_errors=True)
-    report = {
-        "benchmark": "megagrpo vs TRL GRPOTrainer, same model and settings",
-        "command": " ".join(["python", *(sys.argv if argv is None else ["benchmarks/peer_bench.py", *argv])]),
-        "machine": machine_info("torch", "vllm", "megatron.core", "trl", "transformers"),
-        "args": {
-            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "steps": steps,
-            "rounds": rounds,
-        },
-        "sizes": {},
-        "provenance": {},
-    }
+    what = "megagrpo vs TRL GRPOTrainer, same model and settings"
+    report = run_report(what, "peer_bench.py", argv, args, "trl", "transformers", steps=steps, rounds=rounds)
+    report |= {"sizes": {}, "provenance": {}}
     for size in args.sizes:
         runs: dict[str, list[dict]] = {}
         warmup = model = None

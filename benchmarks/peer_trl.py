@@ -69,71 +69,50 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
     return sum(arithmetic_reward(t, r["answer"]) for t, r in zip(texts, rows, strict=True)) / len(rows)
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF model directory (config, safetensors, tokenizer)")
-    p.add_argument("--steps", type=int, required=True, help="GRPO steps (generation batches)")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--generations", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--mini-batch", type=int, default=256, help="completions per optimizer step")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--generation",
-        choices=["generate", "paged"],
-        default="generate",
-        help="transformers' generate, or its continuous-batching (paged) generation",
-    )
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
+class StepClock:
+    """When each GRPO step ends (the optimizer step that closes a generation batch; the first entry
+    is the training's start), and the seconds of each part TRL times itself during each step.
 
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    TRL times its parts (generation, logprob passes, loss, reward) with ``ProfilingContext``, which
+    reports only to experiment trackers: its report hook is wrapped to keep them here."""
 
-    from megagrpo.rewards.arithmetic import arithmetic_reward
+    def __init__(self, per_batch: int):
+        from trl.extras.profiling import ProfilingContext
 
-    batch = args.prompts * args.generations
-    if batch % args.mini_batch:
-        raise SystemExit(f"--mini-batch {args.mini_batch} must divide a batch of {batch} completions")
-    per_batch = batch // args.mini_batch
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    val = val_rows()
-    before = greedy_accuracy(model, tokenizer, val, args.max_new_tokens)
+        self.per_batch, self.ends, self.parts = per_batch, [], []
+        report = ProfilingContext._log_metrics
 
-    def reward(completions, answer, **_):
-        return [arithmetic_reward(c, a) for c, a in zip(completions, answer, strict=True)]
+        def keep(context, duration: float) -> None:
+            if self.ends:  # during training: the step under way is number len(ends)
+                while len(self.parts) < len(self.ends):
+                    self.parts.append({})
+                step = self.parts[len(self.ends) - 1]
+                step[context.name] = step.get(context.name, 0.0) + duration
+            report(context, duration)
 
-    ends: list[float] = []
-    # TRL times its parts (generation, logprob passes, loss, reward) with ProfilingContext, which reports
-    # only to experiment trackers: its report hook is wrapped here to keep them, by GRPO step.
-    from trl.extras.profiling import ProfilingContext
+        ProfilingContext._log_metrics = keep
 
-    parts: list[dict[str, float]] = []
-    report_part = ProfilingContext._log_metrics
+    def callback(self):
+        from transformers import TrainerCallback
 
-    def keep_part(self, duration: float) -> None:
-        while len(parts) < len(ends):
-            parts.append({})
-        step = parts[max(len(ends) - 1, 0)] if parts else {}
-        step[self.name] = step.get(self.name, 0.0) + duration
-        report_part(self, duration)
+        clock = self
 
-    ProfilingContext._log_metrics = keep_part
+        class StepEnds(TrainerCallback):
+            def on_train_begin(self, *_, **__):
+                clock.ends.append(time.perf_counter())
 
-    class StepTimes(TrainerCallback):
-        def on_train_begin(self, *_, **__):
-            ends.append(time.perf_counter())
+            def on_step_end(self, _args, state, *_, **__):
+                if state.global_step % clock.per_batch == 0:
+                    clock.ends.append(time.perf_counter())
 
-        def on_step_end(self, _args, state, *_, **__):
-            if state.global_step % per_batch == 0:
-                ends.append(time.perf_counter())
+        return StepEnds()
 
-    config = GRPOConfig(
+
+def grpo_config(args: argparse.Namespace, batch: int, per_batch: int):
+    """TRL's settings mirroring the megagrpo run (see the module's docstring)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
         output_dir=str(args.out.parent / f"{args.out.stem}_trl"),
         per_device_train_batch_size=args.mini_batch,
         gradient_accumulation_steps=1,
@@ -167,19 +146,62 @@ def main(argv=None) -> dict:
         disable_dropout=True,
         use_transformers_continuous_batching=args.generation == "paged",
     )
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory (config, safetensors, tokenizer)")
+    p.add_argument("--steps", type=int, required=True, help="GRPO steps (generation batches)")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--mini-batch", type=int, default=256, help="completions per optimizer step")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--generation",
+        choices=["generate", "paged"],
+        default="generate",
+        help="transformers' generate, or its continuous-batching (paged) generation",
+    )
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    from megagrpo.rewards.arithmetic import arithmetic_reward
+
+    batch = args.prompts * args.generations
+    if batch % args.mini_batch:
+        raise SystemExit(f"--mini-batch {args.mini_batch} must divide a batch of {batch} completions")
+    per_batch = batch // args.mini_batch
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    val = val_rows()
+    before = greedy_accuracy(model, tokenizer, val, args.max_new_tokens)
+
+    def reward(completions, answer, **_):
+        return [arithmetic_reward(c, a) for c, a in zip(completions, answer, strict=True)]
+
+    clock = StepClock(per_batch)
+    config = grpo_config(args, batch, per_batch)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
         args=config,
         train_dataset=Dataset.from_list(arithmetic_rows(args.steps * args.prompts, args.seed)),
         processing_class=tokenizer,
-        callbacks=[StepTimes()],
+        callbacks=[clock.callback()],
     )
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     after = greedy_accuracy(trainer.model, tokenizer, val, args.max_new_tokens)
-    step_s = [b - a for a, b in itertools.pairwise(ends)]
+    step_s = [b - a for a, b in itertools.pairwise(clock.ends)]
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     lengths = [
         h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
@@ -194,8 +216,8 @@ def main(argv=None) -> dict:
         "reward": rewards,
         # Seconds per GRPO step of each part TRL times (nested parts are counted in their parents too).
         "parts_s": {
-            name: statistics.median(p.get(name, 0.0) for p in parts[1:] or parts)
-            for name in sorted({n for p in parts for n in p})
+            name: statistics.median(p.get(name, 0.0) for p in clock.parts[1:] or clock.parts)
+            for name in sorted({n for p in clock.parts for n in p})
         },
         "response_length_mean": lengths,
         "val_accuracy_before": before,

@@ -30,8 +30,7 @@ import sys
 from pathlib import Path
 
 from common import GB, RESULTS, TMP
-from common.runs import metrics_rows, train_run
-from common.sampling import machine_info
+from common.runs import metrics_rows, run_report, train_run
 from common.tables import md_table, write_results
 
 HERE = Path(__file__).resolve().parent
@@ -219,15 +218,9 @@ def main(argv=None) -> dict:
         p.error(f"--steps must be above {SKIP} (the first {SKIP} steps are not timed)")
     root = TMP / "scaling_bench"
     shutil.rmtree(root, ignore_errors=True)
-    report = {
-        "benchmark": "scaling: step time vs prompts and response length, sync time vs model size",
-        "command": " ".join(
-            ["python", *(sys.argv if argv is None else ["benchmarks/scaling_bench.py", *argv])]
-        ),
-        "machine": machine_info("torch", "vllm", "megatron.core"),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "curves": {},
-    }
+    what = "scaling: step time vs prompts and response length, sync time vs model size"
+    report = run_report(what, "scaling_bench.py", argv, args)
+    report["curves"] = {}
     if "prompts" in args.only:
         report["curves"]["prompts"] = prompts_curve(root, args.prompts, args.steps)
     if "lengths" in args.only:

@@ -25,12 +25,10 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 from pathlib import Path
 
 from common import RESULTS, TMP
-from common.runs import metrics_rows, train_run
-from common.sampling import machine_info
+from common.runs import metrics_rows, run_report, train_run
 from common.tables import md_table, write_results
 
 SKIP_STEPS = 3
@@ -148,13 +146,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     root = TMP / "step_bench"
     shutil.rmtree(root, ignore_errors=True)
-    report = {
-        "benchmark": "end-to-end GRPO step: stages and overhead",
-        "command": " ".join(["python", *(sys.argv if argv is None else ["benchmarks/step_bench.py", *argv])]),
-        "machine": machine_info("torch", "vllm", "megatron.core"),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "setups": {},
-    }
+    report = run_report("end-to-end GRPO step: stages and overhead", "step_bench.py", argv, args)
+    report["setups"] = {}
     warmups: dict[str, Path] = {}
     for name in args.setups:
         report["setups"][name] = summarize(run(name, args.steps, root, warmups, args.extra))

@@ -49,6 +49,25 @@ def train_run(
     return run_dir
 
 
+def run_report(
+    benchmark: str, script: str, argv: list[str] | None, args, *packages: str, **more_args
+) -> dict:
+    """The head of a whole-run benchmark's report: what it measures, the command that reproduces it
+    (``benchmarks/<script>`` with ``argv``, else this process's own arguments), the machine with the
+    versions of torch, vLLM, Megatron-Core and ``packages``, and the parsed ``args`` (paths as text)
+    with ``more_args``."""
+    from common.sampling import machine_info
+
+    command = ["python", *(sys.argv if argv is None else [f"benchmarks/{script}", *argv])]
+    parsed = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    return {
+        "benchmark": benchmark,
+        "command": " ".join(command),
+        "machine": machine_info("torch", "vllm", "megatron.core", *packages),
+        "args": {**parsed, **more_args},
+    }
+
+
 def metrics_rows(run_dir: Path) -> list[dict]:
     """The run's metrics.jsonl, one dict per logged step."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
