@@ -138,9 +138,7 @@ def _train(cfg: Config, *, resume: bool) -> Path:
                 rollouts, filtered = current.rollouts, current.filtered
                 batch = to_train_batch(cfg, rollouts)
                 set_engines_awake(cfg, engines, False)  # colocated: hand the GPUs to the trainer
-                with timed(timings, "logprobs_s"):
-                    if needs_old_logprobs(cfg, batch):
-                        batch = batch.replace(old_logprobs=policy.call_first(PolicyWorker.logprobs, batch))
+                with timed(timings, "logprobs_s"):  # reference logprobs; old ones are train()'s own
                     if cfg.grpo.kl_coef > 0:
                         ref = policy.call_first(PolicyWorker.reference_logprobs, batch)
                         batch = batch.replace(ref_logprobs=ref)
@@ -199,14 +197,6 @@ def _train(cfg: Config, *, resume: bool) -> Path:
     if export:
         print(f"  HF export: {export}")
     return run_dir
-
-
-def needs_old_logprobs(cfg: Config, batch: TrainBatch) -> bool:
-    """Whether the trainer must score ``batch`` before training on it: only when the batch gets several
-    optimizer steps, whose PPO ratios compare with the weights before the first. With one step the
-    training forward runs on those very weights, so its detached logprobs are the old ones and the
-    extra forward is skipped (the generator's logprobs still feed TIS, and the probe is unchanged)."""
-    return batch.size > cfg.policy.mini_batch_size
 
 
 # --------------------------------------------------------------------------------------- set-up

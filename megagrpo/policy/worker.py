@@ -62,7 +62,10 @@ class PolicyWorker(MegatronRank, WeightSyncEndpoints):
     # --------------------------------------------------------------------------------------- train
 
     def train(self, batch: TrainBatch) -> list[TrainMetrics]:
-        """One optimizer step per mini-batch of ``policy.mini_batch_size`` sequences; metrics per step."""
+        """One optimizer step per mini-batch of ``policy.mini_batch_size`` sequences; metrics per step.
+
+        ``batch.old_logprobs`` may be None: they are then the training forward's own for the first
+        mini-batch and a forward before the first update for the others (``logprobs`` of each)."""
         if batch.advantages is None:
             raise ValueError("train() needs advantages")
         size = self.cfg.policy.mini_batch_size
@@ -70,15 +73,15 @@ class PolicyWorker(MegatronRank, WeightSyncEndpoints):
             raise ValueError(
                 f"batch of {batch.size} sequences is not a multiple of policy.mini_batch_size={size}"
             )
-        if batch.size > size and batch.old_logprobs is None:
-            raise ValueError("several optimizer steps per batch need old_logprobs (call logprobs() first)")
         if self.loss_cfg.kl_coef > 0 and batch.ref_logprobs is None:
             raise ValueError("grpo.kl_coef > 0 needs ref_logprobs (call reference_logprobs() first)")
-        history = []
-        for start in range(0, batch.size, size):
-            mini = batch.select(range(start, start + size))
-            history.append(self._train_step(mini))
-        return history
+        minis = [batch.select(range(start, start + size)) for start in range(0, batch.size, size)]
+        if batch.old_logprobs is None:
+            # PPO's old policy is the weights before the first update. The first mini-batch trains on
+            # exactly those, so its forward's detached logprobs are its old ones (ratio 1); only the
+            # later mini-batches are scored, now, before that update.
+            minis[1:] = [mini.replace(old_logprobs=self.logprobs(mini)) for mini in minis[1:]]
+        return [self._train_step(mini) for mini in minis]
 
     def _train_step(self, mini: TrainBatch) -> TrainMetrics:
         outputs: list[dict[str, torch.Tensor]] = []

@@ -130,9 +130,36 @@ def test_one_optimizer_step_needs_no_old_logprob_pass(layout, hf_dir, reference)
         torch.testing.assert_close(res["new"][mask], reference["new"][mask], atol=1e-4, rtol=1e-4)
 
 
-def test_several_optimizer_steps_need_old_logprobs(hf_dir):
-    with pytest.raises(RuntimeError, match="several optimizer steps per batch need old_logprobs"):
-        run_local_ranks(_one_step_without_old_logprobs, 1, policy_config(hf_dir, mini=4), timeout_s=300)
+def _two_steps(rank: int, world_size: int, cfg, precompute: bool) -> dict:
+    from megagrpo.policy.worker import PolicyWorker
+
+    worker = PolicyWorker(cfg)
+    try:
+        batch = policy_batch()
+        if precompute:
+            batch = batch.replace(old_logprobs=worker.logprobs(batch))
+        return {"metrics": worker.train(batch), "new": worker.logprobs(policy_batch())}
+    finally:
+        destroy_parallel()
+
+
+def test_later_mini_batches_are_scored_before_the_first_update(hf_dir):
+    """Without old logprobs, train() takes the first mini-batch's from its own forward and scores the
+    second before the first update: both optimizer steps equal those given precomputed old logprobs,
+    and the second step's ratios are off 1 (its old logprobs are not the updated weights')."""
+    cfg = policy_config(hf_dir, mini=4)
+    (want,) = run_local_ranks(_two_steps, 1, cfg, True, timeout_s=300)
+    (got,) = run_local_ranks(_two_steps, 1, cfg, False, timeout_s=300)
+    assert len(got["metrics"]) == len(want["metrics"]) == 2
+    for g, w in zip(got["metrics"], want["metrics"], strict=True):
+        assert _rel(g.loss, w.loss) <= 1e-5, (g.loss, w.loss)
+        assert _rel(g.grad_norm, w.grad_norm) <= 1e-5, (g.grad_norm, w.grad_norm)
+        assert _rel(g.ratio_mean, w.ratio_mean) <= 1e-5, (g.ratio_mean, w.ratio_mean)
+    first, second = got["metrics"]
+    assert first.ratio_min == first.ratio_max == 1.0
+    assert second.ratio_max - second.ratio_min > 1e-4
+    mask = policy_batch().response_mask()
+    torch.testing.assert_close(got["new"][mask], want["new"][mask], atol=1e-4, rtol=1e-4)
 
 
 def _save_then_continue(rank: int, world_size: int, cfg, path: str) -> dict:
