@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 from common import RESULTS, TMP
-from common.runs import metrics_rows, run_report, train_run
+from common.runs import export_warmup, metrics_rows, per_family, run_report, train_run
 from common.tables import md_table, write_results
 from step_bench import M25
 
@@ -101,23 +101,6 @@ def trl(root: Path, size: str, model: Path, steps: int, mode: str, tag: str) -> 
     }
 
 
-def per_size(values: list[str]) -> dict[str, int]:
-    """``["tiny=20", "m25=4"]`` -> {"tiny": 20, "m25": 4}; a bare ``N`` applies to every size."""
-    out: dict[str, int] = {}
-    for value in values:
-        size, _, n = value.rpartition("=")
-        out |= {size: int(n)} if size else dict.fromkeys(STEPS, int(n))
-    return out
-
-
-def export_warmup(run_dir: Path, out: Path) -> Path:
-    """The run's warmed-up model as an HF directory (weights, config, tokenizer), for TRL."""
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "megagrpo.cli", "export", "--ckpt", str(run_dir / "warmup" / "ckpt")]
-    subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True)
-    return out
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=["tiny", "m25"], choices=list(STEPS))
@@ -141,7 +124,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if importlib.util.find_spec("trl") is None:  # the peer runs in processes of its own
         raise SystemExit("peer_bench needs TRL: pip install -e '.[bench]' (or make bench-deps)")
-    steps, rounds = STEPS | per_size(args.steps), per_size(args.rounds)
+    steps, rounds = STEPS | per_family(args.steps, STEPS), per_family(args.rounds, STEPS)
     root = TMP / "peer_bench"
     shutil.rmtree(root, ignore_errors=True)
     what = "megagrpo vs TRL GRPOTrainer, same model and settings"

@@ -332,6 +332,23 @@ def _step(r):
     )
 
 
+def _bound(r):
+    s = {n: x["bound"] for n, x in r["step"]["setups"].items() if "bound" in x}
+    parts = [
+        f"{name}: step {b['step_s']:.2f} s = {b['ratio']:.2f} x the bound {b['bound_s']:.2f} s (generation "
+        f"{b['generation_ratio']:.2f} x vLLM alone, train {b['train_ratio']:.2f} x bare Megatron; "
+        f"sync {b['stages']['sync_s']:.2f} s)"
+        for name, b in s.items()
+    ]
+    verdicts = ", ".join(f"{'met' if b['target_met'] else 'missed'} at {n}" for n, b in s.items())
+    return (
+        "the ~25M step vs its compute bound: vLLM alone on the same requests + a bare Megatron "
+        "forward+backward+optimizer step of the same tokens (`step_bench.py`, `bound_bench.py`)",
+        "; ".join(parts),
+        f"<= {next(iter(s.values()))['target']}x ({verdicts})",
+    )
+
+
 def _peer(r):
     sizes = r["peer"]["sizes"]
     parts = []
@@ -512,6 +529,7 @@ ROWS: tuple[Row, ...] = (
     Row(("faults",), _engine_kill),
     Row(("shard_sync",), _shard_sync),
     Row(("step",), _step),
+    # Row(("step",), _bound),  # PENDING step.json with bounds
     Row(("peer",), _peer),
     Row(("scaling",), _scaling),
     Row(("gpu_h200/train_4096",), _h200_sender),

@@ -114,7 +114,7 @@ def make_prompts(args) -> tuple[list[list[int]], list[int]]:
 class RawEngine:
     """``vllm.LLM`` and nothing else, in a Ray actor (no megagrpo code on the timed path)."""
 
-    def __init__(self, model_dir: str, seq_length: int, seed: int):
+    def __init__(self, model_dir: str, seq_length: int, seed: int, load_format: str = "dummy"):
         # The environment GenerationWorker gives its engine: the engine core in this process (an
         # actor owns its engine), a 1 GiB CPU KV cache, vLLM logging at ERROR.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -129,24 +129,27 @@ class RawEngine:
             enforce_eager=True,
             seed=seed,
             skip_tokenizer_init=True,
-            load_format="dummy",
+            load_format=load_format,
         )
 
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seeds: list[int] | None):
-        """(seconds inside llm.generate, token ids and logprobs per sample, in prompt order)."""
+    def generate(
+        self, prompts: list[list[int]], n: int, max_tokens: int, seeds: list[int] | None, **sampling
+    ):
+        """(seconds inside llm.generate, token ids and logprobs per sample, in prompt order);
+        ``sampling``: more ``SamplingParams`` (temperature 1 unless given)."""
         from vllm import SamplingParams
 
         def params(seed):
             return SamplingParams(
                 n=n,
                 max_tokens=max_tokens,
-                temperature=1.0,
                 seed=seed,
                 logprobs=0,
                 detokenize=False,
+                **{"temperature": 1.0, **sampling},
             )
 
         per_prompt = [params(s) for s in seeds] if seeds is not None else params(None)

@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
 """The end-to-end GRPO step, stage by stage, and the per-step overhead outside the stages' work.
 
-    python benchmarks/step_bench.py [--steps 20] [--setups NAME ...] [--extra KEY=VALUE ...] [--out FILE.json]
+    python benchmarks/step_bench.py [--steps tiny=20 m25=6] [--setups NAME ...] [--extra KEY=VALUE ...]
+                                    [--out FILE.json]
 
 Each setup is a real ``megagrpo train`` run (its own process; Ray, vLLM, Megatron) for ``--steps``
-steps; the numbers are medians over the steps after the first ``SKIP_STEPS`` (start-up compilations),
-read from its metrics.jsonl, whose timings the driver records every step:
+steps of its family (a bare N: every family); the numbers are medians over the steps after the first
+``SKIP_STEPS`` (start-up compilations), read from its metrics.jsonl, whose timings the driver records
+every step:
 
 - ``tiny_tp1`` / ``tiny_tp2``: ``make demo``'s config (64 prompts x 8, at most 8 new tokens, two
   optimizer steps per batch) at trainer TP = 1 (one rank, the size's best layout) and TP = 2 (the demo);
 - ``m25_tp1`` / ``m25_tp2``: a ~25M-parameter model of the same family (8 layers, hidden 512, FFN 1536,
   8 heads over 4 KV groups, the character vocabulary) from random weights, 16 prompts x 8 per step
-  and 128 new tokens (random weights rarely stop early), one optimizer step per batch.
+  and 128 new tokens (``generation.ignore_eos``: every response runs to 128), one optimizer step per
+  batch.
 
-Stages: generation (the engines' calls, rewards included), reward (decode + score), old and reference
-logprobs, train, sync (bucketed broadcast, probe included) and probe, validation. Overhead:
+Stages: generation (the engines' calls, rewards included), reward (decode + score), reference
+logprobs (with a KL term), train (with the old-logprob forward of a batch's later mini-batches), sync
+(bucketed broadcast, probe included) and probe, validation. Overhead:
 ``train - train inside the ranks`` is what a train call costs beyond the ranks' own work (Ray
 scheduling, the batch's transfer through the object store, the results' return); ``step - the stages``
 is the driver's own time between them (advantages, batch building, metrics, logging).
@@ -28,7 +32,7 @@ import statistics
 from pathlib import Path
 
 from common import RESULTS, TMP
-from common.runs import metrics_rows, run_report, train_run
+from common.runs import metrics_rows, per_family, run_report, train_run
 from common.tables import md_table, write_results
 
 SKIP_STEPS = 3
@@ -45,25 +49,35 @@ M25 = [
     "generation.max_new_tokens=128",
     "policy.micro_batch_max_tokens=4096",
 ]
+FIXED_WORK = ["generation.ignore_eos=true"]
+"""Every response runs to 128 tokens: each step does the same work, and the compute bound
+(bound_bench.py) replays exactly the step's requests. (peer_bench.py leaves it out: TRL stops at EOS.)"""
 SETUPS: dict[str, list[str]] = {
     "tiny_tp1": ["parallel.tensor_model_parallel_size=1"],
     "tiny_tp2": ["parallel.tensor_model_parallel_size=2"],
-    "m25_tp1": [*M25, "parallel.tensor_model_parallel_size=1"],
-    "m25_tp2": [*M25, "parallel.tensor_model_parallel_size=2"],
+    "m25_tp1": [*M25, *FIXED_WORK, "parallel.tensor_model_parallel_size=1"],
+    "m25_tp2": [*M25, *FIXED_WORK, "parallel.tensor_model_parallel_size=2"],
 }
+STEPS = {"tiny": 20, "m25": 6}
+"""GRPO steps per run by family: medians over the steps after SKIP_STEPS."""
 STAGES = ("generation_s", "logprobs_s", "train_s", "sync_s", "validation_s")
 """The stages a step is made of (reward_s is part of generation_s, probe_s part of sync_s)."""
+
+
+def family(name: str) -> str:
+    """A setup's family (``tiny_tp2`` -> ``tiny``): its model, and the warm-up its setups share."""
+    return name.split("_")[0]
 
 
 def run(
     name: str, steps: int, root: Path, warmups: dict[str, Path], extra: list[str], profile: Path | None = None
 ) -> Path:
-    family = name.split("_")[0]  # tiny or m25: the setups of a family share one warm-up
     overrides = ["logging.val_every=0", *SETUPS[name], *extra]
-    run_dir = train_run(root, name, steps, overrides, warmups.get(family), profile)
-    if family not in warmups and (run_dir / "warmup").is_dir():
-        warmups[family] = root / f"warmup_{family}"
-        shutil.copytree(run_dir / "warmup", warmups[family])
+    run_dir = train_run(root, name, steps, overrides, warmups.get(family(name)), profile)
+    kind = family(name)
+    if kind not in warmups and (run_dir / "warmup").is_dir():
+        warmups[kind] = root / f"warmup_{kind}"
+        shutil.copytree(run_dir / "warmup", warmups[kind])
     return run_dir
 
 
@@ -134,14 +148,22 @@ def profile_group(func: tuple[str, int, str]) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", nargs="+", default=[], help="FAMILY=N (tiny=20 m25=6) or N: GRPO steps per run")
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     p.add_argument("--extra", nargs="*", default=[], help="more config overrides for every setup")
     p.add_argument(
         "--profile",
         choices=list(SETUPS),
-        help="also profile this setup's driver process (two runs under cProfile: --steps and 3 x --steps)",
+        help="also profile this setup's driver process (two runs under cProfile: its --steps and 3 x that)",
     )
+    p.add_argument(
+        "--bound",
+        nargs="*",
+        choices=list(SETUPS),
+        help="setups whose step is also compared with its compute bound (bound_bench.py; "
+        "default: the m25 setups run)",
+    )
+    p.add_argument("--bound-iters", type=int, default=3, help="timed bare Megatron steps of a bound")
     p.add_argument("--out", type=Path, default=RESULTS / "step.json")
     args = p.parse_args(argv)
     root = TMP / "step_bench"
@@ -149,11 +171,29 @@ def main(argv=None) -> dict:
     report = run_report("end-to-end GRPO step: stages and overhead", "step_bench.py", argv, args)
     report["setups"] = {}
     warmups: dict[str, Path] = {}
+    steps = STEPS | per_family(args.steps, STEPS)
+    report["args"]["steps"] = steps
+    bounds = [n for n in args.setups if n.startswith("m25")] if args.bound is None else args.bound
     for name in args.setups:
-        report["setups"][name] = summarize(run(name, args.steps, root, warmups, args.extra))
+        run_dir = run(name, steps[family(name)], root, warmups, args.extra)
+        report["setups"][name] = summarize(run_dir)
+        if name in bounds:
+            from bound_bench import measure as measure_bound
+
+            report["setups"][name]["bound"] = measure_bound(
+                name,
+                steps[family(name)],
+                run_dir,
+                report["setups"][name],
+                args.bound_iters,
+                root / name,
+                args.extra,
+            )
     if args.profile:
-        steps = (args.steps, 3 * args.steps)
+        n = steps[family(args.profile)]
+        steps = (n, 3 * n)
         report["profile"] = driver_profile(args.profile, root / "profile", warmups, args.extra, steps)
+    runs_text = ", ".join(f"{n} for {f}" for f, n in report["args"]["steps"].items())
     rows = []
     for name, r in report["setups"].items():
         step = r["step_s"]
@@ -181,16 +221,22 @@ def main(argv=None) -> dict:
         "",
         f"Command: `{report['command']}`; machine: {report['machine']['cpu']}, "
         f"load average at start {report['machine'].get('loadavg_at_start')}.",
-        f"Medians over steps {SKIP_STEPS + 1}..{args.steps}, seconds (and share of the step). Reward is "
+        f"Medians over the steps after the first {SKIP_STEPS} (of {runs_text}), seconds (and share of "
+        "the step). Reward is "
         "part of generation, probe part of sync; train call overhead = train minus the time inside the "
         "ranks (Ray: scheduling, the batch through the object store); driver = step minus the stages.",
         "",
         *md_table(
-            "setup | step s | tokens/s | generation | reward | old/ref logprobs | train | train call "
+            "setup | step s | tokens/s | generation | reward | ref logprobs | train | train call "
             "overhead | sync | probe | driver",
             rows,
         ),
     ]
+    with_bound = {n: r["bound"] for n, r in report["setups"].items() if "bound" in r}
+    if with_bound:
+        from bound_bench import markdown_lines
+
+        lines += ["", *markdown_lines(with_bound)]
     if "profile" in report:
         lines += profile_markdown(report["profile"])
     write_results(args.out, report, "\n".join(lines) + "\n")

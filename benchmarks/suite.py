@@ -99,6 +99,8 @@ def _step_metrics(report: dict) -> Samples:
             [(r["train_call_overhead_s"] + r["driver_overhead_s"]) / r["step_s"]],
             "ratio",
         )
+        if "bound" in r:
+            out[f"{name} step/bound"] = ([r["bound"]["ratio"]], "ratio")
     return out
 
 
@@ -334,9 +336,10 @@ BENCHMARKS: tuple[Bench, ...] = (
     Bench(
         "step",
         "step_bench.py",
-        "the end-to-end GRPO step by stage, and the overhead outside the stages' work",
+        "the end-to-end GRPO step by stage, the overhead outside the stages, the ~25M step vs its bound",
         ("cpu",),
-        {"cpu": ["--steps", "20"]},
+        # The ~25M model at its best layout (TP 1), five steps (two measured) and its bound.
+        {"cpu": ["--setups", "tiny_tp1", "tiny_tp2", "m25_tp1", "--steps", "tiny=12", "m25=5"]},
         {"cpu": ["--steps", "5", "--setups", "tiny_tp1", "--extra", "warmup.steps=10"]},
         _step_metrics,
         repeat_flag=None,
@@ -365,7 +368,7 @@ BENCHMARKS: tuple[Bench, ...] = (
         "scaling_bench.py",
         "step time vs prompts per step and vs response length; sync time vs model size",
         ("cpu",),
-        {"cpu": []},
+        {"cpu": ["--steps", "5", "--prompts", "16", "64", "128", "--lengths", "16", "64", "224"]},
         {"cpu": ["--only", "prompts", "--prompts", "8", "--steps", "3"]},
         _scaling_metrics,
         repeat_flag=None,
@@ -376,11 +379,12 @@ BENCHMARKS: tuple[Bench, ...] = (
         "peer_bench.py",
         "megagrpo beside TRL's GRPOTrainer: same model, prompts, group, tokens and optimizer (bench extra)",
         ("cpu",),
-        {"cpu": []},
+        # TRL's faster mode and our best layout; peer_bench.py's defaults add TRL's paged mode and TP 2.
+        {"cpu": ["--steps", "tiny=10", "m25=3", "--trl-generation", "generate", "--tp", "1"]},
         {"cpu": ["--sizes", "tiny", "--steps", "tiny=5", "--trl-generation", "generate", "--tp", "1"]},
         _peer_metrics,
         repeat_flag="--rounds",
-        repeat_default=2,
+        repeat_default=1,
         output_flag="--out",
     ),
 )

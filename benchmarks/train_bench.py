@@ -101,7 +101,7 @@ PRESETS = {
 
 def bench_config(args, tp: int, impl: str = "local"):
     """The run config: the tiny-model defaults with the benchmark's shape, batch and parallelism."""
-    shape = PRESETS[args.preset]
+    shape = getattr(args, "shape_values", None) or PRESETS[args.preset]  # plan_calibration: no --shape
     return make_config(
         {
             **{f"model.tiny.{k}": v for k, v in shape.items()},
@@ -453,7 +453,7 @@ def summarize(args, tp: int, ranks: list[dict]) -> dict:
     if ranks[0]["peak_mem_bytes"]:
         out["peak_mem_gib"] = {k: v / 2**30 for k, v in ranks[0]["peak_mem_bytes"].items()}
     if args.peak_tflops:
-        shape = PRESETS[args.preset]
+        shape = args.shape_values
         n = model_params(shape)
         attn = 12 * shape["num_layers"] * shape["hidden_size"] * args.seq
         out["params"] = n
@@ -514,24 +514,27 @@ def markdown(report: dict) -> str:
             )
             + ".",
         ]
-    header = "layers | TP | tokens/step | train tokens/s | train tokens/CPU-s | activation MiB"
-    rows = [
-        [
-            _layers(r),
-            r["tp"],
-            r["tokens_per_step"],
-            f"{r['train']['tokens_per_s_median']:.1f}",
-            f"{r['train']['tokens_per_cpu_s']:.1f}",
-            f"{r['train']['activation_mib']:.1f}",
-        ]
-        for r in runs
-    ]
+    header = "layers | TP | step | tokens/step | tokens/s | tokens/CPU-s | activation MiB"
+    rows = []
+    for r in runs:
+        step = "train" if "train" in r else "bare"  # --steps bare: the bare step alone
+        rows.append(
+            [
+                _layers(r),
+                r["tp"],
+                step,
+                r["tokens_per_step"],
+                f"{r[step]['tokens_per_s_median']:.1f}",
+                f"{r[step]['tokens_per_cpu_s']:.1f}",
+                f"{r[step]['activation_mib']:.1f}",
+            ]
+        )
     lines += md_table(header, rows)
     baseline: dict[int, dict] = {}  # per TP, the first local run, else the first run: what ratios divide by
-    for r in runs:
+    for r in (r for r in runs if "train" in r):
         if r["tp"] not in baseline or (r["impl"] == "local" and baseline[r["tp"]]["impl"] != "local"):
             baseline[r["tp"]] = r
-    others = [r for r in runs if r is not baseline[r["tp"]]]
+    others = [r for r in runs if r["tp"] in baseline and "train" in r and r is not baseline[r["tp"]]]
     if others:
         rows = []
         for r in others:
@@ -549,7 +552,7 @@ def markdown(report: dict) -> str:
             "",
             *md_table("layers | TP | train tokens/s ratio | tokens/CPU-s ratio | activation ratio", rows),
         ]
-    if all("bare" in r for r in runs):
+    if all("bare" in r and "train" in r for r in runs):
         lines += [
             "",
             "Train vs bare: ratios of train/bare throughput, of the median wall times, the median of the "
@@ -574,7 +577,7 @@ def markdown(report: dict) -> str:
             for r in runs
         ]
         lines += md_table(header, rows)
-    if any("mfu_6n" in r["train"] for r in runs):
+    if any("mfu_6n" in r[name] for r in runs for name in ("train", "bare") if name in r):
         rows = [
             [
                 _layers(r),
@@ -617,6 +620,13 @@ def markdown(report: dict) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="model shape")
+    p.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="KEY=INT",
+        help="override one of the preset's shape keys (num_layers, hidden_size, ...); repeatable",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="one run (of TP ranks) per value")
     p.add_argument(
@@ -659,7 +669,14 @@ def parse_args(argv=None):
     p.add_argument(
         "--append", action="store_true", help="add the runs to those already in --out (same args otherwise)"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.shape_values = dict(PRESETS[args.preset])
+    for item in args.shape:
+        key, _, value = item.partition("=")
+        if key not in args.shape_values or not value.isdigit():
+            p.error(f"--shape {item}: want KEY=INT with KEY one of {', '.join(args.shape_values)}")
+        args.shape_values[key] = int(value)
+    return args
 
 
 def main(argv=None) -> dict:
@@ -670,7 +687,7 @@ def main(argv=None) -> dict:
         "benchmark": "policy train step vs bare Megatron forward+backward+optimizer step",
         "command": " ".join(["python", *sys.argv]) if argv is None else " ".join(argv),
         "machine": machine_info("torch", "megatron.core"),
-        "shape": PRESETS[args.preset],
+        "shape": args.shape_values,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "runs": [],
     }
@@ -698,11 +715,16 @@ def main(argv=None) -> dict:
             report["machine"]["loadavg_at_end"] = os.getloadavg()
             # Written after every run, so a later run that fails or times out loses nothing.
             write_results(args.out, report, markdown(report))
+            step = "train" if "train" in run else "bare"
             print(
-                f"[train_bench] {label}: train {run['train']['tokens_per_s_median']:.1f} tok/s, "
-                f"activations {run['train']['activation_mib']:.1f} MiB"
-                + (f", bare ratio {run['ratio_train_over_bare']:.3f}" if "bare" in run else "")
-                + (f", MFU(6N) train {run['train']['mfu_6n']:.3f}" if "mfu_6n" in run["train"] else ""),
+                f"[train_bench] {label}: {step} {run[step]['tokens_per_s_median']:.1f} tok/s, "
+                f"activations {run[step]['activation_mib']:.1f} MiB"
+                + (
+                    f", bare ratio {run['ratio_train_over_bare']:.3f}"
+                    if "train" in run and "bare" in run
+                    else ""
+                )
+                + (f", MFU(6N) {step} {run[step]['mfu_6n']:.3f}" if "mfu_6n" in run[step] else ""),
                 flush=True,
             )
     print(f"[train_bench] wrote {args.out} and {args.out.with_suffix('.md')}", flush=True)

@@ -476,7 +476,10 @@ def validate(cfg: Config, engines, source: PromptSource, scorer) -> dict[str, fl
     if not source.val:
         return {"val/accuracy": float("nan")}
     settings = dataclasses.replace(
-        SamplingSettings.from_config(cfg, stop_token_ids=source.stop_token_ids), temperature=0.0, n=1
+        SamplingSettings.from_config(cfg, stop_token_ids=source.stop_token_ids),
+        temperature=0.0,
+        n=1,
+        ignore_eos=False,  # validation answers stop where the model stops
     )
     comps = generate(cfg, engines, source.val, settings, [0] * len(source.val))
     texts = [source.decode(c.token_ids) for c in comps]

@@ -312,6 +312,8 @@ class SamplingSettings:
     """Seed of requests without a per-prompt seed."""
     n: int = 1
     """Completions per prompt."""
+    ignore_eos: bool = False
+    """Generate ``max_tokens`` every time, past EOS and ``stop_token_ids`` (a fixed amount of work)."""
 
     @staticmethod
     def from_config(cfg: Config, stop_token_ids: tuple[int, ...] = (), n: int = 1) -> SamplingSettings:
@@ -323,6 +325,7 @@ class SamplingSettings:
             top_k=gen.top_k,
             stop_token_ids=stop_token_ids,
             seed=gen.seed,
+            ignore_eos=gen.ignore_eos,
             n=n,
         )
 

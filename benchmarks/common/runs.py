@@ -71,3 +71,23 @@ def run_report(
 def metrics_rows(run_dir: Path) -> list[dict]:
     """The run's metrics.jsonl, one dict per logged step."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def per_family(values: list[str], families) -> dict[str, int]:
+    """``["tiny=20", "m25=4"]`` -> {"tiny": 20, "m25": 4}; a bare ``N`` applies to every family of
+    ``families``; a family not among them is an error naming it."""
+    out: dict[str, int] = {}
+    for value in values:
+        family, _, n = value.rpartition("=")
+        if family and family not in families:
+            raise SystemExit(f"{value}: {family!r} is not one of {', '.join(families)}")
+        out |= {family: int(n)} if family else dict.fromkeys(families, int(n))
+    return out
+
+
+def export_warmup(run_dir: Path, out: Path) -> Path:
+    """The run's warmed-up model as an HF directory (weights, config, tokenizer), for TRL."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "megagrpo.cli", "export", "--ckpt", str(run_dir / "warmup" / "ckpt")]
+    subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True)
+    return out

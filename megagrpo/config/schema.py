@@ -277,6 +277,9 @@ class GenerationConfig:
     """KV-cache size for vLLM's CPU backend in GiB; null keeps vLLM's default."""
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM (slower decode, faster start, less memory)."""
+    ignore_eos: bool = False
+    """Training rollouts run to max_new_tokens past EOS and stop tokens (a fixed amount of work per step,
+    for benchmarks; rewards score the whole text). Validation and `megagrpo eval` stop as usual."""
     placement: Literal["colocated", "disaggregated"] = "disaggregated"
     """Engines share the trainer's devices (sleeping during training), or run on devices of their own."""
     sync_bucket_mb: float = 512.0

@@ -112,7 +112,9 @@ class GenerationWorker:
                 temperature=settings.temperature,
                 top_p=settings.top_p,
                 top_k=settings.top_k,
-                stop_token_ids=list(settings.stop_token_ids),
+                # vLLM's ignore_eos passes EOS only; the stop tokens (EOS among them) go too.
+                stop_token_ids=[] if settings.ignore_eos else list(settings.stop_token_ids),
+                ignore_eos=settings.ignore_eos,
                 seed=seed,
                 logprobs=0,
                 detokenize=False,

@@ -7,6 +7,7 @@ plus a way to damage a bucket of the next sync.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -166,6 +167,23 @@ def test_seeded_rollouts_longer_than_one_scheduler_step(stack):
         assert [c.token_ids for c in alone] == [c.token_ids for c in batched]
         for a, b in zip(alone, batched, strict=True):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+def test_ignore_eos_generates_max_tokens_past_stop_tokens(stack):
+    """generation.ignore_eos: every response runs to max_tokens, even where each sampled token is a
+    stop token (without it, every response ends at its first token)."""
+    from megagrpo.types import SamplingSettings
+
+    _, engines = stack
+    prompts, seeds = [[5, 6, 7], [8, 9]], [1, 2]
+    stops = tuple(range(300))  # every token of the vocabulary (make_tiny_hf: 300)
+    stopping = SamplingSettings(max_tokens=6, temperature=1.0, n=2, stop_token_ids=stops)
+    stopped = ray.get(engines[0].generate.remote(prompts, stopping, seeds))
+    assert [len(c.token_ids) for c in stopped] == [1] * 4
+    running = dataclasses.replace(stopping, ignore_eos=True)
+    ran = ray.get(engines[0].generate.remote(prompts, running, seeds))
+    assert [len(c.token_ids) for c in ran] == [6] * 4
+    assert all(c.finish_reason == "length" for c in ran)
 
 
 def _model_rules(hf_dir: str):
