@@ -9,7 +9,7 @@ For each setup of ``step_bench.py`` (same names, same configs):
 1. **step**: a real ``megagrpo train`` run of ``--steps`` steps; the median step time over the
    steps after the first ``step_bench.SKIP_STEPS`` (start-up compilations), from its metrics.jsonl.
 2. **generation bound**: a bare ``vllm.LLM`` (``rollout_bench.RawEngine`` in a Ray actor with the
-   run's engine reservation; no megagrpo code on the timed path) loads the run's initial weights
+   run's engine reservation and threads; no megagrpo code on the timed path) loads the run's initial weights
    (its warm-up exported to HF) and generates exactly the requests of the measured steps: the same
    prompts in the same order, G samples each, the run's temperature, top-p/k, max new tokens, stop
    tokens and per-prompt seeds; timed inside ``llm.generate``, the first step's requests first as a warm-up.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -81,12 +82,16 @@ def generation_bound(cfg, model_dir: Path, steps: list[int]) -> dict:
     from rollout_bench import RawEngine
 
     from megagrpo.cluster import start_ray
+    from megagrpo.generation.worker import engine_cpu_threads
 
     requests, settings = step_requests(cfg, [1, *steps])
     start_ray(cfg.cluster, num_cpus=2)
     try:
         actor = ray.remote(num_cpus=cfg.cluster.cpus_per_worker)(RawEngine)
-        engine = actor.remote(str(model_dir), cfg.model.seq_length, cfg.generation.seed, load_format="auto")
+        threads = engine_cpu_threads(cfg, len(os.sched_getaffinity(0)))  # the run's engine's
+        engine = actor.remote(
+            str(model_dir), cfg.model.seq_length, cfg.generation.seed, load_format="auto", threads=threads
+        )
         kwargs = {  # as GenerationWorker.generate builds its SamplingParams
             "temperature": settings.temperature,
             "top_p": settings.top_p,

@@ -14,8 +14,8 @@ engines started once each, as Ray actors with the same CPU reservation:
   seeds)`` with one seed per prompt; timed at the controller around the Ray call, so the actor
   round trip and the conversion to ``Completion`` records are included.
 - ``raw``: a bare actor holding ``vllm.LLM`` built with the same engine options (dtype,
-  max_model_len, eager, seed, no tokenizer, 1 GiB KV cache, in-process engine core) and vLLM's
-  defaults otherwise; ``llm.generate`` of the same token-id prompts with equivalent
+  max_model_len, eager, seed, no tokenizer, 1 GiB KV cache, in-process engine core, intra-op
+  threads) and vLLM's defaults otherwise; ``llm.generate`` of the same token-id prompts with equivalent
   ``SamplingParams`` (n, max_tokens, temperature 1, the same per-prompt seeds, logprobs=0,
   detokenize=False), timed inside the actor (pure vLLM) and at the controller (with a Ray return of
   the token ids and logprobs). It uses ``load_format="dummy"`` like our engine (whose weights
@@ -114,12 +114,24 @@ def make_prompts(args) -> tuple[list[list[int]], list[int]]:
 class RawEngine:
     """``vllm.LLM`` and nothing else, in a Ray actor (no megagrpo code on the timed path)."""
 
-    def __init__(self, model_dir: str, seq_length: int, seed: int, load_format: str = "dummy"):
+    def __init__(
+        self,
+        model_dir: str,
+        seq_length: int,
+        seed: int,
+        load_format: str = "dummy",
+        threads: int | None = None,
+    ):
         # The environment GenerationWorker gives its engine: the engine core in this process (an
-        # actor owns its engine), a 1 GiB CPU KV cache, vLLM logging at ERROR.
+        # actor owns its engine), a 1 GiB CPU KV cache, vLLM logging at ERROR, and its intra-op
+        # threads (``threads``: megagrpo.generation.worker.engine_cpu_threads of the run's config).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)  # before vLLM starts, as GenerationWorker does
         from vllm import LLM
 
         self.llm = LLM(
@@ -182,6 +194,7 @@ def measure(args, report: dict) -> None:
     import ray
 
     from megagrpo.cluster import start_engines, start_ray
+    from megagrpo.generation.worker import engine_cpu_threads
     from megagrpo.types import SamplingSettings
 
     model_dir = source_model(args)
@@ -201,7 +214,8 @@ def measure(args, report: dict) -> None:
     report["startup_s"] = {"ours": time.perf_counter() - t0}
     t0 = time.perf_counter()
     raw_cls = ray.remote(num_cpus=cfg.cluster.cpus_per_worker)(RawEngine)
-    raw = raw_cls.remote(str(model_dir), args.seq_length, cfg.generation.seed)
+    threads = engine_cpu_threads(cfg, len(os.sched_getaffinity(0)))
+    raw = raw_cls.remote(str(model_dir), args.seq_length, cfg.generation.seed, threads=threads)
     pids = [ray.get(raw.pid.remote())]
     report["startup_s"]["raw"] = time.perf_counter() - t0
     pids.append(ray.get(ours.__ray_call__.remote(lambda self: os.getpid())))

@@ -32,11 +32,11 @@ from common import RESULTS
 from common.configs import make_config
 from common.sampling import machine_info
 from common.tables import md_table, write_results
-from train_bench import PRESETS, cross_entropy_loss
+from train_bench import add_workload_args, cross_entropy_loss, rank_threads, shape_of, sync_device
 
 
 def bench_config(args, tp: int):
-    shape = PRESETS[args.preset]
+    shape = args.shape_values
     return make_config(
         {
             **{f"model.tiny.{k}": v for k, v in shape.items()},
@@ -71,20 +71,15 @@ def make_examples(args, vocab: int, count: int, seed: int):
     return out
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(steps: dict, order: list[list[str]], device, args, rank: int, label: str) -> dict:
     """{step: {"wall": [s, ...], "cpu": [s, ...]}}: wall seconds and this rank process's CPU seconds."""
     times = {k: {"wall": [], "cpu": []} for k in steps}
     for i in range(args.warmup + args.iters):
         for name in order[i % 2]:
-            _sync(device)
+            sync_device(device)
             start, cpu_start = time.perf_counter(), time.process_time()
             steps[name]()
-            _sync(device)
+            sync_device(device)
             if i >= args.warmup:
                 times[name]["wall"].append(time.perf_counter() - start)
                 times[name]["cpu"].append(time.process_time() - cpu_start)
@@ -214,22 +209,13 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    add_workload_args(p, warmup=1, iters=5, timeout=3600.0)
     p.add_argument("--batch", type=int, default=16, help="SFT sequences per step")
     p.add_argument("--pairs", type=int, default=8, help="DPO pairs per step")
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--min-len-frac", type=float, default=0.5)
-    p.add_argument("--budget", type=int, default=2048, help="policy.micro_batch_max_tokens")
-    p.add_argument("--chunk", type=int, default=1024, help="policy.logprob_chunk_size")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpus / ranks on CPU)")
     p.add_argument("--out", type=Path, default=RESULTS / "sft_dpo.json")
-    p.add_argument("--timeout", type=float, default=3600.0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.shape_values = shape_of(p, args)
+    return args
 
 
 def main(argv=None) -> dict:
@@ -240,15 +226,14 @@ def main(argv=None) -> dict:
         "benchmark": "SFT and DPO train step vs bare Megatron forward+backward+optimizer step",
         "command": " ".join(["python", *sys.argv]) if argv is None else " ".join(argv),
         "machine": machine_info("torch", "megatron.core"),
-        "shape": PRESETS[args.preset],
+        "shape": args.shape_values,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "runs": [],
     }
     cpus = report["machine"]["cpus_usable"] or os.cpu_count() or 1
     for tp in args.tp:
         run_args = argparse.Namespace(**vars(args))
-        if not args.threads and not torch.cuda.is_available():
-            run_args.threads = max(1, cpus // tp)
+        run_args.threads = rank_threads(args, tp, cpus)
         run = summarize(run_args, tp, run_local_ranks(rank_main, tp, run_args, timeout_s=args.timeout))
         report["runs"].append(run)
         report["machine"]["loadavg_at_end"] = os.getloadavg()

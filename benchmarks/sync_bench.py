@@ -106,10 +106,11 @@ def source_model(num_layers: int) -> Path:
     return cached_model(TMP / f"sync-qwen2-L{num_layers}-fp32", marker, write, what)
 
 
-def bench_config(hf_dir: Path, *, num_engines: int, bucket_mb: float, timeout_s: float):
+def bench_config(hf_dir: Path, *, num_engines: int, bucket_mb: float, timeout_s: float, path: str = "auto"):
     return make_config(
         {
             **cpu_engine_overrides(hf_dir, seq_length=SEQ_LENGTH),
+            "generation.weight_sync_path": path,
             "generation.max_new_tokens": 16,
             "generation.num_engines": num_engines,
             "generation.sync_bucket_mb": bucket_mb,
@@ -437,7 +438,9 @@ def measure(args: argparse.Namespace, hf_dir: Path, env: dict[str, str], max_eng
     report: dict = {"env": env}
     engine_counts = sorted({min(n, max_engines) for n in args.engines})
     max_n = max(engine_counts)
-    cfg = bench_config(hf_dir, num_engines=max_n, bucket_mb=args.bucket_mb[0], timeout_s=args.timeout)
+    cfg = bench_config(
+        hf_dir, num_engines=max_n, bucket_mb=args.bucket_mb[0], timeout_s=args.timeout, path=args.path
+    )
     saved = dict(os.environ)
     # Ray's local workers inherit the driver's environment: this directory's modules import there
     # too, and the variant's allocator settings reach every process.
@@ -467,7 +470,9 @@ def measure(args: argparse.Namespace, hf_dir: Path, env: dict[str, str], max_eng
     results = report["results"] = []
     try:
         for bucket_mb in args.bucket_mb:
-            cfg_b = bench_config(hf_dir, num_engines=max_n, bucket_mb=bucket_mb, timeout_s=args.timeout)
+            cfg_b = bench_config(
+                hf_dir, num_engines=max_n, bucket_mb=bucket_mb, timeout_s=args.timeout, path=args.path
+            )
             for n in engine_counts:
                 sync = WeightSync(cfg_b, policy, engines[:n], vocab_size=SHAPE["vocab_size"])
                 # Fresh bound actors per configuration: their memory goes when it is done.
@@ -683,6 +688,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=2,
         help="most engines for glibc_heap (every process keeps its peak memory: 4 engines of the "
         "default model do not fit in 24 GiB next to other jobs)",
+    )
+    parser.add_argument(
+        "--path",
+        choices=["auto", "gathered"],
+        default="auto",
+        help="generation.weight_sync_path (auto: shard-wise where the layouts allow, as runs do)",
     )
     parser.add_argument("--repeat", type=int, default=5, help="timed runs of each kind per configuration")
     parser.add_argument("--timeout", type=float, default=600, help="start-up and sync timeout, seconds")

@@ -163,7 +163,7 @@ def cross_entropy_loss(logits: torch.Tensor, micro: dict):
 # --------------------------------------------------------------------------------------- the rank
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -179,17 +179,17 @@ def _profile_steps(steps: dict, device: torch.device, top: int = 25) -> dict:
     out = {}
     for name, fn in steps.items():
         prof = cProfile.Profile()
-        _sync(device)
+        sync_device(device)
         prof.enable()
         fn()
-        _sync(device)
+        sync_device(device)
         prof.disable()
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as tprof:
             fn()
-            _sync(device)
+            sync_device(device)
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         out[name] = {
             "cprofile_cumulative": text.getvalue(),
@@ -243,12 +243,12 @@ def rank_main(rank: int, world_size: int, args) -> dict:
         for i in range(args.warmup + args.iters):
             # ABBA: each pair runs in the opposite order of the previous one.
             for name in list(steps) if i % 2 == 0 else list(steps)[::-1]:
-                _sync(device)
+                sync_device(device)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 start, cpu_start = time.perf_counter(), time.process_time()
                 steps[name]()
-                _sync(device)
+                sync_device(device)
                 if i >= args.warmup:
                     times[name].append(time.perf_counter() - start)
                     cpu_times[name].append(time.process_time() - cpu_start)
@@ -341,10 +341,10 @@ def time_weight_sender(worker, args) -> dict:
     def timed(fn) -> list[float]:
         times = []
         for i in range(args.warmup + args.iters):
-            _sync(device)
+            sync_device(device)
             start = time.perf_counter()
             fn()
-            _sync(device)
+            sync_device(device)
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
         return times
@@ -354,7 +354,7 @@ def time_weight_sender(worker, args) -> dict:
             pass
 
     try:
-        _sync(device)
+        sync_device(device)
         if device.type == "cuda":
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -617,8 +617,9 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_workload_args(p: argparse.ArgumentParser, *, warmup: int, iters: int, timeout: float) -> None:
+    """The model, layout, batch shape, repetitions and threads of a rank benchmark (this one and
+    sft_dpo_bench.py); ``shape_of`` then applies ``--shape`` to the preset."""
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="model shape")
     p.add_argument(
         "--shape",
@@ -629,6 +630,38 @@ def parse_args(argv=None):
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="one run (of TP ranks) per value")
+    p.add_argument("--seq", type=int, default=512, help="longest sequence")
+    p.add_argument("--min-len-frac", type=float, default=0.5, help="shortest sequence as a fraction of --seq")
+    p.add_argument("--budget", type=int, default=2048, help="policy.micro_batch_max_tokens")
+    p.add_argument("--chunk", type=int, default=1024, help="policy.logprob_chunk_size")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed iterations of each step")
+    p.add_argument("--iters", type=int, default=iters, help="timed iterations of each step")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpus / ranks on CPU)")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds per run of ranks")
+
+
+def shape_of(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, int]:
+    """The preset's shape with the ``--shape`` overrides (a bad one is a usage error naming it)."""
+    shape = dict(PRESETS[args.preset])
+    for item in args.shape:
+        key, _, value = item.partition("=")
+        if key not in shape or not value.isdigit():
+            p.error(f"--shape {item}: want KEY=INT with KEY one of {', '.join(shape)}")
+        shape[key] = int(value)
+    return shape
+
+
+def rank_threads(args: argparse.Namespace, tp: int, cpus: int) -> int:
+    """``--threads``, else on CPU the cores shared among the TP ranks (no oversubscription); 0 on GPU."""
+    if args.threads or torch.cuda.is_available():
+        return args.threads
+    return max(1, cpus // tp)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(p, warmup=2, iters=6, timeout=1800.0)
     p.add_argument(
         "--impl",
         nargs="+",
@@ -645,14 +678,6 @@ def parse_args(argv=None):
         help="policy.sequence_packing (auto: THD micro-batches where the layers support them)",
     )
     p.add_argument("--batch", type=int, default=16, help="sequences (one optimizer step)")
-    p.add_argument("--seq", type=int, default=512, help="longest sequence")
-    p.add_argument("--min-len-frac", type=float, default=0.5, help="shortest sequence as a fraction of --seq")
-    p.add_argument("--budget", type=int, default=2048, help="policy.micro_batch_max_tokens")
-    p.add_argument("--chunk", type=int, default=1024, help="policy.logprob_chunk_size")
-    p.add_argument("--warmup", type=int, default=2, help="untimed iterations of each step")
-    p.add_argument("--iters", type=int, default=6, help="timed iterations of each step")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpus / ranks on CPU)")
     p.add_argument(
         "--recompute", default="none", choices=["none", "core_attention", "full"], help="policy.recompute"
     )
@@ -665,17 +690,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--profile", action="store_true", help="cProfile + torch.profiler one step of each")
     p.add_argument("--out", type=Path, default=RESULTS / "train.json", help=".json; a .md is written beside")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run of ranks")
     p.add_argument(
         "--append", action="store_true", help="add the runs to those already in --out (same args otherwise)"
     )
     args = p.parse_args(argv)
-    args.shape_values = dict(PRESETS[args.preset])
-    for item in args.shape:
-        key, _, value = item.partition("=")
-        if key not in args.shape_values or not value.isdigit():
-            p.error(f"--shape {item}: want KEY=INT with KEY one of {', '.join(args.shape_values)}")
-        args.shape_values[key] = int(value)
+    args.shape_values = shape_of(p, args)
     return args
 
 
@@ -702,8 +721,7 @@ def main(argv=None) -> dict:
     for impl in args.impl:
         for tp in args.tp:
             run_args = argparse.Namespace(**{**vars(args), "impl": impl})
-            if not args.threads and not torch.cuda.is_available():
-                run_args.threads = max(1, cpus // tp)  # no oversubscription of the cores
+            run_args.threads = rank_threads(args, tp, cpus)
             label = f"{impl}{' + compile' if args.compile else ''} TP={tp}"
             print(f"[train_bench] {label}: {args.warmup} warm-up + {args.iters} timed iterations", flush=True)
             ranks = run_local_ranks(rank_main, tp, run_args, timeout_s=args.timeout)

@@ -99,7 +99,11 @@ def _train(cfg: Config, *, resume: bool) -> Path:
     sync, count = engines.sync, len(engines.actors)
     print(f"placement: {placement_summary(policy, engines.actors)}")
     if policy.cpu_threads[0] is not None:
-        print(f"trainer: {'/'.join(map(str, sorted(set(policy.cpu_threads))))} CPU thread(s) per rank")
+        engine_threads = sorted(set(ray.get([e.cpu_threads.remote() for e in engines.actors])))
+        print(
+            f"trainer: {'/'.join(map(str, sorted(set(policy.cpu_threads))))} CPU thread(s) per rank; "
+            f"engines: {'/'.join(map(str, engine_threads))} each"
+        )
     print(
         f"weight sync: {sync.backend}, {sync.path.kind} ({sync.path.reason}); {count} engine(s), "
         f"{sync.total_bytes / 2**20:.1f} MiB sent, {max(sync.worker_bytes) / 2**20:.1f} MiB per vLLM worker"

@@ -698,9 +698,10 @@ class ClusterConfig:
     cpus_per_worker: float = 1.0
     """CPUs reserved per Ray actor (fractions allowed)."""
     cpu_threads: int | None = None
-    """Intra-op threads of each trainer rank without GPUs. null: the node's cores shared out among
-    the trainer ranks on it when the engines do not generate during training (grpo.max_staleness 0:
-    they wait while the trainer trains), else cpus_per_worker (at least 1)."""
+    """Intra-op threads of each trainer rank and vLLM engine (engine TP 1) without GPUs. null: in the
+    sequential loop (grpo.max_staleness 0: engines and trainer take turns), the node's cores shared
+    out among the trainer ranks on it, and on one node among the engines; else cpus_per_worker
+    (at least 1)."""
     policy_resource: str | None = None
     """Custom Ray resource every policy rank requires: a node label (start the training nodes with
     `ray start --resources '{"NAME": 1}'`); null places ranks on any node."""

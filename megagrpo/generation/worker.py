@@ -56,10 +56,33 @@ def vllm_env(cfg: Config) -> dict[str, str]:
     return env
 
 
+def engine_cpu_threads(cfg: Config, node_cores: int) -> int | None:
+    """Intra-op threads of a vLLM engine without GPUs, or None to leave them to vLLM (GPUs; engine
+    TP > 1, whose worker processes vLLM binds itself).
+
+    Ray starts a 1-CPU actor with one thread, and vLLM's in-process CPU engine keeps that count (it
+    disables ``torch.set_num_threads`` once started). So, set before it starts: ``cluster.cpu_threads``
+    when given; else, on one node where the trainer waits while the engines generate
+    (``grpo.max_staleness`` 0), the node's cores shared among the engines; else ``cpus_per_worker``.
+    """
+    if cfg.cluster.gpus_per_node > 0 or cfg.generation.engine_tensor_parallel_size > 1:
+        return None
+    if cfg.cluster.cpu_threads is not None:
+        return cfg.cluster.cpu_threads
+    if cfg.grpo.max_staleness > 0 or cfg.cluster.num_nodes > 1:
+        return max(1, int(cfg.cluster.cpus_per_worker))
+    return max(1, node_cores // cfg.generation.num_engines)
+
+
 class GenerationWorker:
     def __init__(self, cfg: Config, model_dir: str, engine_index: int = 0, *, dummy_weights: bool = True):
         for name, value in vllm_env(cfg).items():
             os.environ.setdefault(name, value)
+        threads = engine_cpu_threads(cfg, len(os.sched_getaffinity(0)))
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
@@ -88,6 +111,12 @@ class GenerationWorker:
             )
 
     # ---------------------------------------------------------------------------------- generation
+
+    def cpu_threads(self) -> int:
+        """The engine's intra-op threads (on GPUs: those of its host process)."""
+        import torch
+
+        return torch.get_num_threads()
 
     def node_id(self) -> str:
         """The Ray node this engine runs on."""
