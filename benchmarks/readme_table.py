@@ -314,12 +314,14 @@ def _sync_bound(r):
 
 
 def _step(r):
-    report = r["step"]
+    report = r["suite_cpu/step"]
     parts = []
     for name, x in report["setups"].items():
         share = lambda v, step=x["step_s"]: f"{v / step:.0%}"
         over = x["train_call_overhead_s"] + x["driver_overhead_s"]
-        ref = f", reference logprobs {share(x['logprobs_s'])}" if x["logprobs_s"] else ""
+        ref = (
+            f", reference logprobs {share(x['logprobs_s'])}" if x["logprobs_s"] >= 0.005 * x["step_s"] else ""
+        )
         parts.append(
             f"{name}: {x['step_s']:.2f} s (generation {share(x['generation_s'])}{ref}, train "
             f"{share(x['train_s'])}, sync {share(x['sync_s'])}, Ray calls + driver between stages "
@@ -328,7 +330,8 @@ def _step(r):
     steps = report["args"]["steps"]
     runs = ", ".join(f"{family} {n}" for family, n in steps.items()) if isinstance(steps, dict) else steps
     return (
-        f"end-to-end GRPO step by stage (`step_bench.py`, steps per run: {runs}: the demo's config at TP "
+        f"end-to-end GRPO step by stage (`step_bench.py` in the full suite, `results/suite_cpu/step.md`; "
+        f"steps per run: {runs}: the demo's config at TP "
         "1 / 2, two optimizer steps per batch; a ~25M model, 16 x 8 prompts x 128 tokens, one optimizer "
         "step; the old-logprob forward of later mini-batches is inside train)",
         "; ".join(parts),
@@ -337,7 +340,7 @@ def _step(r):
 
 
 def _bound(r):
-    s = {n: x["bound"] for n, x in r["step"]["setups"].items() if "bound" in x}
+    s = {n: x["bound"] for n, x in r["suite_cpu/step"]["setups"].items() if "bound" in x}
     parts = [
         f"{name}: step {b['step_s']:.2f} s = {b['ratio']:.2f} x the bound {b['bound_s']:.2f} s (generation "
         f"{b['generation_ratio']:.2f} x vLLM alone, train {b['train_ratio']:.2f} x bare Megatron; "
@@ -347,14 +350,15 @@ def _bound(r):
     verdicts = ", ".join(f"{'met' if b['target_met'] else 'missed'} at {n}" for n, b in s.items())
     return (
         "the ~25M step vs its compute bound: vLLM alone on the same requests + a bare Megatron "
-        "forward+backward+optimizer step of the same tokens (`step_bench.py`, `bound_bench.py`)",
+        "forward+backward+optimizer step of the same tokens (`step_bench.py` in the full suite, "
+        "`bound_bench.py`)",
         "; ".join(parts),
         f"<= {next(iter(s.values()))['target']}x ({verdicts})",
     )
 
 
 def _peer(r):
-    sizes = r["peer"]["sizes"]
+    sizes = r["suite_cpu/peer"]["sizes"]
     parts = []
     for size, setups in sizes.items():
         trl = {n: s for n, s in setups.items() if n.startswith("TRL")}
@@ -376,10 +380,11 @@ def _peer(r):
             + ", ".join(ours)
             + val
         )
-    steps = r["peer"]["args"]["steps"]
+    steps = r["suite_cpu/peer"]["args"]["steps"]
     return (
         "megagrpo beside TRL's GRPOTrainer on the same model, prompts, group, tokens and optimizer, run "
-        f"alternately (`peer_bench.py`: tiny = the demo's warmed-up model, 64 x 8, 8 tokens, {steps['tiny']} "
+        "alternately (`peer_bench.py` in the full suite, `results/suite_cpu/peer.md`: "
+        f"tiny = the demo's warmed-up model, 64 x 8, 8 tokens, {steps['tiny']} "
         f"steps; m25 = ~25M random model, 16 x 8, 128 tokens, {steps['m25']} steps; speed-up vs TRL's "
         "faster mode)",
         "; ".join(parts),
@@ -533,9 +538,9 @@ ROWS: tuple[Row, ...] = (
     Row(("reward",), _reward),
     Row(("faults",), _engine_kill),
     Row(("shard_sync",), _shard_sync),
-    Row(("step",), _step),
-    Row(("step",), _bound),
-    Row(("peer",), _peer),
+    Row(("suite_cpu/step",), _step),
+    Row(("suite_cpu/step",), _bound),
+    Row(("suite_cpu/peer",), _peer),
     Row(("scaling",), _scaling),
     Row(("gpu_h200/train_4096",), _h200_sender),
 )
