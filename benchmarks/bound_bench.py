@@ -76,15 +76,15 @@ def step_requests(cfg, steps: list[int]):
     return requests, settings
 
 
-def generation_bound(cfg, model_dir: Path, steps: list[int]) -> dict:
-    """vLLM alone on the measured steps' requests: seconds inside ``llm.generate`` per step."""
+def generation_bound(cfg, model_dir: Path, requests: dict, settings) -> dict:
+    """vLLM alone on ``requests`` (``step_requests``: step 1 first, as the warm-up, then the measured
+    steps): seconds inside ``llm.generate`` per measured step."""
     import ray
     from rollout_bench import RawEngine
 
     from megagrpo.cluster import start_ray
     from megagrpo.generation.worker import engine_cpu_threads
 
-    requests, settings = step_requests(cfg, [1, *steps])
     start_ray(cfg.cluster, num_cpus=2)
     try:
         actor = ray.remote(num_cpus=cfg.cluster.cpus_per_worker)(RawEngine)
@@ -100,7 +100,7 @@ def generation_bound(cfg, model_dir: Path, steps: list[int]) -> dict:
             "ignore_eos": settings.ignore_eos,
         }
         runs = []
-        for step in [1, *steps]:  # step 1: the warm-up
+        for step in requests:  # step 1: the warm-up
             prompts, seeds = requests[step]
             seconds, samples = ray.get(
                 engine.generate.remote(prompts, settings.n, settings.max_tokens, seeds, **kwargs)
@@ -162,11 +162,11 @@ def measure(
     rows = [r for r in metrics_rows(run_dir) if r["step"] > SKIP_STEPS]
     measured = [r["step"] for r in rows]
     response = statistics.mean(r["response/length_mean"] for r in rows)
-    requests, _ = step_requests(cfg, measured)
-    prompt = statistics.mean(len(p) for prompts, _ in requests.values() for p in prompts)
+    requests, settings = step_requests(cfg, [1, *measured])
+    prompt = statistics.mean(len(p) for step in measured for p in requests[step][0])
     seq = round(prompt + response)
     model = export_warmup(run_dir, root / "hf")  # the run's initial weights (its engines got them by sync)
-    generation = generation_bound(cfg, model, measured)
+    generation = generation_bound(cfg, model, requests, settings)
     train = train_bound(cfg, name, seq, train_iters, root)
     later = 1 - 1 / cfg.mini_batches_per_step  # the share of the batch scored before the first update
     forward = train["seconds"] / 3 * later
