@@ -2,12 +2,12 @@
 """The GRPO step against its compute bound: what vLLM alone takes to generate the step's requests
 plus what Megatron alone takes to train on the step's tokens.
 
-    python benchmarks/bound_bench.py [--setups m25_tp1 m25_tp2] [--steps 6] [--out FILE.json]
+    python benchmarks/bound_bench.py [--setups m25_tp1 m25_tp2] [--steps 4] [--out FILE.json]
 
 For each setup of ``step_bench.py`` (same names, same configs):
 
 1. **step**: a real ``megagrpo train`` run of ``--steps`` steps; the median step time over the
-   steps after the first ``step_bench.SKIP_STEPS`` (start-up compilations), from its metrics.jsonl.
+   steps after its family's ``step_bench.SKIP_STEPS`` (start-up allocations), from its metrics.jsonl.
 2. **generation bound**: a bare ``vllm.LLM`` (``rollout_bench.RawEngine`` in a Ray actor with the
    run's engine reservation and threads; no megagrpo code on the timed path) loads the run's initial weights
    (its warm-up exported to HF) and generates exactly the requests of the measured steps: the same
@@ -39,9 +39,9 @@ import sys
 from pathlib import Path
 
 from common import RESULTS, TMP
-from common.runs import export_warmup, metrics_rows, run_report
+from common.runs import export_warmup, run_report
 from common.tables import md_table, write_results
-from step_bench import SETUPS, SKIP_STEPS, summarize
+from step_bench import SETUPS, SKIP_STEPS, family, measured_rows, summarize
 from step_bench import run as run_setup
 
 HERE = Path(__file__).resolve().parent
@@ -159,7 +159,7 @@ def measure(
     """The bound of setup ``name`` whose ``steps``-step run (with ``extra`` overrides) is ``run_dir``
     (``step``: its summary by ``step_bench.summarize``); scratch files under ``root``."""
     cfg = setup_config(name, steps, list(extra))
-    rows = [r for r in metrics_rows(run_dir) if r["step"] > SKIP_STEPS]
+    rows = measured_rows(run_dir, name)
     measured = [r["step"] for r in rows]
     response = statistics.mean(r["response/length_mean"] for r in rows)
     requests, settings = step_requests(cfg, [1, *measured])
@@ -232,19 +232,20 @@ def main(argv=None) -> dict:
     """The bound alone (``step_bench.py`` reports it beside the stages, reusing its runs)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--setups", nargs="+", default=["m25_tp1", "m25_tp2"], choices=list(SETUPS))
-    p.add_argument("--steps", type=int, default=6, help=f"GRPO steps a run (the first {SKIP_STEPS} untimed)")
+    p.add_argument("--steps", type=int, default=4, help=f"GRPO steps a run (untimed first: {SKIP_STEPS})")
     p.add_argument("--train-iters", type=int, default=3, help="timed bare Megatron steps")
     p.add_argument("--out", type=Path, default=RESULTS / "bound.json")
     args = p.parse_args(argv)
-    if args.steps <= SKIP_STEPS:
-        p.error(f"--steps {args.steps}: must be > {SKIP_STEPS} (the untimed start-up steps)")
+    for name in args.setups:
+        if args.steps <= SKIP_STEPS[family(name)]:
+            p.error(f"--steps {args.steps}: {name} leaves its first {SKIP_STEPS[family(name)]} untimed")
     root = TMP / "bound_bench"
     shutil.rmtree(root, ignore_errors=True)
     report = run_report("GRPO step vs its compute bound", "bound_bench.py", argv, args)
     report["setups"] = {}
     for name in args.setups:
         run_dir = run_setup(name, args.steps, root, {}, [])
-        bound = measure(name, args.steps, run_dir, summarize(run_dir), args.train_iters, root / name)
+        bound = measure(name, args.steps, run_dir, summarize(run_dir, name), args.train_iters, root / name)
         report["setups"][name] = bound
         text = "\n".join(
             [

@@ -56,8 +56,11 @@ def test_command_repetitions_and_output_path(tmp_path):
     assert quick[quick.index("--iters") + 1] == "1"
     assert quick[quick.index("--out") + 1] == f"{tmp_path / 'train'}.json"
     full = train.command("cpu", False, None, tmp_path)
-    assert full[full.index("--iters") + 1] == str(train.repeat_default)
-    assert "--seq" not in full  # the full run keeps the script's own sizes
+    assert full[full.index("--iters") + 1] == str(train.repeat_default["cpu"])
+    gpu = train.command("gpu", False, None, tmp_path)  # repetitions per suite
+    iters = gpu[gpu.index("--iters") + 1]
+    assert iters == str(train.repeat_default["gpu"]) != full[full.index("--iters") + 1]
+    assert "--seq" not in full  # the full run keeps the script's own sequence length
     override = reward.command("cpu", True, 4, tmp_path)
     assert override[override.index("--repeat") + 1] == "4"
     assert override[override.index("--output") + 1] == str(tmp_path / "reward")  # --output takes no .json
