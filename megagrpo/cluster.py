@@ -197,7 +197,17 @@ class RankGroup:
     by reference: an importable class, or a script's class by value).
     """
 
-    def __init__(self, cfg: Config, worker_cls: type, *, name: str = "policy", timeout_s: float = 600.0):
+    def __init__(
+        self,
+        cfg: Config,
+        worker_cls: type,
+        *,
+        name: str = "policy",
+        timeout_s: float = 600.0,
+        wait: bool = True,
+    ):
+        """Start the ranks and set them up; ``wait=False`` returns while they set up (call
+        ``ready()`` before the first method: a set-up error surfaces there)."""
         if not isinstance(worker_cls, type):
             raise TypeError(
                 f"RankGroup needs the worker class itself (e.g. PolicyWorker), got {worker_cls!r}"
@@ -234,16 +244,24 @@ class RankGroup:
         self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=timeout_s)
         self.node_ids = ray.get([a.node_id.remote() for a in self.actors], timeout=timeout_s)
         per_node = Counter(self.node_ids)
-        self.cpu_threads = self._get(
-            [
-                a.setup.remote(worker_cls, cfg, rank, self.world_size, master, per_node[self.node_ids[rank]])
-                for rank, a in enumerate(self.actors)
-            ]
-        )
-        """Intra-op CPU threads of each rank (None on GPUs)."""
+        self._setup: list | None = [
+            a.setup.remote(worker_cls, cfg, rank, self.world_size, master, per_node[self.node_ids[rank]])
+            for rank, a in enumerate(self.actors)
+        ]
+        self.cpu_threads: list[int | None] = []
+        """Intra-op CPU threads of each rank (None on GPUs); filled in by ``ready()``."""
         self.last_call_s = 0.0
         """Time the slowest rank spent inside the last method called (the call's wall time minus
         this is Ray's: scheduling, argument and result transfer)."""
+        if wait:
+            self.ready()
+
+    def ready(self) -> RankGroup:
+        """Wait until every rank has set up (a failed rank raises, named); a no-op after the first."""
+        if self._setup is not None:
+            refs, self._setup = self._setup, None
+            self.cpu_threads = self._get(refs)
+        return self
 
     def _get(self, refs: list) -> list:
         # One failed rank usually leaves the others waiting in a collective: report the first

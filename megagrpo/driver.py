@@ -94,7 +94,9 @@ def _train(cfg: Config, *, resume: bool) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     start_ray(cfg.cluster, cfg=cfg)
-    policy = RankGroup(cfg, PolicyWorker)
+    # The engines start while the ranks set up, except beside them on one GPU (colocated): vLLM
+    # sizes its cache from the memory free at its start.
+    policy = RankGroup(cfg, PolicyWorker, wait=cfg.generation.placement == "colocated")
     engines = start_engine_pool(cfg, model_dir, policy)
     sync, count = engines.sync, len(engines.actors)
     print(f"placement: {placement_summary(policy, engines.actors)}")
@@ -215,12 +217,13 @@ def prepare_initial_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
 
 
 def start_engine_pool(cfg: Config, model_dir: str, policy: RankGroup) -> EnginePool:
-    """The vLLM engines and their weight sync with the policy (engines that fail are replaced)."""
+    """The vLLM engines and their weight sync with the policy (engines that fail are replaced); a
+    policy still setting up is waited for once its engines are up."""
     vocab_size = describe_model(cfg).shape.vocab_size
     return EnginePool(
         cfg,
         start=lambda indices: start_engines(cfg, model_dir, policy=policy, indices=indices),
-        connect=lambda actors: WeightSync(cfg, policy, actors, vocab_size=vocab_size),
+        connect=lambda actors: WeightSync(cfg, policy.ready(), actors, vocab_size=vocab_size),
     )
 
 

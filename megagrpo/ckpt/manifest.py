@@ -65,7 +65,11 @@ class CheckpointCorrupt(CheckpointError):
 class HashingWriter(io.FileIO):
     """A file opened for writing that digests the bytes written to it and, when closed, reports
     ``(absolute path, FileDigest)`` to ``report``. A writer that seeks back (rewriting bytes) makes
-    the digest unknown: nothing is reported and the file is read back instead."""
+    the digest unknown: nothing is reported and the file is read back instead.
+
+    A write that fails (a full disk) fails again at ``close``: ``torch.save`` turns its writer's
+    error into one of its own that no longer says why ("unexpected pos 576 vs 534"), and a file
+    closed as its ``with`` block unwinds then raises the OS error in its place."""
 
     def __init__(self, path: str | os.PathLike, report: Callable[[str, FileDigest], None]):
         super().__init__(path, "wb")
@@ -74,12 +78,17 @@ class HashingWriter(io.FileIO):
         self._hash = xxhash.xxh3_64()
         self._size = 0
         self._sequential = True
+        self._failed: OSError | None = None
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         written = 0
         while written < view.nbytes:  # whole writes: a writer such as torch.save ignores short counts
-            written += super().write(view[written:])
+            try:
+                written += super().write(view[written:])
+            except OSError as err:
+                self._failed = self._failed or OSError(err.errno, err.strerror, self._path)
+                raise
         self._hash.update(view)
         self._size += view.nbytes
         return view.nbytes
@@ -91,9 +100,12 @@ class HashingWriter(io.FileIO):
         return position
 
     def close(self) -> None:
-        if not self.closed and self._sequential:
+        failed, self._failed = self._failed, None
+        if not self.closed and self._sequential and failed is None:
             self._report(self._path, FileDigest(self._size, self._hash.hexdigest()))
         super().close()
+        if failed is not None:
+            raise failed
 
 
 class DigestCollector:

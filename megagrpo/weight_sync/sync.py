@@ -169,8 +169,9 @@ class WeightSync:
 
     def probe(self) -> ProbeResult:
         """Score the probe on every engine and on the trainer; raise if they disagree."""
-        trainer = self.policy.call_first(WeightSyncEndpoints.logprobs, self.probe_batch, 1.0)  # [B, S - 1]
+        # The engines score while the trainer does: both sides' calls are in flight at once.
         engine_refs = [e.prompt_logprobs.remote(self.probe_batch.input_ids.tolist()) for e in self.engines]
+        trainer = self.policy.call_first(WeightSyncEndpoints.logprobs, self.probe_batch, 1.0)  # [B, S - 1]
         per_engine = []
         for e, ref in enumerate(engine_refs):
             try:

@@ -29,7 +29,9 @@ def _local_step(rank: int, world_size: int, cfg) -> dict:
 
 @pytest.fixture(scope="module")
 def ray_group(tmp_path_factory):
-    """(config, a TP=2 policy group on a local Ray); Ray is shut down after the module."""
+    """(config, a TP=2 policy group on a local Ray, its CPU threads before ``ready()``); Ray is shut
+    down after the module. The group is started as the driver starts it: without waiting for the
+    ranks' set-up (the engines start meanwhile)."""
     import ray
 
     from megagrpo.cluster import RankGroup, shutdown_ray, start_ray
@@ -37,14 +39,17 @@ def ray_group(tmp_path_factory):
     cfg = policy_config(str(make_tiny_hf("qwen2", tmp_path_factory.mktemp("ray") / "qwen2")), tp=2)
     start_ray(cfg.cluster, num_cpus=2)
     try:
-        yield cfg, RankGroup(cfg, PolicyWorker, timeout_s=300)
+        group = RankGroup(cfg, PolicyWorker, timeout_s=300, wait=False)
+        before = list(group.cpu_threads)
+        yield cfg, group.ready(), before
     finally:
         shutdown_ray()
     assert not ray.is_initialized()
 
 
 def test_ray_rank_group_matches_local_ranks(ray_group):
-    cfg, group = ray_group
+    cfg, group, threads_before_ready = ray_group
+    assert threads_before_ready == [] and group.cpu_threads == [1, 1]  # set up, one core per rank
     local = run_local_ranks(_local_step, 2, cfg, timeout_s=300)[0]
     batch = policy_batch()
     old = group.call_first(PolicyWorker.logprobs, batch)
@@ -63,7 +68,7 @@ def test_a_dead_rank_is_named_with_its_node(ray_group):
 
     from megagrpo.cluster import RankFailure
 
-    _, group = ray_group
+    _, group, _ = ray_group
     assert get_dashboard_url() == ""  # a local Ray starts no dashboard
     node = group.nodes[1]
     assert node.startswith("127.0.0.1 (pid ")  # a local Ray is on the loopback interface

@@ -116,6 +116,21 @@ def test_writers_in_forked_processes_report_the_digest_of_what_they_wrote(tmp_pa
 # ----------------------------------------------------------------------------- verified resumes
 
 
+def test_a_full_disk_under_torch_save_fails_as_the_os_error_naming_the_file():
+    """torch.save hides its writer's error behind its own ("unexpected pos ..."); the writer raises
+    the OS error again when closed, so a checkpoint writer reports a full disk as one."""
+    import torch
+
+    with (
+        DigestCollector() as collector,
+        pytest.raises(OSError) as failure,
+        collector.writer("/dev/full") as fh,  # every write: ENOSPC
+    ):
+        torch.save({"w": torch.zeros(1 << 16)}, fh)
+    assert failure.value.errno == errno.ENOSPC and failure.value.filename == "/dev/full"
+    assert collector.digests == {}  # a file that failed reports no digest
+
+
 def test_resume_falls_back_past_a_corrupt_checkpoint_and_sets_it_aside(tmp_path):
     _checkpoint(tmp_path, 1)
     good = _checkpoint(tmp_path, 2)
