@@ -220,7 +220,7 @@ BENCHMARKS: tuple[Bench, ...] = (
         "logprob_memory.py",
         "peak memory of chunked vocab-parallel logprobs vs full log-softmax (fwd+bwd)",
         ("cpu", "gpu"),
-        {"cpu": ["--tokens", "2048", "4096"], "gpu": ["--device", "cuda", "--tokens", "8192", "16384"]},
+        {"cpu": ["--tokens", "4096"], "gpu": ["--device", "cuda", "--tokens", "8192", "16384"]},
         {
             "cpu": ["--tokens", "256", "--vocab", "4096", "--chunk", "128"],
             "gpu": ["--device", "cuda", "--tokens", "512", "--vocab", "4096", "--chunk", "256"],
@@ -344,7 +344,12 @@ BENCHMARKS: tuple[Bench, ...] = (
         "the end-to-end GRPO step by stage, the overhead outside the stages, the ~25M step vs its bound",
         ("cpu",),
         # The ~25M model at its best layout (TP 1), three steps (two measured) and its bound.
-        {"cpu": ["--setups", "tiny_tp1", "tiny_tp2", "m25_tp1", "--steps", "tiny=10", "m25=3"]},
+        {
+            "cpu": [
+                *("--setups", "tiny_tp1", "tiny_tp2", "m25_tp1"),
+                *("--steps", "tiny=10", "m25=3", "--bound-iters", "2"),
+            ]
+        },
         {"cpu": ["--steps", "5", "--setups", "tiny_tp1", "--extra", "warmup.steps=10"]},
         _step_metrics,
         repeat_flag=None,
@@ -355,7 +360,9 @@ BENCHMARKS: tuple[Bench, ...] = (
         "sync_bench.py",
         "WeightSync.sync() vs one flat broadcast of the same bytes",
         ("cpu",),
-        {"cpu": ["--engines", "1", "2"]},
+        # The default allocator only (sync_bench.py's defaults add glibc's heap settings: a second
+        # Ray session and set of engines).
+        {"cpu": ["--engines", "1", "2", "--variants", "default"]},
         {"cpu": ["--size-mb", "64", "--engines", "1", "--bucket-mb", "512", "--variants", "default"]},
         _sync_metrics,
     ),
@@ -373,8 +380,14 @@ BENCHMARKS: tuple[Bench, ...] = (
         "scaling_bench.py",
         "step time vs prompts per step and vs response length; sync time vs model size",
         ("cpu",),
-        {"cpu": ["--steps", "4", "--prompts", "16", "64", "128", "--lengths", "16", "64", "224"]},
-        {"cpu": ["--only", "prompts", "--prompts", "8", "--steps", "3"]},
+        {
+            "cpu": [
+                *("--steps", "4", "--prompts", "16", "64", "128", "--lengths", "16", "64", "224"),
+                *("--sizes-mb", "100", "200", "400"),
+            ]
+        },
+        # The random model's curve: no warm-up to run first.
+        {"cpu": ["--only", "lengths", "--lengths", "8", "--steps", "3"]},
         _scaling_metrics,
         repeat_flag=None,
         output_flag="--out",
@@ -385,7 +398,8 @@ BENCHMARKS: tuple[Bench, ...] = (
         "megagrpo beside TRL's GRPOTrainer: same model, prompts, group, tokens and optimizer (bench extra)",
         ("cpu",),
         # TRL's faster mode and our best layout; peer_bench.py's defaults add TRL's paged mode and TP 2.
-        {"cpu": ["--steps", "tiny=10", "m25=3", "--trl-generation", "generate", "--tp", "1"]},
+        # ~25M: two steps each, the second timed (the first allocates); 1.8x apart in earlier runs.
+        {"cpu": ["--steps", "tiny=10", "m25=2", "--trl-generation", "generate", "--tp", "1"]},
         {"cpu": ["--sizes", "tiny", "--steps", "tiny=5", "--trl-generation", "generate", "--tp", "1"]},
         _peer_metrics,
         repeat_flag="--rounds",

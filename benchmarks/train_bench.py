@@ -481,8 +481,26 @@ def _layers(run: dict) -> str:
 
 
 def markdown(report: dict) -> str:
-    a, m = report["args"], report["machine"]
     runs = report["runs"]
+    lines = _intro(report)
+    lines += _throughput_lines(runs)
+    lines += _layer_ratio_lines(runs)
+    lines += _bare_ratio_lines(runs)
+    lines += _mfu_lines(runs)
+    lines += _sync_lines(runs)
+    if not report["machine"]["cuda"]:
+        lines += [
+            "",
+            "On a CPU shared with other jobs, wall times are disturbed unevenly (each step's runs are "
+            "spread in the `step_s_all` lists of the JSON); the CPU time of single-threaded ranks "
+            "(`--threads 1`) is the steadiest measure.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _intro(report: dict) -> list[str]:
+    """Title, machine, model, batch and command (and the commits of appended runs)."""
+    a, m, runs = report["args"], report["machine"], report["runs"]
     lines = [
         "# Policy train step vs bare Megatron step",
         "",
@@ -514,107 +532,119 @@ def markdown(report: dict) -> str:
             )
             + ".",
         ]
-    header = "layers | TP | step | tokens/step | tokens/s | tokens/CPU-s | activation MiB"
+    return lines
+
+
+def _throughput_lines(runs: list[dict]) -> list[str]:
+    """One row per run: its train step's throughput (the bare step's for ``--steps bare``)."""
     rows = []
     for r in runs:
-        step = "train" if "train" in r else "bare"  # --steps bare: the bare step alone
+        step = "train" if "train" in r else "bare"
+        s = r[step]
         rows.append(
             [
                 _layers(r),
                 r["tp"],
                 step,
                 r["tokens_per_step"],
-                f"{r[step]['tokens_per_s_median']:.1f}",
-                f"{r[step]['tokens_per_cpu_s']:.1f}",
-                f"{r[step]['activation_mib']:.1f}",
+                f"{s['tokens_per_s_median']:.1f}",
+                f"{s['tokens_per_cpu_s']:.1f}",
+                f"{s['activation_mib']:.1f}",
             ]
         )
-    lines += md_table(header, rows)
-    baseline: dict[int, dict] = {}  # per TP, the first local run, else the first run: what ratios divide by
+    return md_table("layers | TP | step | tokens/step | tokens/s | tokens/CPU-s | activation MiB", rows)
+
+
+def _layer_ratio_lines(runs: list[dict]) -> list[str]:
+    """Other layers' train step against the local layers' (else the first run's) at each TP."""
+    baseline: dict[int, dict] = {}
     for r in (r for r in runs if "train" in r):
         if r["tp"] not in baseline or (r["impl"] == "local" and baseline[r["tp"]]["impl"] != "local"):
             baseline[r["tp"]] = r
     others = [r for r in runs if r["tp"] in baseline and "train" in r and r is not baseline[r["tp"]]]
-    if others:
-        rows = []
-        for r in others:
-            base = baseline[r["tp"]]["train"]
-            rows.append(
-                [
-                    f"{_layers(r)} / {_layers(baseline[r['tp']])}",
-                    r["tp"],
-                    f"{r['train']['tokens_per_s_median'] / base['tokens_per_s_median']:.2f}",
-                    f"{r['train']['tokens_per_cpu_s'] / base['tokens_per_cpu_s']:.2f}",
-                    f"{r['train']['activation_mib'] / base['activation_mib']:.3f}",
-                ]
-            )
-        lines += [
-            "",
-            *md_table("layers | TP | train tokens/s ratio | tokens/CPU-s ratio | activation ratio", rows),
-        ]
-    if all("bare" in r and "train" in r for r in runs):
-        lines += [
-            "",
-            "Train vs bare: ratios of train/bare throughput, of the median wall times, the median of the "
-            "per-pair ratios, of the fastest step of each, and of the median CPU time of the rank processes.",
-            "",
-        ]
-        header = (
-            "layers | TP | bare tokens/s | ratio | per-pair median | fastest steps | CPU-time ratio "
-            "| target 0.85"
+    if not others:
+        return []
+    rows = []
+    for r in others:
+        base = baseline[r["tp"]]
+        rows.append(
+            [
+                f"{_layers(r)} / {_layers(base)}",
+                r["tp"],
+                f"{r['train']['tokens_per_s_median'] / base['train']['tokens_per_s_median']:.2f}",
+                f"{r['train']['tokens_per_cpu_s'] / base['train']['tokens_per_cpu_s']:.2f}",
+                f"{r['train']['activation_mib'] / base['train']['activation_mib']:.3f}",
+            ]
         )
-        rows = [
-            [
-                _layers(r),
-                r["tp"],
-                f"{r['bare']['tokens_per_s_median']:.1f}",
-                f"{r['ratio_train_over_bare']:.3f}",
-                f"{r['ratio_per_pair_median']:.3f}",
-                f"{r['ratio_min_step']:.3f}",
-                f"{r['ratio_cpu_time']:.3f}",
-                "met" if r["target_met"] else "missed",
-            ]
-            for r in runs
+    header = "layers | TP | train tokens/s ratio | tokens/CPU-s ratio | activation ratio"
+    return ["", *md_table(header, rows)]
+
+
+def _bare_ratio_lines(runs: list[dict]) -> list[str]:
+    """Train against bare, where every run timed both."""
+    if not all("bare" in r and "train" in r for r in runs):
+        return []
+    rows = [
+        [
+            _layers(r),
+            r["tp"],
+            f"{r['bare']['tokens_per_s_median']:.1f}",
+            f"{r['ratio_train_over_bare']:.3f}",
+            f"{r['ratio_per_pair_median']:.3f}",
+            f"{r['ratio_min_step']:.3f}",
+            f"{r['ratio_cpu_time']:.3f}",
+            "met" if r["target_met"] else "missed",
         ]
-        lines += md_table(header, rows)
-    if any("mfu_6n" in r[name] for r in runs for name in ("train", "bare") if name in r):
-        rows = [
-            [
-                _layers(r),
-                r["tp"],
-                name,
-                f"{r[name]['mfu_6n']:.3f}",
-                f"{r[name]['mfu_6n_attn']:.3f}",
-                f"{r.get('peak_mem_gib', {}).get(name, float('nan')):.1f}",
-            ]
-            for r in runs
-            for name in ("train", "bare")
-            if name in r
+        for r in runs
+    ]
+    header = (
+        "layers | TP | bare tokens/s | ratio | per-pair median | fastest steps | CPU-time ratio | target 0.85"
+    )
+    return [
+        "",
+        "Train vs bare: ratios of train/bare throughput, of the median wall times, the median of the "
+        "per-pair ratios, of the fastest step of each, and of the median CPU time of the rank processes.",
+        "",
+        *md_table(header, rows),
+    ]
+
+
+def _mfu_lines(runs: list[dict]) -> list[str]:
+    """Model FLOPs utilization, where a device peak was given."""
+    rows = [
+        [
+            _layers(r),
+            r["tp"],
+            name,
+            f"{r[name]['mfu_6n']:.3f}",
+            f"{r[name]['mfu_6n_attn']:.3f}",
+            f"{r.get('peak_mem_gib', {}).get(name, float('nan')):.1f}",
         ]
-        lines += ["", *md_table("layers | TP | step | MFU 6N | MFU 6N+attn | peak GiB", rows)]
-    for r in runs:
-        if "sync" in r:
-            sy = r["sync"]
-            extra = sy["send_extra_mem_bytes"]
-            lines += [
-                "",
-                f"Weight-sync sender (TP {r['tp']}, {sy['backend']}, no receivers): "
-                f"{sy['bytes'] / 1e9:.2f} GB in {sy['tensors']} HF tensors, {sy['buckets']} buckets of "
-                f"<= {sy['bucket_mb']} MB. "
-                f"Send {sy['send_s_median'] * 1e3:.1f} ms ({sy['send_gb_per_s']:.1f} GB/s; HF conversion "
-                f"alone {sy['reshard_s_median'] * 1e3:.1f} ms) vs one flat device copy of the same bytes "
-                f"{sy['copy_s_median'] * 1e3:.1f} ms ({sy['copy_gb_per_s']:.1f} GB/s): "
-                f"{sy['send_over_copy']:.2f} of the copy bound"
-                + (f"; {extra / 2**20:.0f} MiB on top of the model while sending." if extra else "."),
-            ]
-    if not m["cuda"]:
+        for r in runs
+        for name in ("train", "bare")
+        if name in r and "mfu_6n" in r[name]
+    ]
+    return ["", *md_table("layers | TP | step | MFU 6N | MFU 6N+attn | peak GiB", rows)] if rows else []
+
+
+def _sync_lines(runs: list[dict]) -> list[str]:
+    """The weight-sync sender's time (``--sync-bucket-mb``) against one flat copy of its bytes."""
+    lines = []
+    for r in (r for r in runs if "sync" in r):
+        sy = r["sync"]
+        extra = sy["send_extra_mem_bytes"]
         lines += [
             "",
-            "On a CPU shared with other jobs, wall times are disturbed unevenly (each step's runs are "
-            "spread in the `step_s_all` lists of the JSON); the CPU time of single-threaded ranks "
-            "(`--threads 1`) is the steadiest measure.",
+            f"Weight-sync sender (TP {r['tp']}, {sy['backend']}, no receivers): "
+            f"{sy['bytes'] / 1e9:.2f} GB in {sy['tensors']} HF tensors, {sy['buckets']} buckets of "
+            f"<= {sy['bucket_mb']} MB. "
+            f"Send {sy['send_s_median'] * 1e3:.1f} ms ({sy['send_gb_per_s']:.1f} GB/s; HF conversion "
+            f"alone {sy['reshard_s_median'] * 1e3:.1f} ms) vs one flat device copy of the same bytes "
+            f"{sy['copy_s_median'] * 1e3:.1f} ms ({sy['copy_gb_per_s']:.1f} GB/s): "
+            f"{sy['send_over_copy']:.2f} of the copy bound"
+            + (f"; {extra / 2**20:.0f} MiB on top of the model while sending." if extra else "."),
         ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def add_workload_args(p: argparse.ArgumentParser, *, warmup: int, iters: int, timeout: float) -> None:

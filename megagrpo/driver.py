@@ -98,18 +98,7 @@ def _train(cfg: Config, *, resume: bool) -> Path:
     # sizes its cache from the memory free at its start.
     policy = RankGroup(cfg, PolicyWorker, wait=cfg.generation.placement == "colocated")
     engines = start_engine_pool(cfg, model_dir, policy)
-    sync, count = engines.sync, len(engines.actors)
-    print(f"placement: {placement_summary(policy, engines.actors)}")
-    if policy.cpu_threads[0] is not None:
-        engine_threads = sorted(set(ray.get([e.cpu_threads.remote() for e in engines.actors])))
-        print(
-            f"trainer: {'/'.join(map(str, sorted(set(policy.cpu_threads))))} CPU thread(s) per rank; "
-            f"engines: {'/'.join(map(str, engine_threads))} each"
-        )
-    print(
-        f"weight sync: {sync.backend}, {sync.path.kind} ({sync.path.reason}); {count} engine(s), "
-        f"{sync.total_bytes / 2**20:.1f} MiB sent, {max(sync.worker_bytes) / 2**20:.1f} MiB per vLLM worker"
-    )
+    print_layout(policy, engines)
     step, position, pending = restore(cfg, policy, resume_from)
     timings = {}
     with timed(timings, "sync_s"):
@@ -144,13 +133,7 @@ def _train(cfg: Config, *, resume: bool) -> Path:
                 rollouts, filtered = current.rollouts, current.filtered
                 batch = to_train_batch(cfg, rollouts)
                 set_engines_awake(cfg, engines, False)  # colocated: hand the GPUs to the trainer
-                with timed(timings, "logprobs_s"):  # reference logprobs; old ones are train()'s own
-                    if cfg.grpo.kl_coef > 0:
-                        ref = policy.call_first(PolicyWorker.reference_logprobs, batch)
-                        batch = batch.replace(ref_logprobs=ref)
-                with timed(timings, "train_s"):
-                    train_metrics = mean_metrics(policy.call_first(PolicyWorker.train, batch))
-                timings["train_rank_s"] = policy.last_call_s  # inside the ranks: the rest is Ray
+                batch, train_metrics = train_on(cfg, policy, batch, timings)
                 trained.update(step, position, None)
                 trainer_busy = timings["logprobs_s"] + timings["train_s"]
                 engine_busy = timings.get("generation_s", 0.0)
@@ -224,6 +207,22 @@ def start_engine_pool(cfg: Config, model_dir: str, policy: RankGroup) -> EngineP
         cfg,
         start=lambda indices: start_engines(cfg, model_dir, policy=policy, indices=indices),
         connect=lambda actors: WeightSync(cfg, policy.ready(), actors, vocab_size=vocab_size),
+    )
+
+
+def print_layout(policy: RankGroup, engines: EnginePool) -> None:
+    """Where the ranks and engines run, their CPU threads, and the weight-sync path."""
+    sync, count = engines.sync, len(engines.actors)
+    print(f"placement: {placement_summary(policy, engines.actors)}")
+    if policy.cpu_threads[0] is not None:
+        engine_threads = sorted(set(ray.get([e.cpu_threads.remote() for e in engines.actors])))
+        print(
+            f"trainer: {'/'.join(map(str, sorted(set(policy.cpu_threads))))} CPU thread(s) per rank; "
+            f"engines: {'/'.join(map(str, engine_threads))} each"
+        )
+    print(
+        f"weight sync: {sync.backend}, {sync.path.kind} ({sync.path.reason}); {count} engine(s), "
+        f"{sync.total_bytes / 2**20:.1f} MiB sent, {max(sync.worker_bytes) / 2**20:.1f} MiB per vLLM worker"
     )
 
 
@@ -313,6 +312,19 @@ def error_summary(err: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------------- the step parts
+
+
+def train_on(cfg: Config, policy: RankGroup, batch: TrainBatch, timings: dict) -> tuple[TrainBatch, dict]:
+    """(the batch with its reference logprobs when the loss has a KL term, the step's mean train
+    metrics): the policy's optimizer steps on ``batch`` (old logprobs are ``train``'s own), timed
+    into ``timings`` (``logprobs_s``, ``train_s``, and ``train_rank_s`` inside the ranks)."""
+    with timed(timings, "logprobs_s"):
+        if cfg.grpo.kl_coef > 0:
+            batch = batch.replace(ref_logprobs=policy.call_first(PolicyWorker.reference_logprobs, batch))
+    with timed(timings, "train_s"):
+        metrics = mean_metrics(policy.call_first(PolicyWorker.train, batch))
+    timings["train_rank_s"] = policy.last_call_s  # inside the ranks: the rest is Ray
+    return batch, metrics
 
 
 def generate(
