@@ -293,15 +293,17 @@ def _sync(r):
 
 
 def _sync_bound(r):
-    s = r["sync_bound"]
-    rows = s["variants"]["default"]["results"]
+    # The full suite's sync run, at its 512 MB buckets (one bucket: the flat broadcast's shape).
+    s = r["suite_cpu/sync"]
+    rows = [x for x in s["variants"]["default"]["results"] if x["bucket_mb"] == 512]
     two = lambda v: f"{v:.2f}"
     engines, repeat = max(x["engines"] for x in rows), s["args"]["repeat"]
-    command = f"--engines 1 2 --bucket-mb 512 --variants default --repeat {repeat} --output sync_bound"
     sync, load, flat = ([x[k] for x in rows] for k in ("sync_s", "load_s", "flat_s"))
     return (
         f"weight sync vs what any sync pays: one flat broadcast + vLLM's own reload of the same tensors from "
-        f"memory, {mb(s['model']['bytes'])} MB, 1-{engines} engines (`sync_bench.py {command}`)",
+        f"memory, {mb(s['model']['bytes'])} MB, 512 MB buckets, 1-{engines} engines (`sync_bench.py` in the "
+        f"full suite, medians of {repeat}, `results/suite_cpu/sync.md`; `results/sync_bound.md`: an "
+        "earlier session's run)",
         f"(flat + reload) / sync = {span([x['fraction_of_flat_plus_load'] for x in rows], two)} "
         f"(sync {span(sync, two)} s, vLLM reload {span(load, two)} s, flat {span(flat, two)} s)",
         ">= 0.9 ("
@@ -532,7 +534,7 @@ ROWS: tuple[Row, ...] = (
     Row(("gpu_h200/logprob_memory",), _logprob_h200),
     Row(("rollout",), _rollout),
     Row(("sync",), _sync),
-    Row(("sync_bound",), _sync_bound),
+    Row(("suite_cpu/sync",), _sync_bound),
     Row(("faults",), _checkpoint),
     Row(("reward",), _reward),
     Row(("faults",), _engine_kill),
