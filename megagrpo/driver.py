@@ -162,10 +162,7 @@ def _train(cfg: Config, *, resume: bool) -> Path:
                     with timed(timings, "validation_s"):
                         metrics |= validate(cfg, engines, source, scorer)
                 timings["step_s"] = time.perf_counter() - t0
-                sync_s = timings.get("sync_s", 0.0)
-                timings["engine_idle_s"] = max(0.0, timings["step_s"] - engine_busy - sync_s)
-                timings["trainer_idle_s"] = max(0.0, timings["step_s"] - trainer_busy - sync_s)
-                metrics |= prefixed("timing", timings)
+                metrics |= prefixed("timing", with_idle_times(timings, engine_busy, trainer_busy))
                 metrics["throughput/tokens_per_s"] = batch.num_tokens / timings["step_s"]
                 log.log(step, metrics)
                 if saving:
@@ -325,6 +322,14 @@ def train_on(cfg: Config, policy: RankGroup, batch: TrainBatch, timings: dict) -
         metrics = mean_metrics(policy.call_first(PolicyWorker.train, batch))
     timings["train_rank_s"] = policy.last_call_s  # inside the ranks: the rest is Ray
     return batch, metrics
+
+
+def with_idle_times(timings: dict, engine_busy: float, trainer_busy: float) -> dict:
+    """``timings`` with each side's idle time in the step (``step_s`` less its busy time and the sync)."""
+    sync_s = timings.get("sync_s", 0.0)
+    timings["engine_idle_s"] = max(0.0, timings["step_s"] - engine_busy - sync_s)
+    timings["trainer_idle_s"] = max(0.0, timings["step_s"] - trainer_busy - sync_s)
+    return timings
 
 
 def generate(
