@@ -90,4 +90,4 @@ def test_the_weight_sync_and_the_driver_use_this_choice():
     # No backend argument to override it: WeightSync reads the config's resolved trainer backend.
     assert "backend" not in inspect.signature(sync.WeightSync.__init__).parameters
     assert "weight_sync_backend(cfg.parallel.resolved_backend)" in inspect.getsource(sync.WeightSync.__init__)
-    assert "sync.backend" in inspect.getsource(driver._train)
+    assert "sync.backend" in inspect.getsource(driver.print_layout)

@@ -193,5 +193,5 @@ def test_path_is_chosen_in_one_place_and_printed_at_start():
     assert "WeightSyncEndpoints.weight_sync_path" in inspect.getsource(sync.WeightSync.__init__)
     assert "choose_path(" in inspect.getsource(trainer.WeightSender.choose)
     assert "choose_path(" in inspect.getsource(plan)
-    printed = inspect.getsource(driver._train)
+    printed = inspect.getsource(driver.print_layout)
     assert "sync.path.kind" in printed and "sync.path.reason" in printed
