@@ -3,7 +3,7 @@
 optimizer settings, run alternately on the same machine.
 
     python benchmarks/peer_bench.py [--sizes tiny m25] [--rounds tiny=2 m25=1] [--steps tiny=20 m25=4]
-        [--trl-generation generate paged] [--tp 1 2] [--out FILE.json]
+        [--trl-generation generate paged] [--tp 1 2] [--warmup-steps N] [--out FILE.json]
 
 Needs the ``bench`` extra (TRL). Two sizes, as step_bench's setups:
 
@@ -54,9 +54,12 @@ TRL_ARGS = {
 OURS = {"tiny": ["policy.micro_batch_max_tokens=8192"], "m25": M25}
 
 
-def ours(root: Path, size: str, tp: int, steps: int, tag: str, warmup: Path | None) -> dict:
+def ours(
+    root: Path, size: str, tp: int, steps: int, tag: str, warmup: Path | None, warmup_steps: int | None = None
+) -> dict:
     overrides = [
         *OURS[size],
+        *([f"warmup.steps={warmup_steps}"] if warmup_steps is not None and size == "tiny" else []),
         f"parallel.tensor_model_parallel_size={tp}",
         "grpo.baseline=mean",
         f"logging.val_every={steps}",
@@ -120,6 +123,12 @@ def main(argv=None) -> dict:
         default=[1, 2],
         help="megagrpo's trainer TP sizes: the first runs before TRL",
     )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="the tiny model's warm-up steps (default: the demo's); TRL starts from the same model",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "peer.json")
     args = p.parse_args(argv)
     if importlib.util.find_spec("trl") is None:  # the peer runs in processes of its own
@@ -135,7 +144,7 @@ def main(argv=None) -> dict:
         warmup = model = None
         for rnd in range(rounds.get(size, 1)):
             tag = f"r{rnd}"
-            r = ours(root, size, args.tp[0], steps[size], tag, warmup)
+            r = ours(root, size, args.tp[0], steps[size], tag, warmup, args.warmup_steps)
             if warmup is None:
                 warmup = root / f"warmup_{size}"
                 shutil.copytree(Path(r["run_dir"]) / "warmup", warmup)
@@ -144,7 +153,8 @@ def main(argv=None) -> dict:
             for mode in args.trl_generation:
                 runs.setdefault(f"TRL {mode}", []).append(trl(root, size, model, steps[size], mode, tag))
             for tp in args.tp[1:]:
-                runs.setdefault(f"megagrpo TP{tp}", []).append(ours(root, size, tp, steps[size], tag, warmup))
+                again = ours(root, size, tp, steps[size], tag, warmup, args.warmup_steps)
+                runs.setdefault(f"megagrpo TP{tp}", []).append(again)
         report["sizes"][size] = {
             name: {
                 "step_s": statistics.median(r["step_s"] for r in rs),

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +30,8 @@ from pathlib import Path
 
 from megagrpo.ckpt.durable import atomic_file, atomic_write
 
-from .common import RESULTS
+from .common import RESULTS, TMP
+from .common.runs import SHARED_WARMUPS
 from .common.sampling import machine_info
 from .common.tables import md_table
 
@@ -400,7 +403,13 @@ BENCHMARKS: tuple[Bench, ...] = (
         # TRL's faster mode and our best layout; peer_bench.py's defaults add TRL's paged mode and TP 2.
         # ~25M: two steps each, the second timed (the first allocates); 1.8x apart in earlier runs.
         {"cpu": ["--steps", "tiny=10", "m25=2", "--trl-generation", "generate", "--tp", "1"]},
-        {"cpu": ["--sizes", "tiny", "--steps", "tiny=5", "--trl-generation", "generate", "--tp", "1"]},
+        # The quick step run's 10-step warm-up: the suite trains it once for both.
+        {
+            "cpu": [
+                *("--sizes", "tiny", "--steps", "tiny=5", "--trl-generation", "generate", "--tp", "1"),
+                *("--warmup-steps", "10"),
+            ]
+        },
         _peer_metrics,
         repeat_flag="--rounds",
         repeat_default=1,
@@ -564,8 +573,17 @@ def run(argv: list[str] | None = None) -> dict:
         "benchmarks": {},
     }
     start = time.perf_counter()
-    for bench in args.benchmarks:
-        suite["benchmarks"][bench.name] = run_one(bench, args.suite, args.quick, args.repeat, args.out)
+    # The whole-run benchmarks (step, scaling, peer) train each tiny warm-up once for the suite.
+    TMP.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="warmups-", dir=TMP) as warmups:
+        os.environ[SHARED_WARMUPS] = warmups
+        try:
+            for bench in args.benchmarks:
+                suite["benchmarks"][bench.name] = run_one(
+                    bench, args.suite, args.quick, args.repeat, args.out
+                )
+        finally:
+            del os.environ[SHARED_WARMUPS]
     suite["wall_s"] = time.perf_counter() - start
     atomic_write(args.out / "suite.json", json.dumps(suite, indent=2) + "\n")
     atomic_write(args.out / "suite.md", render_markdown(suite))

@@ -88,6 +88,20 @@ def run_warmup(cfg: Config, *, ckpt: Path | None = None) -> WarmupResult | None:
     )
 
 
+WARMUP_POLICY_KEYS = ("weight_decay", "clip_grad")
+"""The optimizer settings the warm-up takes from ``policy`` (:func:`warmup_config` sets the others)."""
+
+
+def warmup_stamp(cfg: Config) -> str:
+    """What a saved warm-up must have been trained with to be reused for ``cfg``: its model, warm-up,
+    data and optimizer settings. Not the parallel layout or the micro-batch budget: they change the
+    arithmetic's order, not what is computed (the saved Megatron checkpoint is resharded on load)."""
+    config = config_to_dict(cfg)
+    stamp = {k: config[k] for k in ("model", "warmup", "data")}
+    stamp["policy"] = {k: config["policy"][k] for k in WARMUP_POLICY_KEYS}
+    return yaml.safe_dump(stamp, sort_keys=True)
+
+
 def warmed_up_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
     """(config whose model is loadable by the policy and vLLM, the HF directory vLLM reads).
 
@@ -98,7 +112,7 @@ def warmed_up_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
         return cfg, str(cfg.model.hf_dir)
     ckpt = run_dir / "warmup" / "ckpt"
     stamp = ckpt / "warmup_config.yaml"
-    wanted = yaml.safe_dump({k: config_to_dict(cfg)[k] for k in ("model", "warmup", "data")}, sort_keys=True)
+    wanted = warmup_stamp(cfg)
     if not (stamp.is_file() and stamp.read_text() == wanted):
         if cfg.warmup.steps > 0:
             res = run_warmup(cfg, ckpt=ckpt)

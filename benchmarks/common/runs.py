@@ -3,12 +3,34 @@ each in a process of its own, with an earlier run's warm-up reused, and its metr
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+SHARED_WARMUPS = "MEGAGRPO_BENCH_WARMUPS"
+"""Environment variable naming a directory where the runs of several benchmarks share their tiny
+models' warm-ups, one per warm-up config (``megagrpo.warmup.warmup_stamp``): the suite sets it, so
+that step, scaling and peer train the demo's warm-up once rather than once each."""
+
+
+def shared_warmup(overrides: list[str]) -> Path | None:
+    """Where the warm-up of a run with ``overrides`` (on the default config) is kept for other runs
+    of this suite, or None outside a suite and for a model that is not warmed up (an HF one)."""
+    if not os.environ.get(SHARED_WARMUPS):
+        return None
+    from megagrpo.config import load_config
+    from megagrpo.warmup import warmup_stamp
+
+    cfg = load_config(None, overrides)
+    if cfg.model.tiny is None:
+        return None
+    key = hashlib.sha256(warmup_stamp(cfg).encode()).hexdigest()[:16]
+    return Path(os.environ[SHARED_WARMUPS]) / key
 
 
 def train_run(
@@ -20,10 +42,14 @@ def train_run(
     profile: Path | None = None,
 ) -> Path:
     """Run ``name`` under ``root/runs`` for ``steps`` GRPO steps with ``overrides`` (no TensorBoard,
-    progress bar, checkpoints or export), starting from the copy of ``warmup`` when given; returns its
-    run directory. With ``profile``, the driver process runs under cProfile, its stats written there.
-    A failed run stops the benchmark with the run's output."""
+    progress bar, checkpoints or export), starting from the copy of ``warmup`` when given, else from
+    the suite's shared warm-up of the same config when there is one (the run's own is shared after
+    it); returns its run directory. With ``profile``, the driver process runs under cProfile, its
+    stats written there. A failed run stops the benchmark with the run's output."""
     run_dir = root / "runs" / name
+    shared = shared_warmup(overrides) if warmup is None else None
+    if shared is not None and shared.is_dir():
+        warmup = shared
     if warmup is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.copytree(warmup, run_dir / "warmup")
@@ -46,6 +72,12 @@ def train_run(
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     print(f"[{Path(sys.argv[0]).stem}] {name}: {time.perf_counter() - start:.0f}s", flush=True)
+    if shared is not None and not shared.is_dir() and (run_dir / "warmup").is_dir():
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        tmp = shared.with_name(f".{shared.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(run_dir / "warmup", tmp)
+        tmp.rename(shared)
     return run_dir
 
 

@@ -1,0 +1,28 @@
+"""Which config changes let ``megagrpo train`` (and the benchmark suite) reuse a saved warm-up."""
+
+from megagrpo.config import load_config
+from megagrpo.warmup import warmup_stamp
+
+
+def stamp(*overrides: str) -> str:
+    return warmup_stamp(load_config(None, list(overrides)))
+
+
+def test_layout_and_grpo_settings_keep_the_warm_up():
+    base = stamp()
+    assert stamp("parallel.tensor_model_parallel_size=1") == base
+    assert stamp("policy.micro_batch_max_tokens=1024") == base
+    assert stamp("grpo.num_prompts_per_step=32", "generation.max_new_tokens=32") == base
+
+
+def test_what_the_warm_up_computes_changes_the_stamp():
+    base = stamp()
+    changed = [
+        stamp("warmup.steps=10"),
+        stamp("warmup.lr=0.01"),
+        stamp("model.tiny.hidden_size=64"),
+        stamp("policy.weight_decay=0.5"),
+        stamp("policy.clip_grad=0.5"),
+    ]
+    assert all(s != base for s in changed)
+    assert len(set(changed)) == len(changed)
