@@ -3,8 +3,15 @@
 import pytest
 import torch
 
+TIERS = ("unit", "dist", "e2e", "gpu")
+
 
 def pytest_collection_modifyitems(config, items):
+    # `make test` selects by tier (-m): a test without one would never run there.
+    untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    if untiered:
+        marker = f"pytestmark = pytest.mark.<{'|'.join(TIERS)}>"
+        raise pytest.UsageError(f"tests without a tier marker ({marker}): {', '.join(untiered)}")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -1,7 +1,11 @@
 """Which config changes let ``megagrpo train`` (and the benchmark suite) reuse a saved warm-up."""
 
+import pytest
+
 from megagrpo.config import load_config
 from megagrpo.warmup import warmup_stamp
+
+pytestmark = pytest.mark.unit
 
 
 def stamp(*overrides: str) -> str:
