@@ -277,6 +277,10 @@ class GenerationConfig:
     """KV-cache size for vLLM's CPU backend in GiB; null keeps vLLM's default."""
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM (slower decode, faster start, less memory)."""
+    max_num_seqs: int | None = None
+    """Sequences one engine decodes at once (vLLM's max_num_seqs). null: vLLM's default, except on its
+    CPU build, whose default (256 per engine TP rank) would decode a larger step in waves: there, at
+    least one step's rollouts per engine."""
     ignore_eos: bool = False
     """Training rollouts run to max_new_tokens past EOS and stop tokens (a fixed amount of work per step,
     for benchmarks; rewards score the whole text). Validation and `megagrpo eval` stop as usual."""
@@ -299,6 +303,7 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         positive(self, "num_engines", "engine_tensor_parallel_size", "max_new_tokens")
+        check(self, "max_num_seqs", self.max_num_seqs is None or self.max_num_seqs >= 1, ">= 1 or null")
         check(self, "sync_bucket_mb", self.sync_bucket_mb > 0, "> 0")
         check(self, "temperature", self.temperature > 0, "> 0")
         check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")

@@ -3,7 +3,7 @@
 import pytest
 
 from megagrpo.config import load_config
-from megagrpo.generation.worker import engine_cpu_threads, vllm_env
+from megagrpo.generation.worker import engine_cpu_threads, scheduler_args, vllm_env
 
 pytestmark = pytest.mark.unit
 
@@ -37,3 +37,41 @@ def test_threads_are_left_unbound_only_for_multi_worker_engines():
 def test_engine_cpu_threads(overrides, cores, want):
     cfg = load_config(None, ["generation.num_engines=1", *overrides])
     assert engine_cpu_threads(cfg, cores) == want
+
+
+@pytest.mark.parametrize(
+    ("overrides", "seqs", "budget"),
+    [
+        ([], 512, 4096),  # the demo's 64 x 8 rollouts decode in one wave, not two of vLLM's 256
+        (["generation.num_engines=2"], 256, 4096),  # 256 per engine: vLLM's CPU default stays
+        (
+            [
+                "generation.engine_tensor_parallel_size=2",
+                "grpo.num_prompts_per_step=16",
+                "policy.mini_batch_size=128",
+            ],
+            512,
+            4096,
+        ),
+        (["grpo.num_prompts_per_step=1024"], 8192, 8192),  # the token budget holds a decode step
+        (
+            ["generation.num_engines=3", "grpo.num_prompts_per_step=100", "policy.mini_batch_size=100"],
+            267,
+            4096,
+        ),  # 800 / 3, rounded up
+        (["generation.max_num_seqs=64"], 64, 4096),  # as configured
+        (
+            [
+                "model.seq_length=8192",
+                "model.tiny.max_position_embeddings=8192",
+                "policy.micro_batch_max_tokens=8192",
+                "generation.max_num_seqs=64",
+            ],
+            64,
+            8192,
+        ),  # one whole prompt fits
+    ],
+)
+def test_cpu_scheduler_holds_one_step_per_engine(overrides, seqs, budget):
+    args = scheduler_args(load_config(None, ["grpo.num_generations=8", *overrides]))
+    assert args == {"enable_chunked_prefill": False, "max_num_seqs": seqs, "max_num_batched_tokens": budget}
