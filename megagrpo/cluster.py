@@ -372,6 +372,19 @@ def start_engines(
     disaggregated engines get devices of their own. ``indices``: start only these engines (a
     replacement starts where the engine it replaces was placed).
     """
+    engines = launch_engines(cfg, model_dir, policy=policy, engine_cls=engine_cls, indices=indices)
+    return wait_for_engines(engines, timeout_s)
+
+
+def launch_engines(
+    cfg: Config,
+    model_dir: str,
+    *,
+    policy: RankGroup | None = None,
+    engine_cls: type[GenerationWorker] | None = None,
+    indices: Sequence[int] | None = None,
+) -> list:
+    """``start_engines`` without the wait: the actors, still starting (``wait_for_engines``)."""
     if engine_cls is None:
         from megagrpo.generation.worker import GenerationWorker
 
@@ -393,7 +406,11 @@ def start_engines(
         if cfg.cluster.engine_resource:
             options["resources"] = {cfg.cluster.engine_resource: NODE_LABEL_AMOUNT}
         engines.append(actor_cls.options(**options).remote(cfg, model_dir, index))
-    # Construction happens in the actor's __init__; any method call waits for it.
+    return engines
+
+
+def wait_for_engines(engines: list, timeout_s: float = 600.0) -> list:
+    """``engines`` once each has constructed (an engine that failed to start raises here)."""
     ready = [e.__ray_ready__.remote() for e in engines]
     done, pending = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
     for ref in done:

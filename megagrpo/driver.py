@@ -33,10 +33,12 @@ from megagrpo.cluster import (
     EngineFailure,
     EnginePool,
     RankGroup,
+    launch_engines,
     placement_summary,
     shutdown_ray,
     start_engines,
     start_ray,
+    wait_for_engines,
 )
 from megagrpo.config import Config, config_to_dict, save_config
 from megagrpo.data.prompts import Prompt, PromptSource, build_source
@@ -96,8 +98,9 @@ def _train(cfg: Config, *, resume: bool) -> Path:
     start_ray(cfg.cluster, cfg=cfg)
     # The engines start while the ranks set up, except beside them on one GPU (colocated): vLLM
     # sizes its cache from the memory free at its start.
+    early = launch_engines(cfg, model_dir) if starts_engines_first(cfg) else None
     policy = RankGroup(cfg, PolicyWorker, wait=cfg.generation.placement == "colocated")
-    engines = start_engine_pool(cfg, model_dir, policy)
+    engines = start_engine_pool(cfg, model_dir, policy, launched=early)
     print_layout(policy, engines)
     step, position, pending = restore(cfg, policy, resume_from)
     timings = {}
@@ -196,13 +199,32 @@ def prepare_initial_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
     return warmed_up_model(cfg, run_dir)
 
 
-def start_engine_pool(cfg: Config, model_dir: str, policy: RankGroup) -> EnginePool:
+def starts_engines_first(cfg: Config) -> bool:
+    """Whether the engines are started before the policy ranks: on one node with engines of their own
+    (their start-up, vLLM's imports and set-up, is the longest: it then overlaps the ranks' own).
+    Colocated engines go into the ranks' placement group, and on several nodes the ranks' group
+    is placed first, so that the engines do not split it."""
+    return cfg.generation.placement == "disaggregated" and cfg.cluster.num_nodes == 1
+
+
+def start_engine_pool(
+    cfg: Config, model_dir: str, policy: RankGroup, launched: list | None = None
+) -> EnginePool:
     """The vLLM engines and their weight sync with the policy (engines that fail are replaced); a
-    policy still setting up is waited for once its engines are up."""
+    policy still setting up is waited for once its engines are up. ``launched``: the engines,
+    already started by ``launch_engines`` (replacements are started anew)."""
     vocab_size = describe_model(cfg).shape.vocab_size
+
+    def start(indices: list[int]) -> list:
+        nonlocal launched
+        if launched is not None:
+            engines, launched = launched, None
+            return wait_for_engines(engines)
+        return start_engines(cfg, model_dir, policy=policy, indices=indices)
+
     return EnginePool(
         cfg,
-        start=lambda indices: start_engines(cfg, model_dir, policy=policy, indices=indices),
+        start=start,
         connect=lambda actors: WeightSync(cfg, policy.ready(), actors, vocab_size=vocab_size),
     )
 

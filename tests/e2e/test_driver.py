@@ -46,6 +46,7 @@ def test_config_errors_stop_before_any_actor(tmp_path):
         None,
         [
             f"logging.dir={tmp_path}",
+            f"checkpoint.dir={tmp_path / 'checkpoints'}",  # not the demo's, which `make demo` fills
             "model.tiny=null",
             f"model.hf_dir={tmp_path}",
             f"data.train_path={tmp_path / 'missing.jsonl'}",
