@@ -62,6 +62,12 @@ def vllm_env(cfg: Config) -> dict[str, str]:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.generation.cpu_kvcache_space_gib)
     # vLLM logs every weight reload at INFO/WARNING; the driver reports what matters per step.
     env["VLLM_LOGGING_LEVEL"] = "ERROR"
+    if cfg.cluster.gpus_per_node == 0 and cfg.generation.enforce_eager:
+        # Eager on CPU: vLLM 0.32 still torch.compiles two sampler helpers (a token's rank among
+        # the logprobs, the unseeded random sample), compiled at their first call: 1.7-2.2 s of
+        # every engine's first logprobs (the first probe, on the run's critical path). With
+        # TorchDynamo off they run as the plain torch ops they are: same logprobs and ranks.
+        env["TORCH_COMPILE_DISABLE"] = "1"
     if cfg.generation.engine_tensor_parallel_size > 1:
         # vLLM's CPU build otherwise pins each TP worker's threads to a NUMA node of its own and
         # refuses machines with fewer nodes than workers (ignored by the CUDA build).

@@ -15,6 +15,12 @@ def test_cpu_kvcache_space_is_set_only_when_configured():
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
+def test_torch_compile_is_off_only_for_eager_cpu_engines():
+    assert vllm_env(load_config(None))["TORCH_COMPILE_DISABLE"] == "1"  # the demo: CPU, eager
+    assert "TORCH_COMPILE_DISABLE" not in vllm_env(load_config(None, ["generation.enforce_eager=false"]))
+    assert "TORCH_COMPILE_DISABLE" not in vllm_env(load_config(None, ["cluster.gpus_per_node=4"]))
+
+
 def test_threads_are_left_unbound_only_for_multi_worker_engines():
     assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env(load_config(None))
     env = vllm_env(load_config(None, ["generation.engine_tensor_parallel_size=2"]))
