@@ -415,10 +415,11 @@ def _scaling(r):
         and sy[-1]["s_per_gb"] <= sy[0]["s_per_gb"]
     )
     joined = lambda values, form: " / ".join(form.format(v) for v in values)
+    updates = {1: "one optimizer step", 2: "two optimizer steps"}[pr[0].get("optimizer_steps", 1)]
     return (
-        "scaling (`scaling_bench.py`, `results/scaling.png`): tiny model at TP 1, one optimizer step per "
-        "batch; step time vs rollouts per step and vs response length (random weights, 16 x 8); sync vs "
-        "model size (one engine)",
+        f"scaling (`scaling_bench.py`, `results/scaling.png`): tiny model at TP 1, {updates} per batch; "
+        "step time vs rollouts per step and vs response length (random weights, 16 x 8, one optimizer "
+        "step); sync vs model size (one engine)",
         f"per rollout {1e3 * pr[0]['s_per_rollout']:.2f} ms at {pr[0]['rollouts']} rollouts -> "
         f"{1e3 * pr[-1]['s_per_rollout']:.2f} ms at {pr[-1]['rollouts']}; per generated token "
         f"{joined(per_token, '{:.3f}')} ms from {ln[0]['generated_tokens']:.0f} to "

@@ -3,18 +3,21 @@
 sync time against model size.
 
     python benchmarks/scaling_bench.py [--steps 6] [--prompts 16 32 64 128] [--lengths 16 32 64 128 224]
-        [--sizes-mb 150 400 800] [--only prompts lengths sync] [--out FILE.json]
+        [--sizes-mb 150 400 800] [--only prompts lengths sync] [--extra KEY=VALUE ...] [--out FILE.json]
 
-- ``prompts``: ``make demo``'s model after its warm-up at TP = 1, ``--prompts`` prompts x 8 per step,
-  at most 8 new tokens, one optimizer step per batch (so no old-logprob pass at any size);
+- ``prompts``: ``make demo``'s config at TP = 1 (its model after its warm-up, at most 8 new tokens,
+  two optimizer steps per batch: the old-logprob forward of the second is inside train), with
+  ``--prompts`` prompts x 8 per step; the 64-prompt point is step_bench's ``tiny_tp1`` setup;
 - ``lengths``: the same model shape from random weights (its responses mostly run to the budget),
   16 prompts x 8, ``generation.max_new_tokens`` in ``--lengths`` (the context widened to hold the
   longest, the same at every point);
 - ``sync``: ``sync_bench.py`` at each ``--sizes-mb`` (one engine, 512 MB buckets, the sync and the
   flat broadcast of the same bytes, 3 repeats).
 
-Each step-time point is a real ``megagrpo train`` run (its own process); its time is the median over
-the steps after the first ``SKIP``, split into the stages step_bench reports. For each curve the
+Each step-time point is a real ``megagrpo train`` run (its own process; in a suite, a run that
+step_bench made already with the same config and steps is read back, not made again); ``--extra``
+overrides go to every one. Its time is the median over the steps after the first ``SKIP``, split
+into the stages step_bench reports. For each curve the
 report gives the time per unit of work (per rollout, per generated token, per GB) at every point:
 flat means linear growth, rising means worse than linear. Writes JSON, Markdown and ``scaling.png``.
 """
@@ -39,8 +42,10 @@ STAGES = ("generation_s", "logprobs_s", "train_s", "sync_s")
 G = 8
 
 
-def step_point(root: Path, name: str, steps: int, overrides: list[str], warmup: Path | None) -> dict:
-    run_dir = train_run(root, name, steps, ["logging.val_every=0", *overrides], warmup)
+def step_point(
+    root: Path, name: str, steps: int, overrides: list[str], warmup: Path | None, extra: list[str]
+) -> dict:
+    run_dir = train_run(root, name, steps, ["logging.val_every=0", *overrides, *extra], warmup)
     rows = [r for r in metrics_rows(run_dir) if r["step"] > SKIP]
     out = {k: statistics.median(r.get(f"timing/{k}", 0.0) for r in rows) for k in (*STAGES, "step_s")}
     out["response_tokens"] = statistics.median(r["response/length_mean"] for r in rows)
@@ -48,19 +53,29 @@ def step_point(root: Path, name: str, steps: int, overrides: list[str], warmup: 
     return out
 
 
-def prompts_curve(root: Path, counts: list[int], steps: int) -> list[dict]:
+def prompts_curve(root: Path, counts: list[int], steps: int, extra: list[str]) -> list[dict]:
     points, warmup = [], None
     for n in counts:
         over = ["parallel.tensor_model_parallel_size=1", f"grpo.num_prompts_per_step={n}"]
-        p = step_point(root, f"prompts_{n}", steps, [*over, f"policy.mini_batch_size={n * G}"], warmup)
+        # Two optimizer steps per batch, as the demo (at 64 prompts: its config).
+        over.append(f"policy.mini_batch_size={n * G // 2}")
+        p = step_point(root, f"prompts_{n}", steps, over, warmup, extra)
         if warmup is None:
             warmup = root / "warmup_tiny"
             shutil.copytree(Path(p["run_dir"]) / "warmup", warmup)
-        points.append({"prompts": n, "rollouts": n * G, **p, "s_per_rollout": p["step_s"] / (n * G)})
+        points.append(
+            {
+                "prompts": n,
+                "rollouts": n * G,
+                "optimizer_steps": 2,
+                **p,
+                "s_per_rollout": p["step_s"] / (n * G),
+            }
+        )
     return points
 
 
-def lengths_curve(root: Path, lengths: list[int], steps: int) -> list[dict]:
+def lengths_curve(root: Path, lengths: list[int], steps: int, extra: list[str]) -> list[dict]:
     points, warmup = [], None
     context = max(256, 32 + max(lengths))  # one shape for all points: they share the (random) model
     for n in lengths:
@@ -74,7 +89,7 @@ def lengths_curve(root: Path, lengths: list[int], steps: int) -> list[dict]:
             f"model.tiny.max_position_embeddings={context}",
             "policy.micro_batch_max_tokens=4096",
         ]
-        p = step_point(root, f"length_{n}", steps, over, warmup)
+        p = step_point(root, f"length_{n}", steps, over, warmup, extra)
         if warmup is None:
             warmup = root / "warmup_random"
             shutil.copytree(Path(p["run_dir"]) / "warmup", warmup)
@@ -165,7 +180,12 @@ def markdown(report: dict) -> str:
             ]
             for p in c["prompts"]
         ]
-        lines += ["", "## Step time vs prompts per step (tiny model, TP 1, 8 new tokens at most)", ""]
+        lines += [
+            "",
+            "## Step time vs prompts per step (tiny model, TP 1, 8 new tokens at most, two optimizer "
+            "steps per batch)",
+            "",
+        ]
         lines += md_table(
             "prompts | rollouts | step s | generation | old logprobs | train | sync | ms per rollout", rows
         )
@@ -212,6 +232,7 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--only", nargs="+", choices=["prompts", "lengths", "sync"], default=["prompts", "lengths", "sync"]
     )
+    p.add_argument("--extra", nargs="*", default=[], help="KEY=VALUE overrides for every step-time run")
     p.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
     args = p.parse_args(argv)
     if args.steps <= SKIP:
@@ -222,9 +243,9 @@ def main(argv=None) -> dict:
     report = run_report(what, "scaling_bench.py", argv, args)
     report["curves"] = {}
     if "prompts" in args.only:
-        report["curves"]["prompts"] = prompts_curve(root, args.prompts, args.steps)
+        report["curves"]["prompts"] = prompts_curve(root, args.prompts, args.steps, args.extra)
     if "lengths" in args.only:
-        report["curves"]["lengths"] = lengths_curve(root, args.lengths, args.steps)
+        report["curves"]["lengths"] = lengths_curve(root, args.lengths, args.steps, args.extra)
     if "sync" in args.only:
         report["curves"]["sync"] = sync_curve(root, args.sizes_mb)
     plot(report, args.out.with_suffix(".png"))

@@ -390,7 +390,8 @@ BENCHMARKS: tuple[Bench, ...] = (
             ]
         },
         # The random model's curve: no warm-up to run first.
-        {"cpu": ["--only", "lengths", "--lengths", "8", "--steps", "3"]},
+        # The quick step run's config and steps: its run, read back (the suite makes it once).
+        {"cpu": ["--only", "prompts", "--prompts", "64", "--steps", "5", "--extra", "warmup.steps=10"]},
         _scaling_metrics,
         repeat_flag=None,
         output_flag="--out",

@@ -14,8 +14,10 @@ from pathlib import Path
 
 SHARED_WARMUPS = "MEGAGRPO_BENCH_WARMUPS"
 """Environment variable naming a directory where the runs of several benchmarks share their tiny
-models' warm-ups, one per warm-up config (``megagrpo.warmup.warmup_stamp``): the suite sets it, so
-that step, scaling and peer train the demo's warm-up once rather than once each."""
+models' warm-ups, one per warm-up config (``megagrpo.warmup.warmup_stamp``), and their whole runs,
+one per run config: the suite sets it, so that step, scaling and peer train the demo's warm-up
+once rather than once each, and a run that two benchmarks ask for (the same config and steps)
+is made once."""
 
 
 def shared_warmup(overrides: list[str]) -> Path | None:
@@ -33,6 +35,32 @@ def shared_warmup(overrides: list[str]) -> Path | None:
     return Path(os.environ[SHARED_WARMUPS]) / key
 
 
+def shared_run(args: list[str]) -> Path | None:
+    """Where a suite keeps the run of ``megagrpo train`` with ``args`` (on the default config) for
+    the other benchmarks that ask for the same run, or None outside a suite. Its key is the whole
+    config but the run's name and directory."""
+    if not os.environ.get(SHARED_WARMUPS):
+        return None
+    import yaml
+
+    from megagrpo.config import config_to_dict, load_config
+
+    config = config_to_dict(load_config(None, args))
+    config.pop("run_name")
+    config["logging"].pop("dir")
+    key = hashlib.sha256(yaml.safe_dump(config, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(os.environ[SHARED_WARMUPS]) / "runs" / key
+
+
+def _publish(src: Path, shared: Path) -> None:
+    """``src`` as ``shared`` (hard links: the files are not written again), whole or not at all."""
+    shared.parent.mkdir(parents=True, exist_ok=True)
+    tmp = shared.with_name(f".{shared.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=os.link)
+    tmp.rename(shared)
+
+
 def train_run(
     root: Path,
     name: str,
@@ -44,15 +72,11 @@ def train_run(
     """Run ``name`` under ``root/runs`` for ``steps`` GRPO steps with ``overrides`` (no TensorBoard,
     progress bar, checkpoints or export), starting from the copy of ``warmup`` when given, else from
     the suite's shared warm-up of the same config when there is one (the run's own is shared after
-    it); returns its run directory. With ``profile``, the driver process runs under cProfile, its
-    stats written there. A failed run stops the benchmark with the run's output."""
+    it); returns its run directory. In a suite, a run of the same config and steps that another
+    benchmark made is not made again: its directory is copied (hard links) to ``name``'s. With
+    ``profile``, the driver process runs under cProfile, its stats written there (never shared). A
+    failed run stops the benchmark with the run's output."""
     run_dir = root / "runs" / name
-    shared = shared_warmup(overrides) if warmup is None else None
-    if shared is not None and shared.is_dir():
-        warmup = shared
-    if warmup is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(warmup, run_dir / "warmup")
     args = [
         f"logging.dir={root / 'runs'}",
         f"run_name={name}",
@@ -64,6 +88,18 @@ def train_run(
         "checkpoint.save_every=0",
         *overrides,
     ]
+    made = shared_run(args) if profile is None else None
+    if made is not None and made.is_dir():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.copytree(made, run_dir, copy_function=os.link)
+        print(f"[{Path(sys.argv[0]).stem}] {name}: the suite's earlier run of this config", flush=True)
+        return run_dir
+    shared = shared_warmup(overrides) if warmup is None else None
+    if shared is not None and shared.is_dir():
+        warmup = shared
+    if warmup is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(warmup, run_dir / "warmup")
     start = time.perf_counter()
     profiler = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
     done = subprocess.run(
@@ -73,11 +109,9 @@ def train_run(
         raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     print(f"[{Path(sys.argv[0]).stem}] {name}: {time.perf_counter() - start:.0f}s", flush=True)
     if shared is not None and not shared.is_dir() and (run_dir / "warmup").is_dir():
-        shared.parent.mkdir(parents=True, exist_ok=True)
-        tmp = shared.with_name(f".{shared.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(run_dir / "warmup", tmp)
-        tmp.rename(shared)
+        _publish(run_dir / "warmup", shared)
+    if made is not None and not made.is_dir():
+        _publish(run_dir, made)
     return run_dir
 
 
