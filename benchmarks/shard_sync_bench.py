@@ -260,10 +260,13 @@ def main(argv=None) -> dict:
     start_ray(cfgs["auto"].cluster, num_cpus=4)  # two trainer ranks, the engine, its second worker
     try:
         t0 = time.perf_counter()
-        policy = RankGroup(cfgs["auto"], TimedPolicyWorker, name="shard-sync-bench", timeout_s=args.timeout)
+        policy = RankGroup(
+            cfgs["auto"], TimedPolicyWorker, name="shard-sync-bench", timeout_s=args.timeout, wait=False
+        )
         (engine,) = start_engines(
             cfgs["auto"], str(hf_dir), engine_cls=ShardBenchEngine, timeout_s=args.timeout
         )
+        policy.ready()  # the ranks set up while the engine started
         report["startup_s"] = time.perf_counter() - t0
         pids = [
             *policy.call_all(TimedPolicyWorker.pid),
