@@ -96,11 +96,7 @@ def _train(cfg: Config, *, resume: bool) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     start_ray(cfg.cluster, cfg=cfg)
-    # The engines start while the ranks set up, except beside them on one GPU (colocated): vLLM
-    # sizes its cache from the memory free at its start.
-    early = launch_engines(cfg, model_dir) if starts_engines_first(cfg) else None
-    policy = RankGroup(cfg, PolicyWorker, wait=cfg.generation.placement == "colocated")
-    engines = start_engine_pool(cfg, model_dir, policy, launched=early)
+    policy, engines = start_workers(cfg, model_dir)
     print_layout(policy, engines)
     step, position, pending = restore(cfg, policy, resume_from)
     timings = {}
@@ -197,6 +193,15 @@ def prepare_initial_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
     from megagrpo.warmup import warmed_up_model
 
     return warmed_up_model(cfg, run_dir)
+
+
+def start_workers(cfg: Config, model_dir: str) -> tuple[RankGroup, EnginePool]:
+    """The policy ranks and the engine pool. The engines start while the ranks set up (before them
+    where ``starts_engines_first``), except beside them on one GPU (colocated): vLLM sizes its cache
+    from the memory free at its start."""
+    early = launch_engines(cfg, model_dir) if starts_engines_first(cfg) else None
+    policy = RankGroup(cfg, PolicyWorker, wait=cfg.generation.placement == "colocated")
+    return policy, start_engine_pool(cfg, model_dir, policy, launched=early)
 
 
 def starts_engines_first(cfg: Config) -> bool:

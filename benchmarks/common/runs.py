@@ -54,11 +54,10 @@ def shared_run(args: list[str]) -> Path | None:
 
 def _publish(src: Path, shared: Path) -> None:
     """``src`` as ``shared`` (hard links: the files are not written again), whole or not at all."""
-    shared.parent.mkdir(parents=True, exist_ok=True)
-    tmp = shared.with_name(f".{shared.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, copy_function=os.link)
-    tmp.rename(shared)
+    from megagrpo.ckpt.durable import atomic_output_dir
+
+    with atomic_output_dir(shared) as tmp:
+        shutil.copytree(src, tmp, copy_function=os.link, dirs_exist_ok=True)
 
 
 def train_run(
