@@ -198,6 +198,7 @@ def test_tokenizer_without_chat_template_is_a_config_error_before_any_rank(tmp_p
             f"data.train_path={path}",
             "data.apply_chat_template=true",
             f"logging.dir={tmp_path / 'runs'}",
+            f"checkpoint.dir={tmp_path / 'runs' / 'checkpoints'}",  # not the demo's, which `make demo` fills
         ],
     )
     with pytest.raises(ConfigError, match=r"data\.apply_chat_template.*has no chat template"):
