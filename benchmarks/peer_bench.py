@@ -10,14 +10,16 @@ Needs the ``bench`` extra (TRL). Two sizes, as step_bench's setups:
 - ``tiny``: ``make demo``'s model after its warm-up (exported to HF with its character tokenizer),
   64 prompts x 8 per step, at most 8 new tokens, 256 completions per optimizer step (two per batch);
 - ``m25``: the ~25M-parameter model from (nearly) random weights, 16 prompts x 8, 128 new tokens, one
-  optimizer step per batch.
+  optimizer step per batch. megagrpo's run is step_bench's ``m25_tp<N>`` setup as it is (in a suite,
+  the same run: made once): every response runs to 128 tokens (``generation.ignore_eos``) where TRL's
+  stop at EOS, so megagrpo does at least TRL's work; no validation (the random model's accuracy is 0).
 
 Each round runs, one after the other, megagrpo at TP = 1 (the size's best layout on one machine),
 TRL in each ``--trl-generation`` mode (``generate``: ``transformers``' ``generate``; ``paged``: its
 continuous batching), and megagrpo at TP = 2 (the demo's layout); ``--tp`` changes the layouts.
 The first megagrpo run makes the model (its warm-up) and every later run, TRL's included, starts
-from it. megagrpo runs with ``grpo.baseline: mean`` (TRL's group-mean advantage), everything else
-as its config.
+from it. At tiny, megagrpo runs with ``grpo.baseline: mean`` (TRL's group-mean advantage), everything
+else as its config.
 
 A run's step time is the median over its steps after the first ``SKIP`` (start-up compilations);
 the report gives, per setup, the median over the rounds, the ratio TRL / megagrpo (above 1: megagrpo
@@ -39,7 +41,7 @@ from pathlib import Path
 from common import RESULTS, TMP
 from common.runs import export_warmup, metrics_rows, per_family, run_report, train_run
 from common.tables import md_table, write_results
-from step_bench import M25
+from step_bench import setup_overrides
 
 HERE = Path(__file__).resolve().parent
 SKIP = {"tiny": 3, "m25": 1}
@@ -51,19 +53,26 @@ TRL_ARGS = {
 # The tiny config's micro-batch budget (1024 tokens, the demo's) splits an optimizer step's 256
 # sequences into several micro-batches; TRL runs each optimizer step's 256 completions as one.
 # Both sides here run one micro-batch per optimizer step (megagrpo's default budget).
-OURS = {"tiny": ["policy.micro_batch_max_tokens=8192"], "m25": M25}
+TINY = ["policy.micro_batch_max_tokens=8192", "grpo.baseline=mean"]
+
+
+def ours_overrides(size: str, tp: int, steps: int, warmup_steps: int | None = None) -> list[str]:
+    """megagrpo's run at ``size``: at tiny, the demo's config with TRL's group-mean advantage, one
+    micro-batch per optimizer step and validation before and after; at m25, step_bench's setup."""
+    if size == "m25":
+        return setup_overrides(f"m25_tp{tp}")
+    return [
+        *TINY,
+        *([f"warmup.steps={warmup_steps}"] if warmup_steps is not None else []),
+        f"parallel.tensor_model_parallel_size={tp}",
+        f"logging.val_every={steps}",
+    ]
 
 
 def ours(
     root: Path, size: str, tp: int, steps: int, tag: str, warmup: Path | None, warmup_steps: int | None = None
 ) -> dict:
-    overrides = [
-        *OURS[size],
-        *([f"warmup.steps={warmup_steps}"] if warmup_steps is not None and size == "tiny" else []),
-        f"parallel.tensor_model_parallel_size={tp}",
-        "grpo.baseline=mean",
-        f"logging.val_every={steps}",
-    ]
+    overrides = ours_overrides(size, tp, steps, warmup_steps)
     run_dir = train_run(root, f"{size}_tp{tp}_{tag}", steps, overrides, warmup)
     rows = metrics_rows(run_dir)
     val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]

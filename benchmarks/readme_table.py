@@ -387,7 +387,8 @@ def _peer(r):
         "megagrpo beside TRL's GRPOTrainer on the same model, prompts, group, tokens and optimizer, run "
         "alternately (`peer_bench.py` in the full suite, `results/suite_cpu/peer.md`: "
         f"tiny = the demo's warmed-up model, 64 x 8, 8 tokens, {steps['tiny']} "
-        f"steps; m25 = ~25M random model, 16 x 8, 128 tokens, {steps['m25']} steps; speed-up vs TRL's "
+        f"steps; m25 = ~25M random model, 16 x 8, 128 tokens, {steps['m25']} steps, megagrpo's run being "
+        "step_bench's: its responses all run to 128 tokens where TRL's stop at EOS; speed-up vs TRL's "
         "faster mode)",
         "; ".join(parts),
         f"faster than TRL at tiny ({verdict(sizes, 'tiny', 1.0)}); "

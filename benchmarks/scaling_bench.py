@@ -3,7 +3,8 @@
 sync time against model size.
 
     python benchmarks/scaling_bench.py [--steps 6] [--prompts 16 32 64 128] [--lengths 16 32 64 128 224]
-        [--sizes-mb 150 400 800] [--only prompts lengths sync] [--extra KEY=VALUE ...] [--out FILE.json]
+        [--sizes-mb 150 400 800] [--sync-from SYNC.json] [--only prompts lengths sync] [--extra KEY=VALUE ...]
+        [--out FILE.json]
 
 - ``prompts``: ``make demo``'s config at TP = 1 (its model after its warm-up, at most 8 new tokens,
   two optimizer steps per batch: the old-logprob forward of the second is inside train), with
@@ -12,7 +13,8 @@ sync time against model size.
   16 prompts x 8, ``generation.max_new_tokens`` in ``--lengths`` (the context widened to hold the
   longest, the same at every point);
 - ``sync``: ``sync_bench.py`` at each ``--sizes-mb`` (one engine, 512 MB buckets, the sync and the
-  flat broadcast of the same bytes, 3 repeats).
+  flat broadcast of the same bytes, 3 repeats); with ``--sync-from`` (the suite: its ``sync`` run),
+  the point of that report's size is its one-engine 512 MB row, not measured again.
 
 Each step-time point is a real ``megagrpo train`` run (its own process; in a suite, a run that
 step_bench made already with the same config and steps is read back, not made again); ``--extra``
@@ -100,18 +102,33 @@ def lengths_curve(root: Path, lengths: list[int], steps: int, extra: list[str]) 
     return points
 
 
-def sync_curve(root: Path, sizes: list[int]) -> list[dict]:
+def measured_sync_row(report_path: Path | None, size: int) -> dict | None:
+    """The row of an earlier sync_bench report (``--sync-from``) this curve's point at ``size``
+    would measure again: the same model size, one engine, 512 MB buckets, default allocator."""
+    if report_path is None or not report_path.is_file():
+        return None
+    report = json.loads(report_path.read_text())
+    if report["args"]["size_mb"] != size or "default" not in report["variants"]:
+        return None
+    rows = report["variants"]["default"]["results"]
+    return next((r for r in rows if r["engines"] == 1 and r["bucket_mb"] == 512), None)
+
+
+def sync_curve(root: Path, sizes: list[int], reuse: Path | None = None) -> list[dict]:
     points = []
     for size in sizes:
-        name = f"tmp/scaling_sync_{size}"
-        cmd = [sys.executable, str(HERE / "sync_bench.py"), "--size-mb", str(size), "--engines", "1"]
-        cmd += ["--bucket-mb", "512", "--variants", "default", "--repeat", "3", "--output", name]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(
-                f"sync_bench --size-mb {size} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
-            )
-        (r,) = json.loads((RESULTS / f"{name}.json").read_text())["variants"]["default"]["results"]
+        r = measured_sync_row(reuse, size)
+        source = str(reuse) if r is not None else None
+        if r is None:
+            name = f"tmp/scaling_sync_{size}"
+            cmd = [sys.executable, str(HERE / "sync_bench.py"), "--size-mb", str(size), "--engines", "1"]
+            cmd += ["--bucket-mb", "512", "--variants", "default", "--repeat", "3", "--output", name]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(
+                    f"sync_bench --size-mb {size} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+                )
+            (r,) = json.loads((RESULTS / f"{name}.json").read_text())["variants"]["default"]["results"]
         gb = r["total_bytes"] / GB
         points.append(
             {
@@ -121,6 +138,7 @@ def sync_curve(root: Path, sizes: list[int]) -> list[dict]:
                 "flat_s": r["flat_s"],
                 "s_per_gb": r["sync_s"] / gb,
                 "flat_s_per_gb": r["flat_s"] / gb,
+                "from": source,
             }
         )
         print(f"[scaling_bench] sync {gb:.2f} GB: {r['sync_s']:.2f} s (flat {r['flat_s']:.2f} s)", flush=True)
@@ -209,7 +227,7 @@ def markdown(report: dict) -> str:
     if "sync" in c:
         rows = [
             [
-                p["size_mb"],
+                f"{p['size_mb']} (from {Path(p['from']).name})" if p.get("from") else p["size_mb"],
                 f"{p['bytes'] / GB:.3f}",
                 f"{p['sync_s']:.3f}",
                 f"{p['flat_s']:.3f}",
@@ -233,6 +251,12 @@ def main(argv=None) -> dict:
         "--only", nargs="+", choices=["prompts", "lengths", "sync"], default=["prompts", "lengths", "sync"]
     )
     p.add_argument("--extra", nargs="*", default=[], help="KEY=VALUE overrides for every step-time run")
+    p.add_argument(
+        "--sync-from",
+        type=Path,
+        help="a sync_bench report (the suite's sync.json): its one-engine 512 MB row is the sync point "
+        "of its --size-mb, not measured again",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
     args = p.parse_args(argv)
     if args.steps <= SKIP:
@@ -247,7 +271,7 @@ def main(argv=None) -> dict:
     if "lengths" in args.only:
         report["curves"]["lengths"] = lengths_curve(root, args.lengths, args.steps, args.extra)
     if "sync" in args.only:
-        report["curves"]["sync"] = sync_curve(root, args.sizes_mb)
+        report["curves"]["sync"] = sync_curve(root, args.sizes_mb, args.sync_from)
     plot(report, args.out.with_suffix(".png"))
     write_results(args.out, report, markdown(report))
     print(markdown(report))

@@ -71,11 +71,15 @@ def family(name: str) -> str:
     return name.split("_")[0]
 
 
+def setup_overrides(name: str, extra: list[str] = ()) -> list[str]:
+    """The ``megagrpo train`` overrides of setup ``name`` (no validation: the step alone)."""
+    return ["logging.val_every=0", *SETUPS[name], *extra]
+
+
 def run(
     name: str, steps: int, root: Path, warmups: dict[str, Path], extra: list[str], profile: Path | None = None
 ) -> Path:
-    overrides = ["logging.val_every=0", *SETUPS[name], *extra]
-    run_dir = train_run(root, name, steps, overrides, warmups.get(family(name)), profile)
+    run_dir = train_run(root, name, steps, setup_overrides(name, extra), warmups.get(family(name)), profile)
     kind = family(name)
     if kind not in warmups and (run_dir / "warmup").is_dir():
         warmups[kind] = root / f"warmup_{kind}"

@@ -60,7 +60,7 @@ def test_command_repetitions_and_output_path(tmp_path):
     gpu = train.command("gpu", False, None, tmp_path)  # repetitions per suite
     iters = gpu[gpu.index("--iters") + 1]
     assert iters == str(train.repeat_default["gpu"]) != full[full.index("--iters") + 1]
-    assert "--seq" not in full  # the full run keeps the script's own sequence length
+    assert full[full.index("--seq") + 1] == "256" != gpu[gpu.index("--seq") + 1]  # args per suite
     override = reward.command("cpu", True, 4, tmp_path)
     assert override[override.index("--repeat") + 1] == "4"
     assert override[override.index("--output") + 1] == str(tmp_path / "reward")  # --output takes no .json
@@ -174,3 +174,42 @@ def test_a_changed_result_changes_the_table():
     results["train"]["runs"][0]["ratio_train_over_bare"] = 0.123
     after = readme_table.render_table(results)
     assert "0.12 (TP=" in after and before != after
+
+
+def test_out_placeholder_names_the_suite_output_directory(tmp_path):
+    scaling = suite.BY_NAME["scaling"].command("cpu", False, None, tmp_path)
+    assert scaling[scaling.index("--sync-from") + 1] == f"{tmp_path}/sync.json"
+    assert not any("{out}" in a for a in scaling)
+
+
+def _script_module(name: str):
+    """A benchmark script as a module (its siblings import as top-level ``common``, ``step_bench``)."""
+    import importlib
+
+    here = str(Path(suite.__file__).parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(name)
+
+
+def test_peer_m25_run_is_step_bench_setup_so_a_suite_makes_it_once():
+    peer, step = _script_module("peer_bench"), _script_module("step_bench")
+    assert peer.ours_overrides("m25", 1, 2) == step.setup_overrides("m25_tp1")
+    assert "generation.ignore_eos=true" in peer.ours_overrides("m25", 1, 2)
+    # At tiny the peer's run keeps its own config: TRL's advantage, one micro-batch, validation.
+    tiny = peer.ours_overrides("tiny", 1, 10)
+    assert "grpo.baseline=mean" in tiny and "logging.val_every=10" in tiny
+
+
+def test_scaling_sync_point_read_back_only_for_the_same_size(tmp_path):
+    scaling = _script_module("scaling_bench")
+    row = {"engines": 1, "bucket_mb": 512, "total_bytes": 2**28, "sync_s": 0.5, "flat_s": 0.1}
+    other = {**row, "engines": 2}
+    report = {"args": {"size_mb": 256}, "variants": {"default": {"results": [other, row]}}}
+    path = tmp_path / "sync.json"
+    path.write_text(json.dumps(report))
+    assert scaling.measured_sync_row(path, 256) == row
+    assert scaling.measured_sync_row(path, 400) is None  # another size: measured by the curve
+    assert scaling.measured_sync_row(tmp_path / "missing.json", 256) is None
+    (point,) = scaling.sync_curve(tmp_path, [256], path)
+    assert point["from"] == str(path) and point["s_per_gb"] == 0.5 / (2**28 / 1e9)
