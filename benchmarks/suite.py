@@ -209,6 +209,17 @@ def _reward_metrics(report: dict) -> Samples:
     return out
 
 
+QUICK_RUN = (
+    "warmup.steps=10",
+    "policy.micro_batch_max_tokens=8192",
+    "grpo.baseline=mean",
+    "logging.val_every=5",
+)
+"""``--extra`` of the quick step and scaling runs: with them, the demo's config at TP 1 (5 steps from
+a 10-step warm-up) is the quick peer's megagrpo run as peer_bench.py sets it (TRL's group-mean
+advantage, one micro-batch per optimizer step, validation before and after), so the three
+benchmarks read one run, made once."""
+
 BENCHMARKS: tuple[Bench, ...] = (
     Bench(
         "reward",
@@ -357,7 +368,7 @@ BENCHMARKS: tuple[Bench, ...] = (
                 *("--steps", "tiny=10", "m25=2", "--bound-iters", "1"),
             ]
         },
-        {"cpu": ["--steps", "5", "--setups", "tiny_tp1", "--extra", "warmup.steps=10"]},
+        {"cpu": ["--steps", "5", "--setups", "tiny_tp1", "--extra", *QUICK_RUN]},
         _step_metrics,
         repeat_flag=None,
         output_flag="--out",
@@ -396,7 +407,7 @@ BENCHMARKS: tuple[Bench, ...] = (
         },
         # The random model's curve: no warm-up to run first.
         # The quick step run's config and steps: its run, read back (the suite makes it once).
-        {"cpu": ["--only", "prompts", "--prompts", "64", "--steps", "5", "--extra", "warmup.steps=10"]},
+        {"cpu": ["--only", "prompts", "--prompts", "64", "--steps", "5", "--extra", *QUICK_RUN]},
         _scaling_metrics,
         repeat_flag=None,
         output_flag="--out",
@@ -410,7 +421,7 @@ BENCHMARKS: tuple[Bench, ...] = (
         # ~25M: two steps each, the second timed (the first allocates); 1.4-1.8x apart in earlier
         # runs. megagrpo's ~25M run is step's m25_tp1, read back.
         {"cpu": ["--steps", "tiny=10", "m25=2", "--trl-generation", "generate", "--tp", "1"]},
-        # The quick step run's 10-step warm-up: the suite trains it once for both.
+        # The quick step run (QUICK_RUN): its warm-up and run, read back.
         {
             "cpu": [
                 *("--sizes", "tiny", "--steps", "tiny=5", "--trl-generation", "generate", "--tp", "1"),

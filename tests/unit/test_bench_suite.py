@@ -213,3 +213,21 @@ def test_scaling_sync_point_read_back_only_for_the_same_size(tmp_path):
     assert scaling.measured_sync_row(tmp_path / "missing.json", 256) is None
     (point,) = scaling.sync_curve(tmp_path, [256], path)
     assert point["from"] == str(path) and point["s_per_gb"] == 0.5 / (2**28 / 1e9)
+
+
+def test_quick_step_scaling_and_peer_ask_for_one_run():
+    from megagrpo.config import config_to_dict, load_config
+
+    peer, step = _script_module("peer_bench"), _script_module("step_bench")
+    scaling = ["logging.val_every=0", "parallel.tensor_model_parallel_size=1", "grpo.num_prompts_per_step=64"]
+    scaling += ["policy.mini_batch_size=256", *suite.QUICK_RUN]  # scaling_bench's 64-prompt point
+
+    def config(overrides):
+        return config_to_dict(load_config(None, overrides))
+
+    run = config(step.setup_overrides("tiny_tp1", list(suite.QUICK_RUN)))
+    assert run == config(peer.ours_overrides("tiny", 1, 5, 10)) == config(scaling)
+    quick = {b.name: b.command("cpu", True, None, Path("/x")) for b in suite.BENCHMARKS}
+    assert quick["step"][quick["step"].index("--steps") + 1] == "5"
+    assert quick["peer"][quick["peer"].index("--steps") + 1] == "tiny=5"
+    assert quick["peer"][quick["peer"].index("--warmup-steps") + 1] == "10"
