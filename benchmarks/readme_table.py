@@ -386,14 +386,21 @@ def _peer(r):
     return (
         "megagrpo beside TRL's GRPOTrainer on the same model, prompts, group, tokens and optimizer, run "
         "alternately (`peer_bench.py` in the full suite, `results/suite_cpu/peer.md`: "
-        f"tiny = the demo's warmed-up model, 64 x 8, 8 tokens, {steps['tiny']} "
-        f"steps; m25 = ~25M random model, 16 x 8, 128 tokens, {steps['m25']} steps, megagrpo's run being "
-        "step_bench's: its responses all run to 128 tokens where TRL's stop at EOS; speed-up vs TRL's "
-        "faster mode)",
+        f"tiny = the demo's warmed-up model, 64 x 8, 8 tokens, {steps['tiny']} steps, megagrpo at TP 1 "
+        f"with {_tiny_engines(sizes)}; m25 = ~25M random model, 16 x 8, 128 tokens, {steps['m25']} steps, "
+        "megagrpo's run being step_bench's: its responses all run to 128 tokens where TRL's stop at EOS; "
+        "speed-up vs TRL's faster mode)",
         "; ".join(parts),
         f"faster than TRL at tiny ({verdict(sizes, 'tiny', 1.0)}); "
         f">= 1.25x at ~25M ({verdict(sizes, 'm25', 1.25)})",
     )
+
+
+def _tiny_engines(sizes: dict) -> str:
+    """How many engines megagrpo's tiny TP 1 run had (its overrides, where the report keeps them)."""
+    overrides = sizes.get("tiny", {}).get("megagrpo TP1", {}).get("overrides") or []
+    n = next((int(o.split("=")[1]) for o in overrides if o.startswith("generation.num_engines=")), 1)
+    return {1: "one engine", 2: "two engines"}.get(n, f"{n} engines")
 
 
 def verdict(sizes: dict, size: str, target: float) -> str:

@@ -213,12 +213,13 @@ QUICK_RUN = (
     "warmup.steps=10",
     "policy.micro_batch_max_tokens=8192",
     "grpo.baseline=mean",
+    "generation.num_engines=2",
     "logging.val_every=5",
 )
 """``--extra`` of the quick step and scaling runs: with them, the demo's config at TP 1 (5 steps from
 a 10-step warm-up) is the quick peer's megagrpo run as peer_bench.py sets it (TRL's group-mean
-advantage, one micro-batch per optimizer step, validation before and after), so the three
-benchmarks read one run, made once."""
+advantage, one micro-batch per optimizer step, two engines, validation before and after), so the
+three benchmarks read one run, made once."""
 
 BENCHMARKS: tuple[Bench, ...] = (
     Bench(
