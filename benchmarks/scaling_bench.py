@@ -114,21 +114,25 @@ def measured_sync_row(report_path: Path | None, size: int) -> dict | None:
     return next((r for r in rows if r["engines"] == 1 and r["bucket_mb"] == 512), None)
 
 
+def measure_sync_row(size: int) -> dict:
+    """sync_bench.py at ``size`` (one engine, 512 MB buckets, default allocator): its one row."""
+    name = f"tmp/scaling_sync_{size}"
+    cmd = [sys.executable, str(HERE / "sync_bench.py"), "--size-mb", str(size), "--engines", "1"]
+    cmd += ["--bucket-mb", "512", "--variants", "default", "--repeat", "3", "--output", name]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"sync_bench --size-mb {size} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    (row,) = json.loads((RESULTS / f"{name}.json").read_text())["variants"]["default"]["results"]
+    return row
+
+
 def sync_curve(root: Path, sizes: list[int], reuse: Path | None = None) -> list[dict]:
     points = []
     for size in sizes:
         r = measured_sync_row(reuse, size)
-        source = str(reuse) if r is not None else None
+        source = None if r is None else str(reuse)
         if r is None:
-            name = f"tmp/scaling_sync_{size}"
-            cmd = [sys.executable, str(HERE / "sync_bench.py"), "--size-mb", str(size), "--engines", "1"]
-            cmd += ["--bucket-mb", "512", "--variants", "default", "--repeat", "3", "--output", name]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise SystemExit(
-                    f"sync_bench --size-mb {size} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
-                )
-            (r,) = json.loads((RESULTS / f"{name}.json").read_text())["variants"]["default"]["results"]
+            r = measure_sync_row(size)
         gb = r["total_bytes"] / GB
         points.append(
             {
