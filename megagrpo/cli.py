@@ -281,7 +281,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _input_errors() -> tuple[type[Exception], ...]:
     from megagrpo.ckpt import CheckpointError
-    from megagrpo.data.prompts import DataError
+    from megagrpo.data.errors import DataError
     from megagrpo.models.registry import UnsupportedModelError
 
     return (DataError, CheckpointError, UnsupportedModelError, FileExistsError, FileNotFoundError)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from megagrpo.config import Config
 from megagrpo.data.arithmetic import EOS_ID, ArithmeticTask, CharTokenizer, Problem
+from megagrpo.data.errors import DataError
+from megagrpo.data.records import BadRows, read_records
 
 # The arithmetic validation stream is seeded far from the training one: no overlap by construction.
 _VAL_SEED = 7_919_011
@@ -26,10 +28,6 @@ class Prompt:
     token_ids: list[int]
     answer: str
     """Reference answer handed to the reward function."""
-
-
-class DataError(ValueError):
-    """A dataset file is missing or malformed; the message names the file, row and key."""
 
 
 class PromptSource:
@@ -79,8 +77,6 @@ def read_prompt_rows(cfg: Config, path: str | Path, bad) -> list[tuple[int, str,
     (``megagrpo.data.records``); the fields are ``data.prompt_key`` and ``data.answer_key``. A row
     without them, or with an empty one, goes to ``bad`` (``data.on_bad_row``: stop naming file and row,
     or skip and count)."""
-    from megagrpo.data.records import read_records
-
     data, rows = cfg.data, []
     for row, record in read_records(path, bad):
         missing = [k for k in (data.prompt_key, data.answer_key) if record.get(k) is None]
@@ -134,8 +130,6 @@ def encode_prompts(cfg: Config, tokenizer, path, rows, max_new_tokens: int) -> t
 def dataset_source(cfg: Config, tokenizer) -> PromptSource:
     """Prompts of ``data.train_path`` (and ``data.val_path``) rendered with ``data.template`` (and the chat
     template), tokenized once; bad rows and over-long prompts are counted in ``source.counts``."""
-    from megagrpo.data.records import BadRows
-
     data, new = cfg.data, cfg.generation.max_new_tokens
     bad = BadRows(data.on_bad_row)
     train, long_train = encode_prompts(
@@ -179,8 +173,6 @@ def eval_prompts(cfg: Config, model_dir: str) -> tuple[list[Prompt], object, tup
     ``data.val_path``; the first ``eval.num_problems`` of them when set) in the tokenizer of
     ``model_dir``; over-long prompts are skipped and reported."""
     from transformers import AutoTokenizer
-
-    from megagrpo.data.records import BadRows
 
     path = cfg.eval.path or cfg.data.val_path
     if path is None:

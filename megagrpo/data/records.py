@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megagrpo.data.prompts import DataError
+from megagrpo.data.errors import DataError
 
 __all__ = ["BadRows", "read_records"]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from megagrpo.config import Config
 from megagrpo.data.arithmetic import ArithmeticTask, Problem
-from megagrpo.data.prompts import DataError
+from megagrpo.data.errors import DataError
 from megagrpo.data.records import BadRows, read_records
 
 __all__ = [

@@ -39,7 +39,7 @@ def test_resume_reproduces_the_uninterrupted_run(undisturbed, tmp_path):
 def test_config_errors_stop_before_any_actor(tmp_path):
     import ray
 
-    from megagrpo.data.prompts import DataError
+    from megagrpo.data.errors import DataError
     from megagrpo.driver import train
 
     cfg = load_config(

@@ -8,8 +8,9 @@ from fractions import Fraction
 import pytest
 
 from megagrpo.config import ConfigError, load_config
+from megagrpo.data.errors import DataError
 from megagrpo.data.math_problems import math_records, write_math_dataset
-from megagrpo.data.prompts import DataError, build_source, read_prompt_rows
+from megagrpo.data.prompts import build_source, read_prompt_rows
 from megagrpo.data.records import BadRows
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megagrpo.config import ConfigError, load_config
-from megagrpo.data.prompts import DataError
+from megagrpo.data.errors import DataError
 from megagrpo.data.supervised import (
     build_preference_source,
     build_sft_source,
@@ -183,7 +183,7 @@ def test_unknown_file_and_format_errors_name_the_file(tmp_path):
 def test_tokenizer_without_chat_template_is_a_config_error_before_any_rank(tmp_path):
     from hf_models import make_tiny_hf
 
-    from megagrpo.sft import run_sft
+    from megagrpo.trainers.sft import run_sft
 
     hf = make_tiny_hf("qwen2", tmp_path / "model")
     char_tokenizer(chat_template=None).save_pretrained(str(hf))
