@@ -334,7 +334,7 @@ def time_weight_sender(worker, args) -> dict:
         raise RuntimeError("--sync-bucket-mb times one sender: run it with --tp 1")
     (link,) = links
     plan = tuple(replace(b, source=0) for b in link.buckets)
-    backend = weight_sync_backend(worker.cfg.parallel.resolved_backend)
+    backend = weight_sync_backend(worker.cfg.resolved.backend)
     worker.open_weight_sync([GroupAddress(link.address, link.port, 1)], [link.key], backend, 300.0)
     total = sum(b.nbytes for b in plan)
 

@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace):
     from megagrpo.config import load_config
 
-    return load_config(args.config, args.overrides)
+    # Validated for the command's trainer: `plan` plans a GRPO run; sft/dpo/warmup configs need no GRPO keys.
+    trainer = {"train": "grpo", "plan": "grpo"}.get(args.command, args.command)
+    return load_config(args.config, args.overrides, trainer=trainer)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -173,12 +175,12 @@ def _eval(args: argparse.Namespace) -> int:
         print("megagrpo eval: error: --samples must be >= 1", file=sys.stderr)
         return 1
     given = Path(args.model or args.checkpoint)
-    cfg = load_config(args.config, [*args.overrides, *evaluated(given)])
+    cfg = load_config(args.config, [*args.overrides, *evaluated(given)], trainer="eval")
     out = Path(args.out) if args.out else Path(cfg.logging.dir) / cfg.run_name / "eval"
     model_dir = given if args.model else model_dir_for_eval(given, out)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (an HF model directory is expected)")
-    cfg = load_config(args.config, [*args.overrides, *evaluated(model_dir)])
+    cfg = load_config(args.config, [*args.overrides, *evaluated(model_dir)], trainer="eval")
     report = run_eval(cfg, model_dir, out, samples=args.samples)
     print(report.to_markdown(f"megagrpo eval: {cfg.run_name}"))
     print(f"wrote {out / 'eval.json'} and {out / 'eval.md'}")

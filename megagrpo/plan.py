@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from megagrpo.config import rules
 from megagrpo.config.errors import ConfigError
+from megagrpo.config.resolution import packs_sequences
 from megagrpo.parallel import backends
 
 if TYPE_CHECKING:
@@ -231,17 +232,18 @@ def make_plan(
 ) -> Plan:
     """Check ``cfg`` against ``shape`` and estimate memory and sync traffic (see the module docstring)."""
     par, gen = cfg.parallel, cfg.generation
-    impl = par.resolved_transformer_impl
+    impl, decided = cfg.resolved.transformer_impl, "here"
     if par.transformer_impl == "auto" and transformer_engine is not None:
         # as backends.resolve_transformer_impl resolves "auto" on the trainer's machines
         if transformer_engine:
             impl = "transformer_engine"
         else:
             impl = "torch" if backends.torch_layers_available() else "local"
+        decided = "on the trainer's machines (--transformer-engine)"
     errors = []
     for rule in (
         lambda: rules.check_shape(cfg, shape, where),
-        lambda: rules.check_features(cfg, impl),
+        lambda: rules.check_features(cfg, impl, decided=decided),
         lambda: rules.check_engine_share(cfg),
     ):
         try:
@@ -281,7 +283,7 @@ def make_plan(
     sync = _sync_traffic(cfg, shape, wb, link_gbps)
     gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     mem = int(gpu_memory_gib * GIB)
-    plan = Plan(par.world_size, gpus, mem, impl, par.resolved_backend, params, ranks, engine, sync, errors)
+    plan = Plan(par.world_size, gpus, mem, impl, cfg.resolved.backend, params, ranks, engine, sync, errors)
     colocated = gen.placement == "colocated"
     for r in ranks:
         if r.total > mem:
@@ -340,7 +342,7 @@ def render(plan: Plan, cfg: Config) -> None:
         f"layers         {plan.transformer_impl}: sequence parallel "
         f"{'yes' if 'sequence_parallel' in has else 'no'}, context parallel "
         f"{'yes' if 'context_parallel' in has else 'no'}; micro-batches "
-        f"{'packed end to end (THD)' if rules.packs_sequences(cfg, plan.transformer_impl) else 'padded'}"
+        f"{'packed end to end (THD)' if packs_sequences(cfg, plan.transformer_impl) else 'padded'}"
     )
     con.print(
         f"rollout        {gen.num_engines} vLLM engine(s) x TP {gen.engine_tensor_parallel_size}, "

@@ -1,12 +1,13 @@
 """Reading a run configuration: YAML, dotted overrides, strict type checks; and writing it back.
 
 :func:`load_config` reads a YAML file (one section per component of :class:`~megagrpo.config.schema.Config`),
-applies command-line overrides with dotted keys (``grpo.num_generations=8``) and builds the config.
-Unknown keys, wrong types and inconsistent settings raise :class:`~megagrpo.config.errors.ConfigError`,
-whose message names the dotted key at fault and the file it came from; values are checked for their type
-here (ints widen to float, nothing else is converted) and for their range and consistency by the schema
-and :mod:`megagrpo.config.rules` as the dataclasses are built. Paths are only checked for type; they are
-opened (and fail) where they are used.
+applies command-line overrides with dotted keys (``grpo.num_generations=8``), builds the config, decides
+its ``auto`` values (:func:`~megagrpo.config.resolution.resolve`) and validates it for the command about
+to run (:func:`~megagrpo.config.rules.validate`). Unknown keys, wrong types and inconsistent settings raise
+:class:`~megagrpo.config.errors.ConfigError`, whose message names the dotted key at fault and the file it
+came from; values are checked for their type here (ints widen to float, nothing else is converted), for
+their range by the sections as they are built, and across sections by the validation. Paths are only
+checked for type; they are opened (and fail) where they are used.
 """
 
 import dataclasses
@@ -22,7 +23,9 @@ import yaml
 
 from megagrpo import config_files
 from megagrpo.config.errors import ConfigError, join
-from megagrpo.config.schema import Config
+from megagrpo.config.resolution import resolve
+from megagrpo.config.rules import Trainer, validate
+from megagrpo.config.schema import Config, key_fields
 
 __all__ = ["DEFAULT_CONFIG_PATH", "config_to_dict", "load_config", "save_config"]
 
@@ -106,7 +109,7 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(prefix, f"expected a mapping of {cls.__name__} fields, got {_value_desc(data)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in key_fields(cls)}
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
@@ -134,7 +137,7 @@ def _apply_override(data: dict, override: str) -> str:
     parts = key.split(".")
     if not sep or not key or not all(parts):
         raise ConfigError((), f"malformed override {override!r}: expected section.key=value")
-    sections = {f.name for f in dataclasses.fields(Config)}
+    sections = {f.name for f in key_fields(Config)}
     if parts[0] not in sections:
         close = difflib.get_close_matches(parts[0], sorted(sections), n=3)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
@@ -158,8 +161,12 @@ def _apply_override(data: dict, override: str) -> str:
     return key
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Read a YAML config (None: the tiny CPU default), apply `section.key=value` overrides, validate."""
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, trainer: Trainer = "grpo"
+) -> Config:
+    """Read a YAML config (None: the tiny CPU default), apply `section.key=value` overrides, decide its
+    ``auto`` values here (``cfg.resolved``) and validate it for ``trainer`` (the command about to run:
+    "grpo", "sft", "dpo", "eval" or "warmup")."""
     try:
         path, text = config_files.read_config_file(path)
     except config_files.ConfigFileError as e:
@@ -182,7 +189,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except ConfigError as e:
             raise e.with_context(source=source) from None
     try:
-        return _from_dict(Config, data, "")
+        cfg = resolve(_from_dict(Config, data, ""))
+        validate(cfg, trainer)
+        return cfg
     except ConfigError as e:
         hit = [o for o in overridden if any(k == o or k.startswith(o + ".") for k in e.keys)]
         note = f" (set by override {', '.join(hit)})" if hit else ""
@@ -192,15 +201,15 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 def config_to_dict(cfg: Config) -> dict[str, Any]:
     """Plain nested dict of `cfg`'s keys (YAML-safe; feeds back into load_config unchanged).
 
-    Values decided at load (``parallel.resolved_backend``, ...) are not keys and are left out: the
-    process that loads the dict decides them again.
+    The ``auto`` decisions (``cfg.resolved``) are not keys and are left out: the process that loads the
+    dict decides them again.
     """
     return _keys_of(cfg)
 
 
 def _keys_of(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _keys_of(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return {f.name: _keys_of(getattr(value, f.name)) for f in key_fields(type(value))}
     return value  # a bool, int, float, str or None (the only leaf types the schema allows)
 
 

@@ -1,65 +1,106 @@
-"""Rules that span fields or components, and the one decision of ``parallel``'s ``"auto"`` values.
+"""The checks across fields and sections: one :func:`validate` pass per trainer, run at load.
 
-Everything here runs once, while a config is built (at load, or by direct construction): the schema's
-``__post_init__`` methods call :func:`resolve_parallel` and :func:`check_run`. ``megagrpo plan``
-(:mod:`megagrpo.plan`) also applies :func:`check_shape` to an HF model's config.json, :func:`check_features`
-to the layer implementation the trainer will resolve, and :func:`check_engine_share`. Errors are
-:class:`~megagrpo.config.errors.ConfigError`; keys are relative to the section in
-:func:`resolve_parallel` (the loader adds ``parallel.``) and fully dotted in :func:`check_run`.
+A :class:`~megagrpo.config.schema.Config` checks each section's own fields when it is built; what spans
+sections is checked here, once, for the command about to run, on the sections it reads: ``megagrpo
+train`` (``"grpo"``) checks batching, generation lengths, engine placement and the user's reward module;
+``megagrpo sft`` does not (an SFT config needs no ``generation`` section). ``load_config`` calls
+:func:`validate` after :func:`megagrpo.config.resolve`, and the error names the file. ``megagrpo plan``
+(:mod:`megagrpo.plan`) also applies :func:`check_shape` to an HF model's config.json,
+:func:`check_features` to the layer implementation the trainer's machines will resolve, and
+:func:`check_engine_share`. Errors are :class:`~megagrpo.config.errors.ConfigError` with fully dotted keys.
+
+Nothing here probes the machine: the layer implementation checked is the config's resolved one.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from megagrpo.config.errors import require
+from megagrpo.config.errors import ConfigError, require
 from megagrpo.parallel import backends
 
 if TYPE_CHECKING:
-    from megagrpo.config.schema import Config, ParallelConfig
+    from megagrpo.config.schema import Config
 
 __all__ = [
+    "TRAINERS",
+    "Trainer",
     "check_engine_share",
     "check_features",
-    "check_run",
     "check_shape",
-    "packs_sequences",
-    "resolve_parallel",
+    "validate",
 ]
 
+Trainer = Literal["grpo", "sft", "dpo", "eval", "warmup"]
+"""The commands a config is validated for: ``megagrpo train`` (and ``plan``), ``sft``, ``dpo``, ``eval``,
+``warmup``."""
+TRAINERS: tuple[str, ...] = get_args(Trainer)
 
-# ----------------------------------------------------------------------------------------------------------
-# parallel: "auto" resolved once
-# ----------------------------------------------------------------------------------------------------------
+_WARMS_UP = ("grpo", "dpo")
+"""Trainers that first warm a tiny model up (``megagrpo.trainers.warmup.warmed_up_model``)."""
 
 
-def resolve_parallel(par: ParallelConfig) -> tuple[backends.Backend, backends.TransformerImpl]:
-    """(backend, transformer_impl) with "auto" decided by this process, and sequence and context
-    parallelism checked against what that layer implementation supports (``backends.IMPL_FEATURES``).
+def validate(cfg: Config, trainer: Trainer = "grpo") -> None:
+    """Every check across sections that ``trainer`` needs; ConfigError naming the dotted keys at fault.
 
-    Explicit values are taken as they are: a config may name NCCL or Transformer Engine for the trainer's
-    machines while it is loaded elsewhere; the ranks check availability when they use them.
+    ``cfg`` must be resolved (``cfg.resolved``): sequence and context parallelism are checked against the
+    layer implementation it resolved to. ``"grpo"`` and ``"eval"`` import the user's reward module
+    (``reward.function``) to check it; building a Config never does.
     """
-    transformer_impl = backends.resolve_transformer_impl(par.transformer_impl)
-    has = backends.IMPL_FEATURES[transformer_impl]
-    here = ""
+    if trainer not in TRAINERS:
+        raise ValueError(f"trainer must be one of {', '.join(TRAINERS)}; got {trainer!r}")
+    if trainer == "eval":
+        _check_generation_lengths(cfg)
+        _check_cluster(cfg, trainer=False)
+        _check_reward(cfg)
+        return
+    check_features(cfg, cfg.resolved.transformer_impl)
+    _check_model_split(cfg, engines=trainer == "grpo")
+    _check_micro_batch(cfg)
+    if trainer == "grpo":
+        _check_grpo(cfg)
+        _check_generation_lengths(cfg)
+        _check_cluster(cfg, trainer=True)
+        _check_reward(cfg)
+    elif trainer == "sft":
+        _check_batch_over_dp(cfg, "sft.batch_size", cfg.sft.batch_size, "data")
+    elif trainer == "dpo":
+        _check_dpo(cfg)
+    if trainer == "warmup" or (trainer in _WARMS_UP and cfg.model.tiny is not None):
+        _check_warmup(cfg, run_alone=trainer == "warmup")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The policy's model and layout (every trainer that trains)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def check_features(cfg: Config, transformer_impl: str, *, decided: str = "here") -> None:
+    """Sequence and context parallelism against what ``transformer_impl`` supports
+    (:data:`megagrpo.parallel.backends.IMPL_FEATURES`).
+
+    ``transformer_impl`` is resolved (``local``, ``torch``, ``transformer_engine``); ``decided`` says, for
+    a ``parallel.transformer_impl: auto``, where that resolution was made ("here": the loading process).
+    """
+    par = cfg.parallel
+    has = backends.IMPL_FEATURES.get(transformer_impl, frozenset())
+    note = ""
     if par.transformer_impl == "auto":
-        te = "importable" if backends.transformer_engine_available() else "not importable"
-        here = f" ('auto' resolves to '{transformer_impl}' here: transformer_engine is {te})"
+        te = "importable" if transformer_impl == "transformer_engine" else "not importable"
+        note = f" ('auto' resolves to '{transformer_impl}' {decided}: transformer_engine is {te})"
     require(
         not par.sequence_parallel or "sequence_parallel" in has,
-        ("sequence_parallel", "transformer_impl"),
+        ("parallel.sequence_parallel", "parallel.transformer_impl"),
         f"sequence_parallel needs transformer_impl {_supporting('sequence_parallel')}, not "
-        f"'{transformer_impl}' (Megatron's local norms refuse it){here}",
+        f"'{transformer_impl}' (Megatron's local norms refuse it){note}",
     )
     # Megatron's local attention and the torch layers have no context-parallel path; TE's ring attention does.
     require(
         par.context_parallel_size == 1 or "context_parallel" in has,
-        ("context_parallel_size", "transformer_impl"),
+        ("parallel.context_parallel_size", "parallel.transformer_impl"),
         f"context_parallel_size > 1 needs transformer_impl {_supporting('context_parallel')}, not "
-        f"'{transformer_impl}'{here}",
+        f"'{transformer_impl}'{note}",
     )
-    return backends.resolve_backend(par.backend), transformer_impl
 
 
 def _supporting(feature: str) -> str:
@@ -67,39 +108,9 @@ def _supporting(feature: str) -> str:
     return " or ".join(f"'{name}'" for name, has in backends.IMPL_FEATURES.items() if feature in has)
 
 
-def packs_sequences(cfg: Config, transformer_impl: str) -> bool:
-    """Whether the policy's micro-batches are packed end to end (THD) with ``transformer_impl``:
-    policy.sequence_packing "auto", layers that keep packed sequences apart (``thd``), and no context
-    parallelism (its split of packed rows over CP ranks is not wired up)."""
-    return (
-        cfg.policy.sequence_packing == "auto"
-        and "thd" in backends.IMPL_FEATURES.get(transformer_impl, frozenset())
-        and cfg.parallel.context_parallel_size == 1
-    )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The whole run
-# ----------------------------------------------------------------------------------------------------------
-
-
-def check_run(cfg: Config) -> None:
-    """Checks across components; each raises ConfigError naming every dotted key involved."""
-    check_model_split(cfg)
-    check_batching(cfg)
-    check_lengths(cfg)
-    check_resources(cfg)
-    require(
-        cfg.logging.val_every == 0 or cfg.data.num_val_prompts > 0,
-        ("logging.val_every", "data.num_val_prompts"),
-        "validation is scheduled but data.num_val_prompts is 0",
-    )
-
-
-def check_model_split(cfg: Config) -> None:
-    """TP/PP/CP (and the engines' TP) against the model's shape and the loss aggregation."""
-    par, tiny = cfg.parallel, cfg.model.tiny
-    cp = par.context_parallel_size
+def _check_model_split(cfg: Config, *, engines: bool) -> None:
+    """TP/PP/CP (and, with ``engines``, the engines' TP) against the model's shape."""
+    cp = cfg.parallel.context_parallel_size
     if cp > 1:
         # Megatron's load-balanced CP splits every sequence into 2 * CP chunks.
         require(
@@ -107,20 +118,14 @@ def check_model_split(cfg: Config) -> None:
             ("parallel.context_parallel_size", "model.seq_length"),
             f"seq_length {cfg.model.seq_length} must be divisible by 2 * context_parallel_size",
         )
-        # Each CP rank scores only its chunks of a sequence; a per-sequence mean would need the
-        # sequence's token count from every CP rank.
-        require(
-            cfg.grpo.loss_agg == "token",
-            ("parallel.context_parallel_size", "grpo.loss_agg"),
-            "context_parallel_size > 1 needs loss_agg 'token'",
-        )
-    if tiny is not None:
-        check_shape(cfg, tiny, "model.tiny")
+    if cfg.model.tiny is not None:
+        check_shape(cfg, cfg.model.tiny, "model.tiny", engines=engines)
     # An HF model's shape is known only once its config is read: ``megagrpo plan`` checks it then.
 
 
-def check_shape(cfg: Config, shape: Any, where: str) -> None:
-    """TP, PP, the engines' TP and seq_length against a model shape (``model.tiny`` or an HF config.json).
+def check_shape(cfg: Config, shape: Any, where: str, *, engines: bool = True) -> None:
+    """TP, PP, the engines' TP (``engines``) and seq_length against a model shape (``model.tiny`` or an HF
+    config.json).
 
     ``shape`` has num_attention_heads, num_query_groups, num_layers and max_position_embeddings;
     ``where`` names its keys in the errors (``model.tiny`` or the config.json path).
@@ -137,12 +142,13 @@ def check_shape(cfg: Config, shape: Any, where: str) -> None:
         ("parallel.pipeline_model_parallel_size", f"{where}.num_layers"),
         f"pipeline_model_parallel_size {pp} must divide num_layers {shape.num_layers}",
     )
-    etp = cfg.generation.engine_tensor_parallel_size
-    require(
-        shape.num_attention_heads % etp == 0,
-        ("generation.engine_tensor_parallel_size", f"{where}.num_attention_heads"),
-        f"engine_tensor_parallel_size {etp} must divide num_attention_heads {shape.num_attention_heads}",
-    )
+    if engines:
+        etp = cfg.generation.engine_tensor_parallel_size
+        require(
+            shape.num_attention_heads % etp == 0,
+            ("generation.engine_tensor_parallel_size", f"{where}.num_attention_heads"),
+            f"engine_tensor_parallel_size {etp} must divide num_attention_heads {shape.num_attention_heads}",
+        )
     if where == "model.tiny":
         return  # model.tiny's max_position_embeddings is checked with the model section (schema).
     require(
@@ -152,25 +158,108 @@ def check_shape(cfg: Config, shape: Any, where: str) -> None:
     )
 
 
-def check_features(cfg: Config, transformer_impl: str) -> None:
-    """SP and CP against what the layer implementation the trainer will use supports.
-
-    ``transformer_impl`` is resolved (``local``, ``transformer_engine``, ...); the table is
-    :data:`megagrpo.parallel.backends.IMPL_FEATURES`.
-    """
-    par = cfg.parallel
-    has = backends.IMPL_FEATURES.get(transformer_impl, frozenset())
+def _check_micro_batch(cfg: Config) -> None:
+    seq = cfg.model.seq_length
     require(
-        not par.sequence_parallel or "sequence_parallel" in has,
-        ("parallel.sequence_parallel", "parallel.transformer_impl"),
-        f"sequence_parallel is not supported by transformer_impl {transformer_impl!r} "
-        f"(resolved from {par.transformer_impl!r})",
+        cfg.policy.micro_batch_max_tokens >= seq,
+        ("policy.micro_batch_max_tokens", "model.seq_length"),
+        f"micro_batch_max_tokens {cfg.policy.micro_batch_max_tokens} cannot hold one sequence of "
+        f"seq_length {seq}",
+    )
+
+
+def _check_batch_over_dp(cfg: Config, key: str, size: int, what: str) -> None:
+    """A supervised batch of ``size`` (at ``key``) gives every data-parallel rank some ``what``."""
+    dp = cfg.parallel.data_parallel_size
+    require(
+        size >= dp,
+        (key, "parallel.data_parallel_size"),
+        f"batch_size {size} leaves some of the {dp} data-parallel ranks without {what}",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per trainer
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_grpo(cfg: Config) -> None:
+    """Mini-batches tile a step's rollouts over the DP ranks; CP's loss; overlong buffer; validation."""
+    mbs, dp = cfg.policy.mini_batch_size, cfg.parallel.data_parallel_size
+    require(
+        cfg.rollouts_per_step % mbs == 0,
+        ("policy.mini_batch_size", "grpo.num_prompts_per_step", "grpo.num_generations"),
+        f"mini_batch_size {mbs} must divide num_prompts_per_step * num_generations = {cfg.rollouts_per_step}",
     )
     require(
-        par.context_parallel_size == 1 or "context_parallel" in has,
-        ("parallel.context_parallel_size", "parallel.transformer_impl"),
-        f"context_parallel_size > 1 is not supported by transformer_impl {transformer_impl!r} "
-        f"(resolved from {par.transformer_impl!r})",
+        mbs % dp == 0,
+        ("policy.mini_batch_size", "parallel.data_parallel_size"),
+        f"mini_batch_size {mbs} must be divisible by data_parallel_size {dp}",
+    )
+    # Each CP rank scores only its chunks of a sequence; a per-sequence mean would need the sequence's
+    # token count from every CP rank.
+    require(
+        cfg.parallel.context_parallel_size == 1 or cfg.grpo.loss_agg == "token",
+        ("parallel.context_parallel_size", "grpo.loss_agg"),
+        "context_parallel_size > 1 needs loss_agg 'token'",
+    )
+    new = cfg.generation.max_new_tokens
+    if cfg.grpo.overlong_policy == "soft_penalty":
+        require(
+            cfg.grpo.overlong_buffer_tokens < new,
+            ("grpo.overlong_buffer_tokens", "generation.max_new_tokens"),
+            f"overlong_buffer_tokens {cfg.grpo.overlong_buffer_tokens} must be < max_new_tokens {new}",
+        )
+    require(
+        cfg.logging.val_every == 0 or cfg.data.num_val_prompts > 0,
+        ("logging.val_every", "data.num_val_prompts"),
+        "validation is scheduled but data.num_val_prompts is 0",
+    )
+
+
+def _check_dpo(cfg: Config) -> None:
+    """What DPO needs of the layout: no CP, a pair per micro-batch, a pair per data-parallel rank."""
+    budget, seq = cfg.policy.micro_batch_max_tokens, cfg.model.seq_length
+    require(
+        cfg.parallel.context_parallel_size == 1,
+        "parallel.context_parallel_size",
+        "DPO does not support context parallelism yet (set 1)",
+    )
+    require(
+        budget >= 2 * seq,
+        ("policy.micro_batch_max_tokens", "model.seq_length"),
+        f"micro_batch_max_tokens {budget} cannot hold a pair (two sequences of up to seq_length {seq}) "
+        "in one micro-batch: it must be >= 2 * seq_length",
+    )
+    _check_batch_over_dp(cfg, "dpo.batch_size", cfg.dpo.batch_size, "pairs")
+
+
+def _check_warmup(cfg: Config, *, run_alone: bool) -> None:
+    """The warm-up's SFT run (``megagrpo.trainers.warmup.warmup_config``); ``run_alone``: ``megagrpo
+    warmup``, which needs a tiny model and steps to run."""
+    if run_alone:
+        require(
+            cfg.model.tiny is not None,
+            "model.tiny",
+            "the warm-up runs on the tiny model only: set model.tiny (model.hf_dir is not supported here)",
+        )
+        require(cfg.warmup.steps >= 1, "warmup.steps", "is 0: nothing to run (set warmup.steps=N)")
+    _check_batch_over_dp(cfg, "warmup.batch_size", cfg.warmup.batch_size, "data")
+
+
+def _check_generation_lengths(cfg: Config) -> None:
+    """Room for a prompt next to the responses the engines generate (training and evaluation)."""
+    seq, new = cfg.model.seq_length, cfg.generation.max_new_tokens
+    require(
+        new < seq,
+        ("generation.max_new_tokens", "model.seq_length"),
+        f"max_new_tokens {new} leaves no room for a prompt in seq_length {seq}",
+    )
+    eval_new = cfg.eval.max_new_tokens
+    require(
+        eval_new is None or eval_new < seq,
+        ("eval.max_new_tokens", "model.seq_length"),
+        f"max_new_tokens {eval_new} leaves no room for a prompt in seq_length {seq}",
     )
 
 
@@ -186,54 +275,12 @@ def check_engine_share(cfg: Config) -> None:
     )
 
 
-def check_batching(cfg: Config) -> None:
-    """Mini-batches tile a step's rollouts and split evenly over data-parallel ranks."""
-    mbs, dp = cfg.policy.mini_batch_size, cfg.parallel.data_parallel_size
-    require(
-        cfg.rollouts_per_step % mbs == 0,
-        ("policy.mini_batch_size", "grpo.num_prompts_per_step", "grpo.num_generations"),
-        f"mini_batch_size {mbs} must divide num_prompts_per_step * num_generations = {cfg.rollouts_per_step}",
-    )
-    require(
-        mbs % dp == 0,
-        ("policy.mini_batch_size", "parallel.data_parallel_size"),
-        f"mini_batch_size {mbs} must be divisible by data_parallel_size {dp}",
-    )
-
-
-def check_lengths(cfg: Config) -> None:
-    """Room for a prompt, the micro-batch token budget and the overlong buffer against the lengths."""
-    seq, new = cfg.model.seq_length, cfg.generation.max_new_tokens
-    require(
-        new < seq,
-        ("generation.max_new_tokens", "model.seq_length"),
-        f"max_new_tokens {new} leaves no room for a prompt in seq_length {seq}",
-    )
-    require(
-        cfg.policy.micro_batch_max_tokens >= seq,
-        ("policy.micro_batch_max_tokens", "model.seq_length"),
-        f"micro_batch_max_tokens {cfg.policy.micro_batch_max_tokens} cannot hold one sequence of "
-        f"seq_length {seq}",
-    )
-    eval_new = cfg.eval.max_new_tokens
-    require(
-        eval_new is None or eval_new < seq,
-        ("eval.max_new_tokens", "model.seq_length"),
-        f"max_new_tokens {eval_new} leaves no room for a prompt in seq_length {seq}",
-    )
-    if cfg.grpo.overlong_policy == "soft_penalty":
-        require(
-            cfg.grpo.overlong_buffer_tokens < new,
-            ("grpo.overlong_buffer_tokens", "generation.max_new_tokens"),
-            f"overlong_buffer_tokens {cfg.grpo.overlong_buffer_tokens} must be < max_new_tokens {new}",
-        )
-
-
-def check_resources(cfg: Config) -> None:
-    """Backend and placement against the cluster's GPUs."""
+def _check_cluster(cfg: Config, *, trainer: bool) -> None:
+    """Backend, engine placement and custom resources against the Ray cluster, for the runs Ray places:
+    GRPO's trainer ranks (``trainer``) and engines, or ``megagrpo eval``'s engines alone."""
     cluster, gen = cfg.cluster, cfg.generation
     require(
-        cfg.parallel.backend != "nccl" or cluster.gpus_per_node > 0,
+        not trainer or cfg.parallel.backend != "nccl" or cluster.gpus_per_node > 0,
         ("parallel.backend", "cluster.gpus_per_node"),
         "backend 'nccl' needs GPUs (gpus_per_node > 0)",
     )
@@ -244,7 +291,7 @@ def check_resources(cfg: Config) -> None:
         "mode); use 'disaggregated' on CPU",
     )
     require(
-        gen.placement != "colocated" or cfg.grpo.max_staleness == 0,
+        not trainer or gen.placement != "colocated" or cfg.grpo.max_staleness == 0,
         ("grpo.max_staleness", "generation.placement"),
         "overlapping generation with training needs engines on devices of their own: colocated engines "
         "sleep while the trainer runs; use 'disaggregated' or max_staleness 0",
@@ -270,11 +317,24 @@ def check_resources(cfg: Config) -> None:
     if cluster.gpus_per_node == 0:
         return
     total = cluster.num_nodes * cluster.gpus_per_node
-    trainer, engines = cfg.parallel.world_size, gen.num_engines * gen.engine_tensor_parallel_size
-    need = max(trainer, engines) if gen.placement == "colocated" else trainer + engines
+    ranks = cfg.parallel.world_size if trainer else 0
+    engines = gen.num_engines * gen.engine_tensor_parallel_size
+    need = max(ranks, engines) if gen.placement == "colocated" else ranks + engines
     require(
         need <= total,
         ("parallel.data_parallel_size", "generation.num_engines", "cluster.gpus_per_node"),
-        f"{gen.placement} placement needs {need} GPUs (trainer {trainer}, engines {engines}) but the "
+        f"{gen.placement} placement needs {need} GPUs (trainer {ranks}, engines {engines}) but the "
         f"cluster has {total}",
     )
+
+
+def _check_reward(cfg: Config) -> None:
+    """Import the user's reward function (kind python) and check that it takes (response, answer)."""
+    if cfg.reward.kind != "python":
+        return
+    from megagrpo.rewards.user import check_function
+
+    try:
+        check_function(cfg.reward.function)
+    except ValueError as err:
+        raise ConfigError("reward.function", str(err)) from None

@@ -1,12 +1,12 @@
 """The one place that turns ``"auto"`` into a torch.distributed backend or a Megatron layer implementation,
 and says what each layer implementation supports.
 
-``megagrpo.config`` calls :func:`resolve_backend` and :func:`resolve_transformer_impl` once, when a
-config is loaded, and the loaded config carries the result (``cfg.parallel.resolved_backend``,
-``cfg.parallel.resolved_transformer_impl``). ``init_parallel`` and the model builder accept ``"auto"``
-too, for callers that are not config-driven (the converters, tests), and resolve it here as well; they
-also ask for ``check_available``: the machine that is about to use a backend or a layer implementation
-must have it, while a config may name one that only the trainer's machines have.
+``megagrpo.config.resolve`` calls :func:`resolve_backend` and :func:`resolve_transformer_impl` once, where
+the run starts (``load_config`` does), and the config carries the result to every rank
+(``cfg.resolved.backend``, ``cfg.resolved.transformer_impl``). ``init_parallel`` and the model builder
+accept ``"auto"`` too, for callers that are not config-driven (the converters, tests), and resolve it here
+as well; they also ask for ``check_available``: the machine that is about to use a backend or a layer
+implementation must have it, while a config may name one that only the trainer's machines have.
 
 No torch import at module level: loading a config stays cheap unless ``"auto"`` needs the CUDA probe.
 """
@@ -122,7 +122,7 @@ def weight_sync_backend(trainer_backend: str) -> Backend:
     """The weight-sync transport: the trainer's backend, so NCCL with CUDA and gloo without.
 
     ``trainer_backend`` is ``parallel.backend`` (``auto`` resolved here as above) or the already
-    resolved ``parallel.resolved_backend``. The trainer ranks' and the vLLM workers' GPUs exchange the
+    resolved ``cfg.resolved.backend``. The trainer ranks' and the vLLM workers' GPUs exchange the
     weights over NCCL where the trainer uses NCCL; gloo moves them through host memory and TCP.
     """
     return resolve_backend(trainer_backend)

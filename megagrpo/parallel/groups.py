@@ -98,7 +98,7 @@ def init_parallel(
     Rank, world size and rendezvous default to the torchrun environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT, LOCAL_RANK). Seeds Megatron's RNG tracker so TP ranks draw
     different dropout masks and identical everything else. ``backend``: "gloo" or "nccl" (a loaded
-    config's ``parallel.resolved_backend``), or "auto" for callers without a config, resolved by
+    config's ``cfg.resolved.backend``), or "auto" for callers without a config, resolved by
     :mod:`megagrpo.parallel.backends`.
     """
     from megatron.core import parallel_state, tensor_parallel

@@ -82,10 +82,10 @@ class MegatronRank:
         self.model_info = describe_model(cfg)
         self.temperature = temperature
         sizes = ParallelSizes.from_config(cfg.parallel)
-        self.ctx = init_parallel(sizes, backend=cfg.parallel.backend, seed=seed)
+        self.ctx = init_parallel(sizes, backend=cfg.resolved.backend, seed=seed)
         pol = cfg.policy
         # THD micro-batches where the layers keep a row's sequences apart (torch, TE), without CP.
-        self.packed = cfg.packs_sequences
+        self.packed = cfg.resolved.packs_sequences
         settings = OptimizerSettings(
             lr=pol.lr,
             min_lr=pol.min_lr,
@@ -102,7 +102,7 @@ class MegatronRank:
             self.model_info.shape,
             settings,
             dtype=self.model_info.dtype,
-            transformer_impl=cfg.parallel.resolved_transformer_impl,
+            transformer_impl=cfg.resolved.transformer_impl,
             sequence_parallel=cfg.parallel.sequence_parallel,
             initialize=not loads_weights,
             recompute=pol.recompute,

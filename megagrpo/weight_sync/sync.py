@@ -72,7 +72,7 @@ class WeightSync:
     """Broadcast groups from the trainer's senders to the vLLM workers, over the trainer's backend.
 
     The transport is :func:`~megagrpo.parallel.backends.weight_sync_backend` of
-    ``cfg.parallel.resolved_backend`` (NCCL with CUDA, gloo without), kept as ``self.backend``; the
+    ``cfg.resolved.backend`` (NCCL with CUDA, gloo without), kept as ``self.backend``; the
     path (shard-wise or gathered) is :func:`~megagrpo.weight_sync.shards.choose_path`'s, kept as
     ``self.path``. ``total_bytes``: the plan's bytes, what the senders broadcast per sync (each to every
     engine); ``worker_bytes``: what each of an engine's workers receives, by engine TP rank.
@@ -80,7 +80,7 @@ class WeightSync:
 
     def __init__(self, cfg: Config, policy: RankGroup, engines: list, vocab_size: int):
         self.cfg, self.policy, self.engines = cfg, policy, engines
-        self.backend = backend = weight_sync_backend(cfg.parallel.resolved_backend)
+        self.backend = backend = weight_sync_backend(cfg.resolved.backend)
         self.timeout_s = cfg.generation.sync_timeout_s
         gen = cfg.generation
         etp = gen.engine_tensor_parallel_size

@@ -79,6 +79,7 @@ def test_sft_resume_reproduces_the_next_steps(tmp_path):
                 "checkpoint.save_every=2",
                 f"checkpoint.export_hf_at_end={str(export).lower()}",
             ],
+            trainer="sft",
         )
 
     want, got, run_dir = _run_three_ways(run_sft, cfg_for, tmp_path)
@@ -111,7 +112,6 @@ def test_dpo_resume_reproduces_the_next_steps(tmp_path):
                 "model.tiny=null",
                 f"model.hf_dir={hf}",
                 "model.seq_length=32",
-                "generation.max_new_tokens=8",
                 f"logging.dir={root}",
                 "logging.tensorboard=false",
                 "logging.progress_bar=false",
@@ -129,6 +129,7 @@ def test_dpo_resume_reproduces_the_next_steps(tmp_path):
                 "checkpoint.save_every=2",
                 f"checkpoint.export_hf_at_end={str(export).lower()}",
             ],
+            trainer="dpo",
         )
 
     want, got, run_dir = _run_three_ways(run_dpo, cfg_for, tmp_path)

@@ -39,6 +39,7 @@ def twin(tmp_path_factory) -> Path:
             "sft.val_every=0",
             "sft.num_val_examples=8",
         ],
+        trainer="sft",
     )
     run_sft(cfg)
     return root

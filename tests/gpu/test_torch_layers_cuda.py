@@ -82,7 +82,7 @@ def _logprobs(rank: int, world_size: int, cfg) -> torch.Tensor:
 
     worker = PolicyWorker(cfg)
     try:
-        assert worker.engine.transformer_impl == cfg.parallel.resolved_transformer_impl
+        assert worker.engine.transformer_impl == cfg.resolved.transformer_impl
         return worker.logprobs(policy_batch())
     finally:
         destroy_parallel()

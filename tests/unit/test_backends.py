@@ -89,5 +89,21 @@ def test_the_weight_sync_and_the_driver_use_this_choice():
     assert sync.weight_sync_backend is backends.weight_sync_backend
     # No backend argument to override it: WeightSync reads the config's resolved trainer backend.
     assert "backend" not in inspect.signature(sync.WeightSync.__init__).parameters
-    assert "weight_sync_backend(cfg.parallel.resolved_backend)" in inspect.getsource(sync.WeightSync.__init__)
+    assert "weight_sync_backend(cfg.resolved.backend)" in inspect.getsource(sync.WeightSync.__init__)
     assert "sync.backend" in inspect.getsource(driver.print_layout)
+
+
+def test_the_policy_ranks_act_on_the_decisions_made_where_the_run_started():
+    import inspect
+
+    from megagrpo.policy import rank
+
+    # cfg.resolved travels with the config: a rank on another machine does not decide "auto" again.
+    source = inspect.getsource(rank.MegatronRank.__init__)
+    for read in (
+        "backend=cfg.resolved.backend",
+        "transformer_impl=cfg.resolved.transformer_impl",
+        "cfg.resolved.packs_sequences",
+    ):
+        assert read in source
+    assert "cfg.parallel.backend" not in source and "cfg.parallel.transformer_impl" not in source

@@ -379,7 +379,7 @@ def test_context_parallel_auto_depends_on_transformer_engine(monkeypatch):
     monkeypatch.setattr(backends, "transformer_engine_available", lambda: True)
     cfg = load_config(None, overrides)
     assert cfg.parallel.context_parallel_size == 2
-    assert cfg.parallel.resolved_transformer_impl == "transformer_engine"
+    assert cfg.resolved.transformer_impl == "transformer_engine"
     msg = _error([*overrides, "grpo.loss_agg=sequence"])
     assert "grpo.loss_agg" in msg and "needs loss_agg 'token'" in msg
 
@@ -393,7 +393,7 @@ def test_sequence_parallel_with_the_torch_layers_loads():
             "parallel.transformer_impl=torch",
         ],
     )
-    assert cfg.parallel.sequence_parallel and cfg.parallel.resolved_transformer_impl == "torch"
+    assert cfg.parallel.sequence_parallel and cfg.resolved.transformer_impl == "torch"
 
 
 def test_context_parallel_needs_seq_length_divisible_by_2cp():
@@ -431,23 +431,22 @@ def test_auto_backend_and_layers_are_decided_once_at_load(monkeypatch):
     monkeypatch.setattr(backends, "cuda_available", lambda: True)
     monkeypatch.setattr(backends, "transformer_engine_available", lambda: False)
     cfg = load_config(None, overrides)
-    assert (cfg.parallel.resolved_backend, cfg.parallel.resolved_transformer_impl) == ("nccl", "torch")
+    assert (cfg.resolved.backend, cfg.resolved.transformer_impl) == ("nccl", "torch")
+    assert cfg.resolved.packs_sequences  # the torch layers pack sequences (THD) with sequence_packing auto
     # What another process (a rank) would probe does not change the loaded config, which travels pickled.
     monkeypatch.setattr(backends, "cuda_available", lambda: False)
     monkeypatch.setattr(backends, "transformer_engine_available", lambda: True)
     back = pickle.loads(pickle.dumps(cfg))
-    assert (back.parallel.resolved_backend, back.parallel.resolved_transformer_impl) == ("nccl", "torch")
+    assert (back.resolved.backend, back.resolved.transformer_impl) == ("nccl", "torch")
     # Not keys: a saved config keeps "auto", and loading it decides again.
-    saved = config_to_dict(cfg)["parallel"]
-    assert (saved["backend"], saved["transformer_impl"]) == ("auto", "auto")
-    assert not any(key.startswith("resolved") for key in saved)
+    saved = config_to_dict(cfg)
+    assert (saved["parallel"]["backend"], saved["parallel"]["transformer_impl"]) == ("auto", "auto")
+    assert "resolution" not in saved and not any(key.startswith("resolved") for key in saved["parallel"])
     again = load_config(None, overrides)
-    assert (again.parallel.resolved_backend, again.parallel.resolved_transformer_impl) == (
-        "gloo",
-        "transformer_engine",
-    )
+    assert (again.resolved.backend, again.resolved.transformer_impl) == ("gloo", "transformer_engine")
     assert again == cfg  # the decision is not part of the config's value
     assert "unknown key" in _error(["parallel.resolved_backend=nccl"])
+    assert "unknown section" in _error(["resolution.backend=nccl"])
 
 
 def test_explicit_backend_and_layers_are_taken_as_given(monkeypatch):
@@ -455,12 +454,9 @@ def test_explicit_backend_and_layers_are_taken_as_given(monkeypatch):
     monkeypatch.setattr(backends, "cuda_available", lambda: False)
     monkeypatch.setattr(backends, "transformer_engine_available", lambda: False)
     cfg = load_config(SHIPPED[1], ["parallel.transformer_impl=transformer_engine"])
-    assert (cfg.parallel.resolved_backend, cfg.parallel.resolved_transformer_impl) == (
-        "nccl",
-        "transformer_engine",
-    )
+    assert (cfg.resolved.backend, cfg.resolved.transformer_impl) == ("nccl", "transformer_engine")
     cfg = load_config(None)
-    assert (cfg.parallel.resolved_backend, cfg.parallel.resolved_transformer_impl) == ("gloo", "local")
+    assert (cfg.resolved.backend, cfg.resolved.transformer_impl) == ("gloo", "local")
 
 
 def test_loading_without_auto_does_not_import_torch():
@@ -502,6 +498,170 @@ def test_config_error_is_picklable_value_error():
     assert str(back) == str(err)
     assert back.keys == err.keys
     assert back.source == "f.yaml"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plain data; "auto" resolved once; one validation per trainer
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _tiny(**sections) -> Config:
+    """A Config built in Python, as tests and benchmarks do (not resolved, not validated)."""
+    model = config_module.ModelConfig(tiny=config_module.TinyModelConfig(), seq_length=128)
+    generation = config_module.GenerationConfig(max_new_tokens=64)
+    return Config(model=model, **{"generation": generation, **sections})
+
+
+def _no_probe(monkeypatch) -> None:
+    def probe():
+        raise AssertionError("the machine was probed")
+
+    for name in ("cuda_available", "transformer_engine_available", "torch_layers_available"):
+        monkeypatch.setattr(backends, name, probe)
+
+
+@pytest.fixture
+def noisy_reward(tmp_path):
+    """(reward.function spec, the file its module writes when it is imported)."""
+    marker = tmp_path / "imported"
+    module = tmp_path / "noisy_reward.py"
+    module.write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('yes')\n\n"
+        "def reward(response, answer):\n    return float(response == answer)\n"
+    )
+    return f"{module}:reward", marker
+
+
+def test_building_and_replacing_a_config_loads_no_user_code(noisy_reward):
+    spec, marker = noisy_reward
+    cfg = _tiny(reward=config_module.RewardConfig(kind="python", function=spec))
+    cfg = dataclasses.replace(cfg, run_name="other", reward=dataclasses.replace(cfg.reward, num_workers=2))
+    assert not marker.exists()
+    # A trainer that scores nothing does not import it at load either.
+    overrides = ["reward.kind=python", f"reward.function={spec}"]
+    sft = load_config(None, overrides, trainer="sft")
+    assert sft.reward.function == spec and not marker.exists()
+    # The validation for a trainer that scores is what imports and checks it.
+    config_module.validate(config_module.resolve(cfg), "grpo")
+    assert marker.read_text() == "yes"
+
+
+def test_a_user_reward_is_checked_by_the_validation_naming_the_file(tmp_path):
+    module = tmp_path / "bad_reward.py"
+    module.write_text("def reward(response):\n    return 1.0\n")
+    cfg = _tiny(reward=config_module.RewardConfig(kind="python", function=f"{module}:reward"))
+    with pytest.raises(ConfigError, match=r"^reward\.function: .*must accept"):
+        config_module.validate(config_module.resolve(cfg), "grpo")
+    config_module.validate(config_module.resolve(cfg), "sft")  # SFT scores nothing
+    text = "model:\n  tiny: {}\n  seq_length: 128\ngeneration:\n  max_new_tokens: 64\n"
+    path = _write(tmp_path, f"{text}reward:\n  kind: python\n  function: {module}:reward\n")
+    msg = _error([], path)
+    assert msg.startswith(f"{path}: reward.function: ") and "must accept" in msg
+
+
+def test_building_and_replacing_a_config_probes_nothing(monkeypatch):
+    _no_probe(monkeypatch)
+    cfg = _tiny(parallel=ParallelConfig(backend="auto", transformer_impl="auto"))
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data_parallel_size=2))
+    assert cfg.resolution is None
+    with pytest.raises(RuntimeError, match=r"never resolved.*megagrpo\.config\.resolve\(\)"):
+        cfg.resolved  # noqa: B018  (a rank acting on a config nobody resolved fails here, loudly)
+    with pytest.raises(RuntimeError, match="never resolved"):
+        config_module.validate(cfg, "grpo")  # the layer checks need the resolved layers
+
+
+def test_resolve_decides_once_and_replace_decides_nothing(monkeypatch):
+    def machine(cuda: bool, te: bool) -> None:
+        monkeypatch.setattr(backends, "cuda_available", lambda: cuda)
+        monkeypatch.setattr(backends, "transformer_engine_available", lambda: te)
+        monkeypatch.setattr(backends, "torch_layers_available", lambda: True)
+
+    machine(cuda=False, te=False)
+    cfg = config_module.resolve(_tiny(parallel=ParallelConfig(backend="auto", transformer_impl="auto")))
+    assert cfg.resolved == config_module.Resolved(
+        backend="gloo",
+        transformer_impl="torch",
+        packs_sequences=True,
+        settings=("auto", "auto", "auto", 1),
+    )
+    _no_probe(monkeypatch)
+    grpo = dataclasses.replace(cfg.grpo, num_steps=3)
+    changed = dataclasses.replace(cfg, run_name="again", grpo=grpo, data=dataclasses.replace(cfg.data))
+    assert changed.resolved is cfg.resolved  # carried as it is: nothing decided again
+    # Changing a setting a decision was made from makes the record stale: it is refused, not reused.
+    local = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, transformer_impl="local"))
+    again = r"decided from .*: pass the changed config through megagrpo\.config\.resolve\(\) again"
+    with pytest.raises(RuntimeError, match=again):
+        local.resolved  # noqa: B018
+    padded = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, sequence_packing="off"))
+    with pytest.raises(RuntimeError, match="decided from"):
+        padded.resolved  # noqa: B018
+    # resolve() is the one place that decides: on another machine, it decides for that machine.
+    machine(cuda=True, te=True)
+    elsewhere = config_module.resolve(local).resolved
+    assert (elsewhere.backend, elsewhere.transformer_impl) == ("nccl", "local")
+    assert config_module.resolve(padded).resolved.packs_sequences is False
+
+
+def test_an_sft_config_without_a_generation_section_loads(tmp_path):
+    text = (REPO / "configs" / "tiny_sft.yaml").read_text()
+    assert "generation:" not in text
+    cfg = load_config("tiny_sft", trainer="sft")
+    assert cfg.generation == config_module.GenerationConfig()  # defaults, unread by SFT
+    assert cfg.generation.max_new_tokens >= cfg.model.seq_length
+    # The same config is no GRPO run: GRPO's length rule applies to GRPO only.
+    msg = _error([], REPO / "configs" / "tiny_sft.yaml")
+    assert "generation.max_new_tokens, model.seq_length: " in msg and "no room for a prompt" in msg
+    # Nor do GRPO's batching rules apply to SFT: policy.mini_batch_size is the GRPO mini-batch.
+    load_config("tiny_sft", ["policy.mini_batch_size=7"], trainer="sft")
+    assert "policy.mini_batch_size" in _error(["policy.mini_batch_size=7"])
+
+
+@pytest.mark.parametrize(
+    ("config", "trainer", "overrides", "keys", "expected"),
+    [
+        (
+            "tiny_sft",
+            "sft",
+            ["parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=2", "sft.batch_size=1"],
+            ["sft.batch_size", "parallel.data_parallel_size"],
+            "without data",
+        ),
+        ("tiny_sft", "sft", ["policy.micro_batch_max_tokens=100"], ["model.seq_length"], "one sequence"),
+        ("tiny_dpo", "dpo", ["policy.micro_batch_max_tokens=300"], ["model.seq_length"], "hold a pair"),
+        (
+            "tiny_dpo",
+            "dpo",
+            ["parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=2", "warmup.batch_size=1"],
+            ["warmup.batch_size", "parallel.data_parallel_size"],
+            "without data",
+        ),
+        ("tiny_cpu", "warmup", ["warmup.steps=0"], ["warmup.steps"], "nothing to run"),
+        ("tiny_cpu", "warmup", ["model.tiny=null", "model.hf_dir=/m"], ["model.tiny"], "tiny model only"),
+        (
+            "tiny_cpu",
+            "eval",
+            ["model.tiny=null", "model.hf_dir=/m", "eval.max_new_tokens=256"],
+            ["eval.max_new_tokens", "model.seq_length"],
+            "no room for a prompt",
+        ),
+    ],
+)
+def test_each_trainer_checks_what_it_uses_naming_the_file(config, trainer, overrides, keys, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(config, overrides, trainer=trainer)
+    msg = str(info.value)
+    assert info.value.source is not None and msg.startswith(info.value.source + ": ")
+    assert all(key in msg for key in keys) and expected in msg
+
+
+def test_eval_does_not_check_the_trainer_layout():
+    # megagrpo eval starts engines only: the policy's batching and layers are not its concern.
+    overrides = ["model.tiny=null", "model.hf_dir=/m", "policy.mini_batch_size=7"]
+    overrides += ["policy.micro_batch_max_tokens=8"]
+    assert load_config(None, overrides, trainer="eval").policy.mini_batch_size == 7
+    with pytest.raises(ValueError, match="trainer must be one of grpo, sft, dpo, eval, warmup"):
+        load_config(None, trainer="train")
 
 
 # ----------------------------------------------------------------------------------------------------------

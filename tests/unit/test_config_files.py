@@ -112,6 +112,21 @@ def test_load_config_takes_a_packaged_name(tmp_path, monkeypatch):
     assert info.value.source == str(PACKAGED_CONFIG_DIR / "tiny_cpu.yaml")
 
 
+COMMAND_OF = {"tiny_sft": "sft", "tiny_dpo": "dpo", "deepscaler/cpu_twin_model": "sft"}
+"""The packaged configs that are not GRPO runs (``megagrpo train``), and the command each one is for."""
+
+
+@pytest.mark.parametrize("name", packaged_config_names())
+def test_every_packaged_config_loads_for_its_command(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    command = COMMAND_OF.get(name)
+    if command is not None:  # its header says which command runs it
+        header = (PACKAGED_CONFIG_DIR / f"{name}.yaml").read_text().splitlines()[0]
+        assert f"megagrpo {command} --config {name}" in header
+    cfg = load_config(name, trainer=command or "grpo")
+    assert cfg.resolved.backend in ("gloo", "nccl")
+
+
 def test_cli_plan_with_a_packaged_name_and_a_missing_config(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     # The packaged config's model.hf_dir is a placeholder: the plan needs a config.json for the shape.

@@ -194,12 +194,12 @@ def test_tokenizer_without_chat_template_is_a_config_error_before_any_rank(tmp_p
             "model.tiny=null",
             f"model.hf_dir={hf}",
             "model.seq_length=64",
-            "generation.max_new_tokens=16",
             f"data.train_path={path}",
             "data.apply_chat_template=true",
             f"logging.dir={tmp_path / 'runs'}",
             f"checkpoint.dir={tmp_path / 'runs' / 'checkpoints'}",  # not the demo's, which `make demo` fills
         ],
+        trainer="sft",
     )
     with pytest.raises(ConfigError, match=r"data\.apply_chat_template.*has no chat template"):
         run_sft(cfg)

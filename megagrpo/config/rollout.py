@@ -1,0 +1,228 @@
+"""What rollouts and evaluation read: ``generation`` (the vLLM engines and the weight sync), ``data``,
+``reward`` and ``eval``.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from megagrpo.config.errors import check, positive, require
+
+__all__ = [
+    "DataConfig",
+    "EvalConfig",
+    "GenerationConfig",
+    "RewardConfig",
+]
+
+
+@dataclass(kw_only=True, frozen=True)
+class GenerationConfig:
+    """Rollout engines (vLLM) and the weight sync from the trainer to them."""
+
+    backend: Literal["vllm"] = "vllm"
+    """Inference engine."""
+    num_engines: int = 1
+    """Number of independent engine instances (each on engine_tensor_parallel_size devices)."""
+    engine_tensor_parallel_size: int = 1
+    """Tensor parallel size inside one engine."""
+    temperature: float = 1.0
+    """Sampling temperature; must be > 0 since GRPO needs diverse samples per prompt."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    max_new_tokens: int = 1024
+    """Maximum response length; must be < model.seq_length to leave room for the prompt."""
+    seed: int = 0
+    """Engine sampling seed."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory vLLM may claim (weights + KV cache), in (0, 1]."""
+    cpu_kvcache_space_gib: int | None = None
+    """KV-cache size for vLLM's CPU backend in GiB; null keeps vLLM's default."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs in vLLM (slower decode, faster start, less memory)."""
+    max_num_seqs: int | None = None
+    """Sequences one engine decodes at once (vLLM's max_num_seqs). null: vLLM's default, except on its
+    CPU build, whose default (256 per engine TP rank) would decode a larger step in waves: there, at
+    least one step's rollouts per engine."""
+    ignore_eos: bool = False
+    """Training rollouts run to max_new_tokens past EOS and stop tokens (a fixed amount of work per step,
+    for benchmarks; rewards score the whole text). Validation and `megagrpo eval` stop as usual."""
+    placement: Literal["colocated", "disaggregated"] = "disaggregated"
+    """Engines share the trainer's devices (sleeping during training), or run on devices of their own."""
+    sync_bucket_mb: float = 512.0
+    """Size of the buckets weights are sent to the engines in, in MiB."""
+    weight_sync_path: Literal["auto", "gathered"] = "auto"
+    """auto: shard-wise where the TP layouts allow it (weight_sync.shards), else gathered; gathered: always"""
+    probe_max_error: float = 1.001
+    """Largest trainer/engine probability ratio the post-sync probe tolerates (>= 1); catches broken syncs."""
+    sync_timeout_s: float = 600.0
+    """Seconds to wait for a weight sync (or a colocated engine's sleep/wake-up) before failing the run."""
+    timeout_s: float = 6000.0
+    """Seconds to wait for one engine's completions of a generate call before it counts as failed."""
+    max_engine_restarts: int = 2
+    """Engine restarts allowed per engine_restart_window_steps; one failure more checkpoints and stops."""
+    engine_restart_window_steps: int = 100
+    """Restarts older than this many GRPO steps no longer count against max_engine_restarts; 0 counts all."""
+
+    def __post_init__(self) -> None:
+        positive(self, "num_engines", "engine_tensor_parallel_size", "max_new_tokens")
+        check(self, "max_num_seqs", self.max_num_seqs is None or self.max_num_seqs >= 1, ">= 1 or null")
+        check(self, "sync_bucket_mb", self.sync_bucket_mb > 0, "> 0")
+        check(self, "temperature", self.temperature > 0, "> 0")
+        check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        check(self, "top_k", self.top_k == -1 or self.top_k >= 1, "-1 (off) or >= 1")
+        check(self, "gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]")
+        check(
+            self,
+            "cpu_kvcache_space_gib",
+            self.cpu_kvcache_space_gib is None or self.cpu_kvcache_space_gib >= 1,
+            ">= 1 or null",
+        )
+        check(self, "probe_max_error", self.probe_max_error >= 1, ">= 1")
+        check(self, "sync_timeout_s", self.sync_timeout_s > 0, "> 0")
+        check(self, "timeout_s", self.timeout_s > 0, "> 0")
+        check(self, "max_engine_restarts", self.max_engine_restarts >= 0, ">= 0")
+        check(
+            self,
+            "engine_restart_window_steps",
+            self.engine_restart_window_steps >= 0,
+            ">= 0 (0: the whole run)",
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """Prompts and reference answers."""
+
+    train_path: str | None = None
+    """Training records (.jsonl, .json array or .parquet): GRPO prompts with answers, SFT conversations
+    or DPO pairs; null uses synthetic_task."""
+    val_path: str | None = None
+    """Validation records; null draws them from synthetic_task (or holds none if train_path is set)."""
+    prompt_key: str = "problem"
+    """Record field holding the question."""
+    answer_key: str = "answer"
+    """Record field holding the reference answer given to the reward."""
+    synthetic_task: Literal["arithmetic", "math"] = "arithmetic"
+    """Generated task used when train_path is null: "arithmetic" (a+b over a character vocabulary) or
+    "math" (SFT only: worked solutions of generated math problems, megagrpo.data.math_problems; a tiny
+    model then gets a BPE tokenizer trained on such problems)."""
+    arithmetic_max_operand: int = 99
+    """Synthetic arithmetic: operands are drawn uniformly from [0, arithmetic_max_operand]."""
+    arithmetic_ops: str = "+-"
+    """Synthetic arithmetic: operators to draw from (any of "+-*")."""
+    math_terse_frac: float = 0.0
+    """Synthetic math SFT: share of the worked solutions that give the boxed answer alone, without the
+    steps (a model made from such data answers some problems at once and works others through; the CPU
+    twin's made model uses none, see benchmarks/results/twin_sweep.md)."""
+    math_unboxed_frac: float = 0.0
+    """Synthetic math SFT: share of the other worked solutions that end in the answer without
+    \\boxed{} (the math reward scores such a response 0: a made model then loses reward to format, as
+    a real one does at first, and GRPO has a behaviour to learn)."""
+    num_val_prompts: int = 0
+    """Validation prompts evaluated every logging.val_every steps; 0 disables validation."""
+    template: str = "{prompt}"
+    """Prompt text; the literal `{prompt}` is replaced (str.replace, so braces like \\boxed{} are kept)."""
+    apply_chat_template: bool = False
+    """GRPO: wrap the templated prompt in the tokenizer's chat template as a single user turn. SFT/DPO:
+    render conversations with the chat template (loss on assistant tokens only); false: plain prompt
+    text followed by the response and EOS."""
+    messages_key: str = "messages"
+    """SFT/DPO: record field holding a conversation (a list of {role, content}); rows without it use
+    prompt_key and response_key (SFT) or prompt_key, chosen_key and rejected_key (DPO)."""
+    response_key: str = "response"
+    """SFT: record field holding the response to the prompt (prompt_key)."""
+    chosen_key: str = "chosen"
+    """DPO: record field holding the preferred response (a string or a list of assistant messages)."""
+    rejected_key: str = "rejected"
+    """DPO: record field holding the dispreferred response (a string or a list of assistant messages)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A row with a missing or empty field (GRPO, eval, SFT, DPO), a pair whose chosen equals rejected, or
+    an SFT/DPO sequence longer than model.seq_length stops the run naming file and row ("error"), or is
+    left out and counted in the metrics ("skip"). GRPO prompts too long for the context are always
+    skipped and counted (data/skipped_long_prompts)."""
+
+    def __post_init__(self) -> None:
+        require("{prompt}" in self.template, "template", f"must contain '{{prompt}}', got {self.template!r}")
+        keys = ("prompt_key", "answer_key", "messages_key", "response_key", "chosen_key", "rejected_key")
+        for name in keys:
+            require(bool(getattr(self, name)), name, "must not be empty")
+        check(self, "num_val_prompts", self.num_val_prompts >= 0, ">= 0")
+        check(self, "math_terse_frac", 0.0 <= self.math_terse_frac <= 1.0, "in [0, 1]")
+        check(self, "math_unboxed_frac", 0.0 <= self.math_unboxed_frac <= 1.0, "in [0, 1]")
+        check(self, "arithmetic_max_operand", 1 <= self.arithmetic_max_operand <= 9999, "in [1, 9999]")
+        check(
+            self,
+            "arithmetic_ops",
+            bool(self.arithmetic_ops) and set(self.arithmetic_ops) <= set("+-*"),
+            'a non-empty string of operators from "+-*"',
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class RewardConfig:
+    """How responses are scored."""
+
+    kind: Literal["math_verify", "arithmetic", "python"] = "math_verify"
+    """math_verify: symbolic equivalence of the last \\boxed{} answer; arithmetic: exact integer match;
+    python: reward.function."""
+    function: str | None = None
+    """kind python: "package.module:function" or "path/to/file.py:function" (relative to the working
+    directory), called as function(response, answer) -> float; imported and checked by the validation at
+    load (megagrpo.config.rules), not when the config is built."""
+    num_workers: int = 4
+    """Worker processes scoring responses in parallel (math_verify, python)."""
+    timeout_s: float = 5.0
+    """Deadline of one response's scoring from when a worker starts it; past it the response scores 0 and
+    the worker is killed and replaced (math_verify, python)."""
+    format_reward: float = 0.0
+    """math_verify: reward of a wrong answer given in a complete final \\boxed{} (a correct one scores 1,
+    no box 0); in [0, 1), 0 disables it."""
+
+    def __post_init__(self) -> None:
+        positive(self, "num_workers")
+        check(self, "timeout_s", math.isfinite(self.timeout_s) and self.timeout_s > 0, "finite and > 0")
+        check(self, "format_reward", 0 <= self.format_reward < 1, "in [0, 1)")
+        require(
+            self.format_reward == 0 or self.kind == "math_verify",
+            ("format_reward", "kind"),
+            "format_reward applies to kind 'math_verify' only",
+        )
+        if self.kind != "python":
+            require(self.function is None, ("function", "kind"), "function is used with kind 'python' only")
+            return
+        require(self.function is not None, ("function", "kind"), "kind 'python' needs a function")
+
+
+@dataclass(kw_only=True, frozen=True)
+class EvalConfig:
+    """pass@k evaluation (``megagrpo eval``) and the sampled part of GRPO's validation (megagrpo.evaluate)."""
+
+    path: str | None = None
+    """Problems to evaluate (.jsonl, .json or .parquet with data.prompt_key / data.answer_key); null:
+    data.val_path."""
+    num_problems: int = 0
+    """Evaluate the first this many problems; 0: all of them."""
+    num_samples: int = 16
+    """Samples per problem (n): pass@1 is averaged over them, pass@k reported for k = 1, 2, 4, ... n."""
+    temperature: float = 0.6
+    """Sampling temperature (DeepScaleR's AIME protocol: 0.6)."""
+    top_p: float = 0.95
+    """Nucleus sampling mass (DeepScaleR's AIME protocol: 0.95)."""
+    max_new_tokens: int | None = None
+    """Response budget; null: generation.max_new_tokens."""
+    seed: int = 0
+    """Sampling seed (per problem, so results do not depend on batching)."""
+    val_samples: int = 0
+    """GRPO validation: also sample this many responses per validation prompt with the settings above
+    and log val/pass@k (k = 1, 2, 4, ...); 0: only the greedy val/accuracy."""
+
+    def __post_init__(self) -> None:
+        check(self, "num_problems", self.num_problems >= 0, ">= 0 (0: all)")
+        positive(self, "num_samples")
+        check(self, "temperature", self.temperature > 0, "> 0")
+        check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        check(self, "max_new_tokens", self.max_new_tokens is None or self.max_new_tokens >= 1, ">= 1 or null")
+        check(self, "val_samples", self.val_samples >= 0, ">= 0")

@@ -1,0 +1,237 @@
+"""The trainers' sections: ``policy`` (optimizer and batching, every trainer), ``grpo``, ``sft``, ``dpo``
+and ``warmup``.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from megagrpo.config.errors import check, positive, require
+
+__all__ = [
+    "DPOConfig",
+    "GRPOConfig",
+    "PolicyConfig",
+    "SFTConfig",
+    "WarmupConfig",
+]
+
+
+@dataclass(kw_only=True, frozen=True)
+class PolicyConfig:
+    """Optimizer and batching of the policy update."""
+
+    lr: float = 1e-6
+    """Peak learning rate (Adam)."""
+    min_lr: float = 0.0
+    """Final learning rate of the cosine schedule."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam denominator epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up length in optimizer steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: hold lr, or decay it to min_lr over all optimizer steps of the run."""
+    sequence_packing: Literal["auto", "off"] = "auto"
+    """"auto": with the torch or Transformer Engine layers (and CP 1), a micro-batch's sequences are laid
+    end to end in one row (THD, no padding; the attention keeps them apart); "off", or with the local
+    layers: right-padded [batch, seq] micro-batches."""
+    micro_batch_max_tokens: int = 8192
+    """Token budget of one packed micro-batch (forward/backward); must fit one model.seq_length sequence."""
+    mini_batch_size: int = 64
+    """Sequences per optimizer step; must divide grpo.num_prompts_per_step * grpo.num_generations."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk when turning logits into log-probs, bounding the float32 vocab-sized buffer."""
+    recompute: Literal["none", "core_attention", "full"] = "none"
+    """Activation recompute in the backward pass: "core_attention" keeps q/k/v and recomputes the
+    attention (Megatron's selective recompute; needed for long sequences on the local, unfused
+    attention, little to gain with the fused ones), "full" keeps only each group of
+    recompute_num_layers layers' input."""
+    recompute_num_layers: int = 1
+    """With recompute "full": layers per recomputed group (uniform split of each pipeline stage)."""
+
+    def __post_init__(self) -> None:
+        check(self, "lr", self.lr > 0, "> 0")
+        require(0 <= self.min_lr <= self.lr, ("min_lr", "lr"), f"need 0 <= min_lr <= lr, got {self.min_lr}")
+        check(self, "weight_decay", self.weight_decay >= 0, ">= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            check(self, name, 0 <= getattr(self, name) < 1, "in [0, 1)")
+        check(self, "adam_eps", self.adam_eps > 0, "> 0")
+        check(self, "clip_grad", self.clip_grad >= 0, ">= 0 (0 disables)")
+        check(self, "lr_warmup_steps", self.lr_warmup_steps >= 0, ">= 0")
+        positive(self, "micro_batch_max_tokens", "mini_batch_size", "logprob_chunk_size")
+        positive(self, "recompute_num_layers")
+
+
+@dataclass(kw_only=True, frozen=True)
+class GRPOConfig:
+    """The algorithm: group sampling, advantages and the clipped surrogate loss (whose knobs are checked
+    here, once: ``megagrpo.algorithms.grpo.LossConfig`` takes them as given)."""
+
+    num_prompts_per_step: int = 32
+    """Prompts sampled per step."""
+    num_generations: int = 8
+    """Responses per prompt (the group size); >= 2 so that a group has a baseline."""
+    num_steps: int = 100
+    """Rollout-and-update steps in the run."""
+    clip_eps_low: float = 0.2
+    """PPO clip below: ratios under 1 - clip_eps_low are clipped; in (0, 1)."""
+    clip_eps_high: float = 0.2
+    """PPO clip above: ratios over 1 + clip_eps_high are clipped (DAPO's clip-higher sets 0.28); in (0, 1)."""
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1 on the loss of negative-advantage tokens; null disables it."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy; 0 needs no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman): k1 = log-ratio, k2 = squared log-ratio / 2, k3 = low-variance, >= 0."""
+    kl_clamp: float = 10.0
+    """The per-token KL estimate is clamped to [-kl_clamp, kl_clamp] (k2/k3 are >= 0); finite, > 0."""
+    loss_agg: Literal["token", "sequence"] = "token"
+    """Average the loss over all tokens of the mini-batch (DAPO), or per sequence then over sequences."""
+    baseline: Literal["mean", "leave_one_out"] = "mean"
+    """Advantage baseline: mean = the group's mean reward (GRPO; Dr. GRPO without std normalization);
+    leave_one_out = the mean of the other G - 1 rewards (RLOO: G/(G-1) x the group-mean advantage)."""
+    normalize_adv_std: bool = True
+    """Divide advantages by the group's reward std (GRPO); false with baseline mean: Dr. GRPO's advantage."""
+    filter_zero_variance_groups: bool = False
+    """Drop groups whose rewards are all equal (their advantages are zero) before the update."""
+    overlong_policy: Literal["none", "mask", "soft_penalty"] = "none"
+    """Truncated responses (finish reason "length"): train on them as is; mask = DAPO's overlong filtering
+    (removed from the loss: its sum, token count and KL term); soft_penalty = DAPO's soft length penalty."""
+    overlong_buffer_tokens: int = 0
+    """soft_penalty: the penalty ramps from 0 to overlong_penalty over the last this-many allowed tokens."""
+    overlong_penalty: float = 1.0
+    """soft_penalty: reward subtracted from a response that reaches max_new_tokens."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap (>= 1) on the trainer/engine probability ratio; null disables it."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """Above tis_cap: weight the token by the cap, or drop it from the loss."""
+    max_staleness: int = 0
+    """Overlap generation with training: engines generate the next step's rollouts while the trainer
+    trains on the current ones, and a rollout is trained on at most this many policy versions after the
+    one that generated it (weights reach the engines between batches, every max_staleness steps at
+    least). 0: the sequential loop (generate, train, sync)."""
+    seed: int = 0
+    """Seed for prompt order and anything random in the trainer."""
+
+    def __post_init__(self) -> None:
+        positive(self, "num_prompts_per_step", "num_steps")
+        check(self, "num_generations", self.num_generations >= 2, ">= 2 (a group needs a baseline)")
+        for name in ("clip_eps_low", "clip_eps_high"):
+            check(self, name, 0 < getattr(self, name) < 1, "in (0, 1)")
+        check(self, "dual_clip", self.dual_clip is None or self.dual_clip > 1, "> 1 or null")
+        check(self, "kl_coef", math.isfinite(self.kl_coef) and self.kl_coef >= 0, "finite and >= 0")
+        check(self, "kl_clamp", math.isfinite(self.kl_clamp) and self.kl_clamp > 0, "finite and > 0")
+        check(self, "overlong_buffer_tokens", self.overlong_buffer_tokens >= 0, ">= 0")
+        require(
+            self.overlong_policy != "soft_penalty" or self.overlong_buffer_tokens >= 1,
+            ("overlong_buffer_tokens", "overlong_policy"),
+            "overlong_policy 'soft_penalty' needs overlong_buffer_tokens >= 1",
+        )
+        check(self, "overlong_penalty", self.overlong_penalty >= 0, ">= 0")
+        check(self, "tis_cap", self.tis_cap is None or self.tis_cap >= 1, ">= 1 or null")
+        check(self, "max_staleness", self.max_staleness >= 0, ">= 0")
+        require(
+            self.max_staleness <= self.num_steps,
+            ("max_staleness", "num_steps"),
+            f"max_staleness {self.max_staleness} is larger than the run's {self.num_steps} steps",
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class SFTConfig:
+    """Supervised fine-tuning (``megagrpo sft``): masked next-token loss on assistant tokens; the optimizer,
+    LR schedule and micro-batch budget come from ``policy``."""
+
+    num_steps: int = 100
+    """Optimizer steps of the run."""
+    batch_size: int = 64
+    """Sequences per optimizer step (all data-parallel ranks together)."""
+    val_every: int = 0
+    """Validation loss every this many steps (and at the end); 0: only at the start and the end."""
+    num_val_examples: int = 64
+    """Validation examples (the first ones of data.val_path, or drawn from synthetic_task); 0 disables."""
+    seed: int = 0
+    """Seed of the data order and the model's initialisation."""
+
+    def __post_init__(self) -> None:
+        positive(self, "num_steps", "batch_size")
+        check(self, "val_every", self.val_every >= 0, ">= 0")
+        check(self, "num_val_examples", self.num_val_examples >= 0, ">= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DPOConfig:
+    """Direct preference optimisation (``megagrpo dpo``) against the frozen initial policy; the optimizer,
+    LR schedule and micro-batch budget come from ``policy``."""
+
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO (Rafailov et al. 2023) with label smoothing (conservative DPO); ipo: IPO (Azar et al.)."""
+    beta: float = 0.1
+    """DPO's KL weight beta (sigmoid), or IPO's regularisation tau (the target margin is 1 / (2 tau))."""
+    label_smoothing: float = 0.0
+    """sigmoid only: assumed probability that a pair's preference label is flipped, in [0, 0.5)."""
+    length_normalize: bool = False
+    """Use each response's mean token logprob instead of its sum (policy and reference alike)."""
+    nll_weight: float = 0.0
+    """Weight of the chosen response's mean token NLL added to each pair's loss (Iterative RPO's NLL term);
+    0: the plain DPO / IPO loss."""
+    num_steps: int = 100
+    """Optimizer steps of the run."""
+    batch_size: int = 32
+    """Preference pairs per optimizer step (all data-parallel ranks together)."""
+    val_every: int = 0
+    """Validation (loss, accuracy, margins on the validation pairs) every this many steps (and at the
+    end); 0: only at the start and the end."""
+    num_val_pairs: int = 64
+    """Validation pairs (the first ones of data.val_path, or sampled for synthetic_task); 0 disables."""
+    num_synthetic_pairs: int = 512
+    """synthetic_task only: training pairs sampled from the initial policy before training."""
+    synthetic_samples: int = 8
+    """synthetic_task only: answers sampled per prompt (temperature 1) to find a wrong and a right one."""
+    seed: int = 0
+    """Seed of the data order and of the synthetic pairs' sampling."""
+
+    def __post_init__(self) -> None:
+        check(self, "beta", math.isfinite(self.beta) and self.beta > 0, "finite and > 0")
+        check(self, "label_smoothing", 0 <= self.label_smoothing < 0.5, "in [0, 0.5)")
+        require(
+            self.label_smoothing == 0 or self.loss == "sigmoid",
+            ("label_smoothing", "loss"),
+            "label_smoothing applies to the sigmoid loss only",
+        )
+        check(self, "nll_weight", math.isfinite(self.nll_weight) and self.nll_weight >= 0, "finite and >= 0")
+        positive(self, "num_steps", "batch_size", "num_synthetic_pairs")
+        check(self, "synthetic_samples", self.synthetic_samples >= 2, ">= 2")
+        check(self, "val_every", self.val_every >= 0, ">= 0")
+        check(self, "num_val_pairs", self.num_val_pairs >= 0, ">= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class WarmupConfig:
+    """Supervised warm-up on the synthetic task, so a random tiny model has a reward signal for GRPO
+    (``megagrpo train`` and ``megagrpo dpo`` warm a tiny model up; ``megagrpo warmup`` runs it alone)."""
+
+    steps: int = 0
+    """Optimizer steps of supervised training before GRPO or DPO on a tiny model; 0 still runs a one-step
+    warm-up, only to save the (nearly random) model where the policy ranks and vLLM load it from."""
+    lr: float = 3e-3
+    """Peak learning rate of the warm-up (linear warm-up over the first 10% of steps, then constant)."""
+    batch_size: int = 64
+    """Sequences per warm-up optimizer step."""
+    num_eval_prompts: int = 64
+    """Held-out prompts scored by greedy exact match after the warm-up."""
+    seed: int = 0
+    """Seed of the warm-up's data stream (disjoint from the GRPO prompts)."""
+
+    def __post_init__(self) -> None:
+        check(self, "steps", self.steps >= 0, ">= 0")
+        check(self, "lr", self.lr > 0, "> 0")
+        positive(self, "batch_size", "num_eval_prompts")
