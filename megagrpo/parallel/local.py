@@ -43,6 +43,11 @@ def _rank_main(
 ) -> None:
     # A hung collective shows up as every rank's stack on stderr just before the parent gives up.
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 2.0), exit=False)
+    # These ranks are a world of their own, also when spawned by a torchrun rank (the HF export at the
+    # end of `megagrpo sft`): with torchrun's agent-store flag inherited, the env:// rendezvous would
+    # wait as a client for a store server that nobody starts at this port.
+    for key in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID"):
+        os.environ.pop(key, None)
     os.environ.update(_rank_env(rank, world_size, port))
     try:
         # Plain pickle (bytes), not torch's shared-memory tensor passing: the rank exits right
