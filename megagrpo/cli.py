@@ -6,15 +6,15 @@ Subcommands that belong to work not yet landed say so and exit with status 2; no
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
-import os
 import sys
-import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
+from megagrpo.compat.process_exit import exit_without_teardown
+from megagrpo.compat.upstream_warnings import silence_in_this_program
+
 _NOT_YET: dict[str, str] = {}
+RESUME_HELP = "resume from the latest complete checkpoint (the same as checkpoint.resume=true)"
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -56,17 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="run GRPO: vLLM rollouts, rewards, Megatron updates, weight sync")
     _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
+    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
 
     p = sub.add_parser(
         "sft", help="supervised fine-tuning on chat/instruction data (loss on assistant tokens only)"
     )
     _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
+    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
 
     p = sub.add_parser("dpo", help="preference optimisation (DPO / IPO) against the frozen initial policy")
     _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
+    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
 
     p = sub.add_parser(
         "eval",
@@ -131,14 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace):
     from megagrpo.config import load_config
 
+    # --resume is the command line's spelling of checkpoint.resume: one switch.
+    resume = ["checkpoint.resume=true"] if getattr(args, "resume", False) else []
     # Validated for the command's trainer: `plan` plans a GRPO run; sft/dpo/warmup configs need no GRPO keys.
     trainer = {"train": "grpo", "plan": "grpo"}.get(args.command, args.command)
-    return load_config(args.config, args.overrides, trainer=trainer)
+    return load_config(args.config, [*args.overrides, *resume], trainer=trainer)
 
 
 def _plan(args: argparse.Namespace) -> int:
     from megagrpo.plan import make_plan, read_shape, render
-    from megagrpo.runs import resolve_init_from
+    from megagrpo.trainers.checkpoints import resolve_init_from
 
     cfg = _load(args)
     if args.hf_config is None:
@@ -188,7 +190,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _warmup(args: argparse.Namespace) -> int:
-    from megagrpo.warmup import run_warmup
+    from megagrpo.trainers.warmup import run_warmup
 
     cfg = _load(args)
     par = cfg.parallel
@@ -213,20 +215,26 @@ def _warmup(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    from megagrpo.sft import run_sft
+    from megagrpo.trainers.sft import run_sft
 
     cfg = _load(args)
-    res = run_sft(cfg, resume=args.resume)
+    try:
+        res = run_sft(cfg)
+    except KeyboardInterrupt:
+        return 130
     if res is not None:
         _print_validation("sft", res.first, res.last)
     return 0
 
 
 def _dpo(args: argparse.Namespace) -> int:
-    from megagrpo.dpo import run_dpo
+    from megagrpo.trainers.dpo import run_dpo
 
     cfg = _load(args)
-    res = run_dpo(cfg, resume=args.resume)
+    try:
+        res = run_dpo(cfg)
+    except KeyboardInterrupt:
+        return 130
     if res is not None:
         _print_validation("dpo", res.first, res.last)
     return 0
@@ -243,12 +251,12 @@ def _print_validation(command: str, first: dict, last: dict) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from megagrpo.ckpt.run import CheckpointWriteError
-    from megagrpo.cluster import FAULT_EXIT, RunFault
-    from megagrpo.driver import train
+    from megagrpo.runtime.faults import FAULT_EXIT, RunFault
+    from megagrpo.trainers.grpo import train
 
     cfg = _load(args)
     try:
-        train(cfg, resume=args.resume)
+        train(cfg)
     except KeyboardInterrupt:
         return 130
     except RunFault as err:
@@ -296,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(argv: Sequence[str] | None = None) -> NoReturn:
     """The ``megagrpo`` program: run one command, then end the process."""
+    silence_in_this_program()  # other libraries' non-actionable warnings, here and in its workers
     args = build_parser().parse_args(argv)
     code = _dispatch(args)
     if args.command in _NO_TEARDOWN:
@@ -306,26 +315,6 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
 # Commands whose process has nothing left to do when they return: an export's files are written,
 # synced and renamed into place, and what it leaves behind is only memory.
 _NO_TEARDOWN = {"export"}
-
-
-def exit_without_teardown(code: int) -> NoReturn:
-    """End a finished command-line process without the interpreter's teardown.
-
-    After a conversion, that teardown (a full garbage collection over the ~300K objects torch and
-    Megatron create, then every module's objects freed one by one) takes ~0.5 s on two cores, an
-    eighth of a 3 GB conversion, and does nothing its output needs. The ``atexit`` handlers still
-    run and the standard streams are flushed. A process with a non-daemon thread still running
-    exits normally (teardown waits for that thread).
-    """
-    main_thread = threading.main_thread()
-    if any(t is not main_thread and not t.daemon and t.is_alive() for t in threading.enumerate()):
-        sys.exit(code)
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        # A closed pipe or stream: nothing more can reach it.
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

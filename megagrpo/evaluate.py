@@ -17,6 +17,7 @@ atomically and shows a progress bar; the driver calls :func:`evaluate` on its ow
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -142,18 +143,6 @@ def evaluate(
 # ----------------------------------------------------------------------------------- megagrpo eval
 
 
-class _NoSync:
-    """An evaluation's engines load their weights from disk: there is nothing to send after a restart."""
-
-    backend, total_bytes = "none", 0
-
-    def sync(self) -> None:
-        pass
-
-    def probe(self) -> None:
-        return None
-
-
 def _loaded_engine_class():
     from megagrpo.generation.worker import GenerationWorker
 
@@ -171,7 +160,7 @@ def model_dir_for_eval(path: Path, out_dir: Path) -> Path:
     checkpoint (a run's latest verified one, or ``path`` itself when it is one, verified against its
     manifest) exported to ``out_dir/hf``."""
     from megagrpo.ckpt import manifest
-    from megagrpo.runs import export_final, run_result
+    from megagrpo.trainers.checkpoints import export_final, run_result
 
     if (path / manifest.MANIFEST_NAME).is_file() or (path / "driver_state.json").is_file():
         nbytes = manifest.verify(path)
@@ -192,9 +181,10 @@ def run_eval(cfg, model_dir: str | Path, out_dir: str | Path, *, samples: int | 
     import ray
 
     from megagrpo.ckpt.durable import atomic_write
-    from megagrpo.cluster import EnginePool, shutdown_ray, start_engines, start_ray
     from megagrpo.data.prompts import eval_prompts
     from megagrpo.rewards import RewardScorer
+    from megagrpo.runtime.engines import EnginePool
+    from megagrpo.runtime.ray_session import shutdown_ray, start_ray
 
     ev = cfg.eval
     n = samples or ev.num_samples
@@ -210,14 +200,11 @@ def run_eval(cfg, model_dir: str | Path, out_dir: str | Path, *, samples: int | 
     start_ray(cfg.cluster, cfg=cfg)
     engine_cls = _loaded_engine_class()
     try:
-        engines = EnginePool(
-            cfg,
-            start=lambda indices: start_engines(cfg, str(model_dir), engine_cls=engine_cls, indices=indices),
-            connect=lambda actors: _NoSync(),
-        )
+        # No policy: the engines load their weights from model_dir, a replacement too.
+        engines = EnginePool.start(cfg, str(model_dir), engine_cls=engine_cls)
         with _ProgressBar(len(prompts), cfg.logging.progress_bar) as advance:
             report = evaluate(
-                engines.generate,
+                functools.partial(engines.generate, step=0),  # one "step": restarts count over the whole eval
                 prompts,
                 settings,
                 scorer,

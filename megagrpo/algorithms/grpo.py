@@ -244,12 +244,7 @@ def grpo_loss(
     loss_BT = torch.where(valid_BT, loss_BT, zero_BT)
 
     tokens_B = valid_BT.sum(dim=1)
-    if cfg.loss_agg == "token":
-        loss_sum, count = loss_BT.sum(), tokens_B.sum()
-    else:
-        # A sequence without valid tokens has a zero sum; clamping its divisor keeps it at 0 and out of count.
-        loss_sum, count = (loss_BT.sum(dim=1) / tokens_B.clamp(min=1)).sum(), (tokens_B > 0).sum()
-
+    loss_sum, count = aggregate(loss_BT, tokens_B, cfg.loss_agg)
     adv_BT = adv_B1.expand_as(ratio_BT)
     metrics |= {
         "tokens": _sum(valid_BT, valid_BT),
@@ -265,6 +260,16 @@ def grpo_loss(
     if entropy is not None:
         metrics["entropy_sum"] = _sum(clean(entropy), valid_BT)
     return LossOutput(loss_sum=loss_sum, count=count.to(torch.int64), metrics=metrics)
+
+
+def aggregate(loss_BT: Tensor, tokens_B: Tensor, loss_agg: str) -> tuple[Tensor, Tensor]:
+    """(loss sum, count) of a micro-batch whose masked positions are 0 in ``loss_BT``: per token
+    (``token``: every valid token counts once) or per sequence (``sequence``: each sequence's token mean
+    counts once). The loss is the sum over the global batch divided by the global count."""
+    if loss_agg == "token":
+        return loss_BT.sum(), tokens_B.sum()
+    # A sequence without valid tokens has a zero sum; clamping its divisor keeps it at 0 and out of count.
+    return (loss_BT.sum(dim=1) / tokens_B.clamp(min=1)).sum(), (tokens_B > 0).sum()
 
 
 def _sum(x_BT: Tensor, valid_BT: Tensor) -> Tensor:

@@ -69,7 +69,6 @@ def build_engine(
     ``recompute`` is ``policy.recompute``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     transformer_impl = resolve_transformer_impl(transformer_impl, check_available=True)
     sizes = ctx.sizes
@@ -109,6 +108,20 @@ def build_engine(
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
 
+    return TrainEngine(
+        ctx=ctx,
+        shape=shape,
+        config=config,
+        model=[ddp],
+        optimizer=megatron_optimizer(opt, dtype, ddp, ctx),
+        transformer_impl=transformer_impl,
+    )
+
+
+def megatron_optimizer(opt: OptimizerSettings, dtype: torch.dtype, ddp, ctx: ParallelContext):
+    """Megatron's Adam over the DDP-wrapped model (distributed over DP ranks when configured)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=opt.lr,
@@ -125,17 +138,7 @@ def build_engine(
     )
     # Megatron refuses gloo side groups when it is handed a pg_collection (found on the H200, where
     # the backend is NCCL); the distributed optimizer then gathers its state over the NCCL groups.
-    optimizer = get_megatron_optimizer(
-        opt_config, [ddp], use_gloo_process_groups=False, pg_collection=ctx.pgs
-    )
-    return TrainEngine(
-        ctx=ctx,
-        shape=shape,
-        config=config,
-        model=[ddp],
-        optimizer=optimizer,
-        transformer_impl=transformer_impl,
-    )
+    return get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False, pg_collection=ctx.pgs)
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:

@@ -3,6 +3,7 @@ and resumed logs the same next steps as the run that went straight through; outp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -40,12 +41,14 @@ def _run_three_ways(run, cfg_for, tmp_path: Path) -> tuple[dict, dict, Path]:
     on_disk = {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"}
     assert listed == on_disk and any(name.endswith(".distcp") for name in listed)
     manifest.verify(ckpt)
-    res = run(cfg_for(tmp_path / "b", steps=4, export=True), resume=True)
+    resumed = cfg_for(tmp_path / "b", steps=4, export=True)
+    resumed = dataclasses.replace(resumed, checkpoint=dataclasses.replace(resumed.checkpoint, resume=True))
+    res = run(resumed)
     return want, _metrics(Path(res.run_dir)), Path(res.run_dir)
 
 
 def test_sft_resume_reproduces_the_next_steps(tmp_path):
-    from megagrpo.sft import run_sft
+    from megagrpo.trainers.sft import run_sft
 
     rows = [
         {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
@@ -95,7 +98,7 @@ def test_sft_resume_reproduces_the_next_steps(tmp_path):
 
 
 def test_dpo_resume_reproduces_the_next_steps(tmp_path):
-    from megagrpo.dpo import run_dpo
+    from megagrpo.trainers.dpo import run_dpo
 
     hf = make_tiny_hf("qwen2", tmp_path / "model", hidden_size=64)
     char_tokenizer().save_pretrained(str(hf))

@@ -23,7 +23,7 @@ class Reference:
 def undisturbed(tmp_path_factory) -> Reference:
     """4 steps of the tiny config (``_grpo_runs.run_overrides``), nothing disturbed."""
     from megagrpo.config import load_config
-    from megagrpo.driver import train
+    from megagrpo.trainers.grpo import train
 
     root = tmp_path_factory.mktemp("grpo")
     run_dir = train(load_config(None, run_overrides(root, "reference", root / "ckpt_ref")))

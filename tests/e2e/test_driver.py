@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_resume_reproduces_the_uninterrupted_run(undisturbed, tmp_path):
-    from megagrpo.driver import train
+    from megagrpo.trainers.grpo import train
 
     want = undisturbed.metrics
     assert sorted(want) == [0, 1, 2, 3, 4]
@@ -29,7 +29,8 @@ def test_resume_reproduces_the_uninterrupted_run(undisturbed, tmp_path):
     reuse_warmup(root, "stopped")
     train(load_config(None, run_overrides(root, "stopped", ckpt, steps=2)))
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_1", "step_2"]
-    run_dir = train(load_config(None, run_overrides(root, "stopped", ckpt, steps=4)), resume=True)
+    resumed = [*run_overrides(root, "stopped", ckpt, steps=4), "checkpoint.resume=true"]
+    run_dir = train(load_config(None, resumed))
     got = metrics(run_dir)
     assert sorted(got) == [0, 1, 2, 3, 4]  # resumed metrics continue the same file
     assert_same_steps(got, want, (3, 4))
@@ -40,7 +41,7 @@ def test_config_errors_stop_before_any_actor(tmp_path):
     import ray
 
     from megagrpo.data.errors import DataError
-    from megagrpo.driver import train
+    from megagrpo.trainers.grpo import train
 
     cfg = load_config(
         None,
@@ -88,11 +89,12 @@ def test_ctrl_c_finishes_the_step_saves_and_shuts_down(tmp_path):
     )
     metrics = tmp_path / "runs" / "tiny-cpu" / "metrics.jsonl"
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-            break
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None, proc.stdout.read()
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"fewer than 2 steps logged in 600 s:\n{proc.communicate()[0]}")
         time.sleep(0.5)
-    assert proc.poll() is None, proc.stdout.read()
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, out

@@ -33,7 +33,7 @@ _LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 def _session_of(pid: int) -> Path:
     """The Ray session directory a megagrpo driver ``pid`` started (its marker names it)."""
-    from megagrpo.local_ray import MARKER
+    from megagrpo.runtime.watchdog import MARKER
 
     for marker in Path("/tmp/ray").glob(f"session_*/{MARKER}"):
         if json.loads(marker.read_text())["pid"] == pid:
@@ -82,14 +82,14 @@ class EngineKiller(threading.Thread):
             self.error = err
 
     def _run(self) -> None:
-        from megagrpo import cluster
-        from megagrpo.local_ray import session_processes
+        from megagrpo.runtime.ray_session import local_session_dir
+        from megagrpo.runtime.watchdog import session_processes
 
         def logged() -> bool:
             return self.metrics.is_file() and self.after_step in metrics(self.metrics.parent)
 
         _wait_until(logged, 900, f"step {self.after_step} to be logged", poll_s=0.2)
-        session = cluster._local_session[0]
+        session = local_session_dir()
         pids = session_processes(session)
         self.listening = _listening_addresses([*pids, os.getpid()])
         engines = [p for p in pids if _cmdline(p).startswith("ray::GenerationWorker")]
@@ -135,7 +135,7 @@ def test_killed_engine_is_replaced_and_the_run_matches_an_undisturbed_one(
     undisturbed, small_filesystem, capsys
 ):
     from megagrpo.ckpt import run as ckpt_io
-    from megagrpo.driver import train
+    from megagrpo.trainers.grpo import train
 
     root, want = undisturbed.root, undisturbed.metrics
     mount, mounted = small_filesystem
@@ -172,8 +172,8 @@ def test_killed_engine_is_replaced_and_the_run_matches_an_undisturbed_one(
 
 def test_kill_9_during_checkpoint_write_and_training_then_resume(undisturbed, tmp_path, capsys):
     from megagrpo.ckpt import run as ckpt_io
-    from megagrpo.driver import train
-    from megagrpo.local_ray import session_processes
+    from megagrpo.runtime.watchdog import session_processes
+    from megagrpo.trainers.grpo import train
 
     root, want = undisturbed.root, undisturbed.metrics
     ckpt = tmp_path / "ckpt"
@@ -211,7 +211,7 @@ def test_kill_9_during_checkpoint_write_and_training_then_resume(undisturbed, tm
     with shard.open("r+b") as fh:
         fh.truncate(100)
     capsys.readouterr()
-    run_dir = train(load_config(None, overrides), resume=True)
+    run_dir = train(load_config(None, [*overrides, "checkpoint.resume=true"]))
     out = capsys.readouterr().out
     assert f"step_2/megatron/__0_0.distcp: size 100 bytes, manifest.json says {full}" in out
     assert "falling back to step_1, the newest checkpoint that verifies" in out

@@ -9,10 +9,9 @@ TP=2 Megatron over gloo, one vLLM CPU engine):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
-import threading
-import time
 
 import pytest
 from _grpo_runs import DETERMINISTIC, metrics, reuse_warmup, run_overrides
@@ -23,14 +22,18 @@ from megagrpo.config import load_config
 pytestmark = pytest.mark.e2e
 
 
+def _with_resume(cfg):
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
+
+
 def _overlapped(root, name, ckpt, steps=4, extra=()):
     return load_config(
         None, run_overrides(root, name, ckpt, steps=steps, extra=["grpo.max_staleness=1", *extra])
     )
 
 
-def test_one_step_off_policy_versions_and_resume(undisturbed, tmp_path, capsys):
-    from megagrpo.driver import train
+def test_one_step_off_policy_versions_and_resume(undisturbed, tmp_path, capsys, monkeypatch):
+    from megagrpo.trainers.grpo import train
 
     root = undisturbed.root
     reuse_warmup(root, "overlap")
@@ -51,37 +54,38 @@ def test_one_step_off_policy_versions_and_resume(undisturbed, tmp_path, capsys):
     # generated ahead is saved, and --resume continues exactly as the run that was not stopped.
     reuse_warmup(root, "overlap_resumed")
     cfg = _overlapped(root, "overlap_resumed", tmp_path / "ckpt_b")
-    interrupt = threading.Thread(
-        target=_interrupt_once_logged, args=(root / "runs" / "overlap_resumed" / "metrics.jsonl", 2)
-    )
-    interrupt.start()
+    _interrupt_once_logged(monkeypatch, step=2)
     with pytest.raises(KeyboardInterrupt):
         train(cfg)
-    interrupt.join()
     stopped = max(metrics(root / "runs" / "overlap_resumed"))
     assert stopped < 4
     capsys.readouterr()
-    got = metrics(train(cfg, resume=True))
+    got = metrics(train(_with_resume(cfg)))
     assert f"with the rollouts of step {stopped + 1} generated ahead" in capsys.readouterr().out
     for step in range(stopped + 1, 5):
         for key in (*DETERMINISTIC, "staleness/generator_version"):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-9), (step, key)
 
 
-def _interrupt_once_logged(path, step: int) -> None:
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        lines = path.read_text().splitlines() if path.is_file() else []
-        if any(line.startswith(f'{{"step": {step},') for line in lines):
+def _interrupt_once_logged(monkeypatch, step: int) -> None:
+    """Ctrl-C right after the metrics of ``step`` are written, at that point of the run whatever the
+    machine's load (a thread watching the file could see it steps later)."""
+    from megagrpo.metrics import MetricsLogger
+
+    log = MetricsLogger.log
+
+    def log_then_interrupt(self, logged_step, *args, **kwargs):
+        log(self, logged_step, *args, **kwargs)
+        if logged_step == step:
             os.kill(os.getpid(), signal.SIGINT)  # the driver's handler runs in the main thread
-            return
-        time.sleep(0.05)
+
+    monkeypatch.setattr(MetricsLogger, "log", log_then_interrupt)
 
 
 def test_engine_killed_while_generating_ahead_stops_the_run(undisturbed, tmp_path):
     from megagrpo.ckpt import run as ckpt_io
-    from megagrpo.cluster import EngineFailure
-    from megagrpo.driver import train
+    from megagrpo.runtime.faults import EngineFailure
+    from megagrpo.trainers.grpo import train
 
     root = undisturbed.root
     reuse_warmup(root, "overlap_killed")

@@ -24,7 +24,7 @@ def twin(tmp_path_factory) -> Path:
     """A root holding the made model's run (``cpu-twin-model``, as cpu_twin_model.yaml makes it, with
     fewer steps and every solution boxed, so that 40 steps make a model whose answers sometimes
     score) and the data (``train.parquet``, ``val.jsonl``); made once per session."""
-    from megagrpo.sft import run_sft
+    from megagrpo.trainers.sft import run_sft
 
     root = tmp_path_factory.mktemp("twin")
     write_math_dataset(root / "train.parquet", math_records(200, seed=1))
@@ -75,7 +75,7 @@ def _weights(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_stage_2_starts_from_stage_1s_result(twin):
-    from megagrpo.driver import train
+    from megagrpo.trainers.grpo import train
 
     made = twin / "cpu-twin-model"
     # The 40-step model's rollouts of these prompts at temperature 0.6 include right and wrong answers,

@@ -83,7 +83,7 @@ def test_weight_sync_follows_the_trainer_backend(monkeypatch):
 def test_the_weight_sync_and_the_driver_use_this_choice():
     import inspect
 
-    from megagrpo import driver
+    from megagrpo.trainers import grpo as driver
     from megagrpo.weight_sync import sync
 
     assert sync.weight_sync_backend is backends.weight_sync_backend

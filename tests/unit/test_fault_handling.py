@@ -20,6 +20,8 @@ from megagrpo.ckpt import manifest
 from megagrpo.ckpt import run as ckpt
 from megagrpo.ckpt.manifest import CheckpointCorrupt, DigestCollector, FileDigest
 from megagrpo.config import ConfigError, load_config
+from megagrpo.policy.worker import PolicyWorker
+from megagrpo.trainers.run import Trained
 
 pytestmark = pytest.mark.unit
 
@@ -201,22 +203,34 @@ class FakePolicy:
         (Path(path) / "megatron" / "__0_0.distcp").write_bytes(b"w" * 1000)
         return [{}, {}]
 
+    # The rest of the rank-group surface, as the Ray group has it (the controller is this process).
+    is_controller = True
+
+    def barrier(self):
+        pass
+
+    def gather_to_controller(self, value):
+        return [value]
+
+    def from_controller(self, make):
+        return make()
+
 
 @pytest.mark.parametrize("on_error", ["stop", "continue"])
 def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one_latest(on_error, tmp_path, capsys):
-    from megagrpo import driver
+    from megagrpo.trainers.checkpoints import save_checkpoint
 
     cfg = load_config(None, [f"checkpoint.dir={tmp_path}", f"checkpoint.on_error={on_error}"])
     policy = FakePolicy()
-    first = driver.save_checkpoint(cfg, policy, 1, 64)
+    first = save_checkpoint(cfg, policy, PolicyWorker.save, 1, 64)
     manifest.verify(first)
     policy.full = True
     if on_error == "stop":
         with pytest.raises(ckpt.CheckpointWriteError) as err:
-            driver.save_checkpoint(cfg, policy, 2, 128)
+            save_checkpoint(cfg, policy, PolicyWorker.save, 2, 128)
         message = str(err.value)
     else:
-        assert driver.save_checkpoint(cfg, policy, 2, 128) is None
+        assert save_checkpoint(cfg, policy, PolicyWorker.save, 2, 128) is None
         message = capsys.readouterr().out
     assert f"checkpoint step_2 could not be written to {tmp_path}: " in message
     assert "No space left on device" in message
@@ -226,21 +240,21 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one_latest(on_er
 
 
 def test_an_unwritable_checkpoint_directory_stops_the_run_with_a_clear_message(tmp_path):
-    from megagrpo import driver
+    from megagrpo.trainers.checkpoints import save_checkpoint
 
     (tmp_path / "file").write_text("not a directory")
     cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'file' / 'ckpt'}"])
     with pytest.raises(
         ckpt.CheckpointWriteError, match=r"checkpoint step_1 could not be written to .*Not a directory"
     ):
-        driver.save_checkpoint(cfg, FakePolicy(), 1, 64)
+        save_checkpoint(cfg, FakePolicy(), PolicyWorker.save, 1, 64)
 
 
 # -------------------------------------------------------------------------------- engine restarts
 
 
 def test_restart_budget_counts_within_its_window():
-    from megagrpo.cluster import RestartBudget
+    from megagrpo.runtime.engines import RestartBudget
 
     budget = RestartBudget(2, window_steps=10)
     assert budget.take(1) and budget.take(5)
@@ -276,10 +290,43 @@ class FakeSync:
         return SimpleNamespace(error=1.0)
 
 
+class ReadyPolicy:
+    """The policy group as the pool uses it: waited for (``ready``) before the sync groups form."""
+
+    def __init__(self):
+        self.waited = 0
+
+    def ready(self):
+        self.waited += 1
+        return self
+
+
+def fake_engines(monkeypatch, log: list, started: list):
+    """``runtime.engines`` with fake engines (``started``, in start order; a replacement is numbered by
+    how many started before it) and a fake weight sync logging into ``log``."""
+    from megagrpo.runtime import engines
+
+    def start_engines(cfg, model_dir, *, policy=None, engine_cls=None, indices=None, timeout_s=600.0):
+        indices = range(cfg.generation.num_engines) if indices is None else indices
+        new = [FakeEngine(i, len(started)) for i in indices]
+        started.extend(new)
+        log.append(("start", list(indices)))
+        return new
+
+    def wait_for_engines(actors, timeout_s=600.0):
+        log.append(("wait", [a.index for a in actors]))
+        return actors
+
+    monkeypatch.setattr(engines, "start_engines", start_engines)
+    monkeypatch.setattr(engines, "wait_for_engines", wait_for_engines)
+    monkeypatch.setattr(engines, "WeightSync", lambda cfg, policy, actors, vocab_size: FakeSync(actors, log))
+    return engines
+
+
 def test_a_failed_engine_is_replaced_resynced_and_asked_again(monkeypatch, capsys):
     import ray
 
-    from megagrpo.cluster import EngineFailure, EnginePool
+    from megagrpo.runtime.faults import EngineFailure
 
     def get(ref, timeout):
         engine, answer = ref
@@ -291,33 +338,102 @@ def test_a_failed_engine_is_replaced_resynced_and_asked_again(monkeypatch, capsy
     monkeypatch.setattr(ray, "kill", lambda actor, no_restart: None)
     cfg = load_config(None, ["generation.num_engines=2", "generation.max_engine_restarts=1"])
     log, started = [], []
-
-    def start(indices):
-        engines = [FakeEngine(i, len(started)) for i in indices]
-        started.extend(engines)
-        return engines
-
-    pool = EnginePool(cfg, start=start, connect=lambda actors: FakeSync(actors, log))
+    engines = fake_engines(monkeypatch, log, started)
+    policy = ReadyPolicy()
+    pool = engines.EnginePool.start(cfg, "model", policy)
     pool.actors[1].dies = True
     shares = {0: ([[1], [2]], None, [7, 8]), 1: ([[3]], None, [9])}
-    got = pool.call("generate", shares, 5.0)
+    got = pool.call("generate", shares, 5.0, step=3)
     # Engine 1's share, asked again of its replacement (started after the first two) with its seeds.
     assert got == {0: [(0, 0, [1], 7), (0, 0, [2], 8)], 1: [(1, 2, [3], 9)]}
     assert started[2].calls == [([[3]], [9])]
-    assert log == [("connect", [(0, 0), (1, 0)]), ("connect", [(0, 0), (1, 2)]), ("sync",), ("probe",)]
+    assert log == [
+        ("start", [0, 1]),
+        ("connect", [(0, 0), (1, 0)]),
+        ("start", [1]),
+        ("connect", [(0, 0), (1, 2)]),
+        ("sync",),
+        ("probe",),
+    ]
+    assert policy.waited == 2  # before each connect
+    assert [index for index, _ in pool.restarts] == [1]
     assert "vLLM engine 1 failed" in capsys.readouterr().out
-    # One failure more than max_engine_restarts allows: an EngineFailure naming the engine.
+    # Not restartable (engines generating ahead while the trainer changes the weights): an EngineFailure
+    # at once, the budget untouched.
     pool.actors[0].dies = True
+    with pytest.raises(EngineFailure, match=r"vLLM engine 0 failed while generating the next step"):
+        pool.call("generate", shares, 5.0, step=4, restartable=False)
+    # One failure more than max_engine_restarts allows (within the window of steps): an EngineFailure
+    # naming the engine.
     with pytest.raises(
         EngineFailure, match=r"vLLM engine 0 failed after 1 engine restart\(s\) within 100 steps"
     ):
-        pool.call("generate", shares, 5.0)
+        pool.call("generate", shares, 5.0, step=102)
+
+
+def test_restarts_count_in_the_steps_the_caller_names(monkeypatch):
+    import ray
+
+    def get(ref, timeout):
+        engine, answer = ref
+        if engine.dies:
+            raise ray.exceptions.ActorDiedError()
+        return answer
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: None)
+    overrides = ["generation.max_engine_restarts=1", "generation.engine_restart_window_steps=10"]
+    cfg = load_config(None, overrides)
+    log, started = [], []
+    engines = fake_engines(monkeypatch, log, started)
+    pool = engines.EnginePool.start(cfg, "model", ReadyPolicy())
+    share = {0: ([[1]], None, [5])}
+    for step in (1, 11, 21):  # one restart per window of 10 steps: each allowed
+        pool.actors[0].dies = True
+        assert pool.call("generate", share, 5.0, step=step) == {0: [(0, len(started) - 1, [1], 5)]}
+    assert len(pool.restarts) == 3
+
+
+def test_the_first_start_waits_for_launched_engines_and_replacements_start_anew(monkeypatch):
+    log, started = [], []
+    engines = fake_engines(monkeypatch, log, started)
+    cfg = load_config(None, ["generation.num_engines=2"])
+    launched = [FakeEngine(0, "launched"), FakeEngine(1, "launched")]
+    pool = engines.EnginePool.start(cfg, "model", ReadyPolicy(), launched=launched)
+    assert pool.actors == launched and started == []
+    assert log == [("wait", [0, 1]), ("connect", [(0, "launched"), (1, "launched")])]
+    outcome = pool.replace(1, RuntimeError("gone"), step=1)
+    assert pool.actors[0] is launched[0] and pool.actors[1] is started[0]
+    assert log[2:] == [("start", [1]), ("connect", [(0, "launched"), (1, 0)]), ("sync",), ("probe",)]
+    assert outcome.probe.error == 1.0 and outcome.probe_s >= 0.0
+
+
+def test_a_sync_returns_its_probe_and_how_long_the_probe_took(monkeypatch):
+    log, started = [], []
+    engines = fake_engines(monkeypatch, log, started)
+    pool = engines.EnginePool.start(load_config(None, []), "model", ReadyPolicy())
+    outcome = pool.sync_weights(step=1)
+    assert isinstance(outcome, engines.SyncOutcome)
+    assert outcome.probe.error == 1.0 and outcome.probe_s >= 0.0
+    assert log[-2:] == [("sync",), ("probe",)]
+
+
+def test_engines_without_a_policy_have_no_weight_sync(monkeypatch):
+    import ray
+
+    log, started = [], []
+    engines = fake_engines(monkeypatch, log, started)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: None)
+    pool = engines.EnginePool.start(load_config(None, []), "model")  # megagrpo eval: weights from disk
+    assert log == [("start", [0])]
+    assert pool.replace(0, RuntimeError("gone"), step=0) is None  # restarted; nothing sent or probed
+    assert log == [("start", [0]), ("start", [0])]
+    with pytest.raises(RuntimeError, match="load their weights from disk"):
+        pool.sync_weights(step=0)
 
 
 def test_a_stuck_engine_is_killed_and_replaced(monkeypatch):
     import ray
-
-    from megagrpo.cluster import EnginePool
 
     killed = []
 
@@ -329,30 +445,38 @@ def test_a_stuck_engine_is_killed_and_replaced(monkeypatch):
 
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor))
-    cfg = load_config(None, [])
     started = []
-
-    def start(indices):
-        started.extend(FakeEngine(i, len(started)) for i in indices)
-        return started[-len(indices) :]
-
-    pool = EnginePool(cfg, start=start, connect=lambda actors: FakeSync(actors, []))
+    engines = fake_engines(monkeypatch, [], started)
+    pool = engines.EnginePool.start(load_config(None, []), "model", ReadyPolicy())
     stuck = pool.actors[0]
     stuck.dies = True
-    assert pool.call("generate", {0: ([[5]], None, [3])}, 1.0) == {0: [(0, 1, [5], 3)]}
+    assert pool.call("generate", {0: ([[5]], None, [3])}, 1.0, step=1) == {0: [(0, 1, [5], 3)]}
     assert killed == [stuck] and pool.actors[0] is started[1]
 
 
+class TrainedSoFar:
+    """The trainer surface the skeleton's checkpoints read: what the policy holds."""
+
+    save_method = PolicyWorker.save
+
+    def __init__(self, step, position):
+        self.now = Trained(step, position)
+
+    def trained(self):
+        return self.now
+
+    def checkpoint_files(self):
+        return None
+
+
 def test_engines_failing_past_their_restarts_checkpoint_what_was_trained(tmp_path):
-    from megagrpo import driver
-    from megagrpo.cluster import EngineFailure
+    from megagrpo.runtime.faults import EngineFailure
+    from megagrpo.trainers.run import engine_failures_checkpointed
 
     cfg = load_config(None, [f"checkpoint.dir={tmp_path}"])
-    with (
-        pytest.raises(EngineFailure) as err,
-        driver.checkpoint_if_engines_fail(cfg, FakePolicy(), 4, 64) as trained,
-    ):
-        trained.update(5, 80)
+    trainer = TrainedSoFar(4, 64)
+    with pytest.raises(EngineFailure) as err, engine_failures_checkpointed(cfg, FakePolicy(), trainer):
+        trainer.now = Trained(5, 80)
         raise EngineFailure("vLLM engine 0 failed after 2 engine restart(s); last error: gone", 0)
     assert str(err.value).endswith(f"; saved {tmp_path / 'step_5'}, continue with --resume")
     state = ckpt.load_driver_state(tmp_path / "step_5")
@@ -364,7 +488,7 @@ def test_engines_failing_past_their_restarts_checkpoint_what_was_trained(tmp_pat
 
 
 def test_sweep_stops_the_processes_of_a_session_whose_driver_is_gone(tmp_path):
-    from megagrpo import local_ray
+    from megagrpo.runtime import watchdog
 
     orphan_dir, live_dir = tmp_path / "session_a", tmp_path / "session_b"
     holders = {}
@@ -376,14 +500,14 @@ def test_sweep_stops_the_processes_of_a_session_whose_driver_is_gone(tmp_path):
             stdout=log.open("w"),
             start_new_session=True,
         )
-        started = local_ray.start_time(owner)
+        started = watchdog.start_time(owner)
         marker = {"pid": owner, "start_time": started}
-        (session / local_ray.MARKER).write_text(json.dumps(marker))
+        (session / watchdog.MARKER).write_text(json.dumps(marker))
     try:
-        assert holders[orphan_dir].pid in local_ray.session_processes(orphan_dir)
-        assert local_ray.sweep_orphans(tmp_path) == ["session_a"]
+        assert holders[orphan_dir].pid in watchdog.session_processes(orphan_dir)
+        assert watchdog.sweep_orphans(tmp_path) == ["session_a"]
         assert holders[orphan_dir].wait(timeout=10) == -signal.SIGTERM
-        assert not (orphan_dir / local_ray.MARKER).exists()
+        assert not (orphan_dir / watchdog.MARKER).exists()
         assert holders[live_dir].poll() is None  # its driver (this process) is alive
     finally:
         for proc in holders.values():
@@ -474,11 +598,13 @@ def test_ray_head_takes_the_supervisor_option(tmp_path):
 
 
 def test_train_exits_75_on_a_fault(monkeypatch, capsys):
-    from megagrpo import cli, cluster, driver
+    from megagrpo import cli
+    from megagrpo.runtime.faults import FAULT_EXIT, RankFailure
+    from megagrpo.trainers import grpo
 
-    def fail(cfg, resume):
-        raise cluster.RankFailure("policy rank 1 on 127.0.0.1 (pid 5) died: boom")
+    def fail(cfg):
+        raise RankFailure("policy rank 1 on 127.0.0.1 (pid 5) died: boom")
 
-    monkeypatch.setattr(driver, "train", fail)
-    assert cli.main(["train"]) == cluster.FAULT_EXIT == 75
+    monkeypatch.setattr(grpo, "train", fail)
+    assert cli.main(["train"]) == FAULT_EXIT == 75
     assert "megagrpo train: stopped: policy rank 1 on 127.0.0.1 (pid 5) died" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import yaml
 
 from megagrpo.ckpt import run as ckpt_io
 from megagrpo.config import ConfigError, load_config
-from megagrpo.runs import resolve_init_from
+from megagrpo.trainers.checkpoints import resolve_init_from
 
 pytestmark = pytest.mark.unit
 

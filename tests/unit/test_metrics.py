@@ -238,7 +238,7 @@ def test_wandb_requested_but_missing_is_a_config_error(monkeypatch):
     import sys
 
     from megagrpo.config import ConfigError, load_config
-    from megagrpo.runs import wandb_settings
+    from megagrpo.trainers.run import wandb_settings
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if the package were not installed
     with pytest.raises(ConfigError, match=r"logging\.wandb.*pip install 'megagrpo\[wandb\]'"):

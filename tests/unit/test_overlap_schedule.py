@@ -1,53 +1,92 @@
-"""Overlapped generation (``grpo.max_staleness``): when weights go to the engines, the staleness
-metrics, the rollouts saved ahead in a checkpoint, and the config checks."""
+"""Overlapped generation (``grpo.max_staleness``): the schedule of generate / train / sync
+(``megagrpo.trainers.overlap.RolloutSchedule``, driven here as ``GRPOSteps.step`` drives it), the
+staleness metrics, the rollouts saved ahead in a checkpoint, and the config checks."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
 from megagrpo.config import ConfigError, load_config
 from megagrpo.data.prompts import Prompt
-from megagrpo.driver import Pending, Rollouts, needs_sync, staleness_metrics
+from megagrpo.trainers.overlap import RolloutSchedule
+from megagrpo.trainers.rollouts import Pending, Rollouts, staleness_metrics
 from megagrpo.types import Completion
 
 pytestmark = pytest.mark.unit
 
 
-def _cfg(k: int, steps: int = 10):
-    return load_config(None, [f"grpo.max_staleness={k}", f"grpo.num_steps={steps}"])
+class Engines:
+    """``produce`` as the schedule calls it: records which step was generated from which policy version,
+    whether a failing engine could have been restarted, and in which thread."""
+
+    def __init__(self):
+        self.calls: dict[int, tuple[int, bool, str]] = {}
+
+    def produce(self, step: int, position: int, version: int, restartable: bool) -> Pending:
+        self.calls[step] = (version, restartable, threading.current_thread().name)
+        rollouts = Rollouts([Prompt([position], "1")], [Completion(0, [1], [-0.1], "stop")], torch.ones(1))
+        return Pending(rollouts, position + 1, 0, version, 0.0)
 
 
-def _engine_versions(k: int, steps: int, forced=frozenset()) -> list[int]:
-    """The version the engines hold when each step's rollouts are generated (step 1 from version 0,
-    step s + 1 during step s: as the driver runs them)."""
-    cfg, engine = _cfg(k, steps), 0
-    generated = {1: 0}
-    for step in range(1, steps + 1):
-        if k and step < steps:
-            generated[step + 1] = engine  # generated while step trains
-        if needs_sync(cfg, step, engine, step in forced):
-            engine = step
-        if not k and step < steps:
-            generated[step + 1] = engine
-    return [generated[s] for s in range(1, steps + 1)]
+def _run(k: int, steps: int, forced=frozenset()) -> tuple[Engines, list[int], list[int]]:
+    """(the engines' record, the version each step's rollouts came from, the steps that synced): the
+    schedule driven step by step, as GRPOSteps.step drives it."""
+    engines, trained_from, synced = Engines(), [], []
+    schedule = RolloutSchedule(engines.produce, max_staleness=k, num_steps=steps, engine_version=0)
+    position = 0
+    try:
+        for step in range(1, steps + 1):
+            current, _ = schedule.rollouts_for(step, position)
+            position = current.position
+            schedule.start_ahead(step, position)
+            trained_from.append(current.version)  # ... the step trains here ...
+            schedule.wait_ahead()
+            if schedule.needs_sync(step, step in forced):
+                schedule.synced(step)
+                synced.append(step)
+    finally:
+        schedule.close()
+    return engines, trained_from, synced
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
 def test_staleness_never_exceeds_k_and_reaches_it(k):
     steps = 12
-    versions = _engine_versions(k, steps)
+    _, versions, _ = _run(k, steps)
     staleness = [(s - 1) - v for s, v in zip(range(1, steps + 1), versions, strict=True)]
     assert max(staleness) == k and min(staleness) == 0 and all(x >= 0 for x in staleness)
     if k == 1:  # every step after the first trains on rollouts exactly one version old
         assert staleness == [0] + [1] * (steps - 1)
 
 
-def test_sequential_loop_syncs_every_step_and_forced_syncs_happen():
-    assert all(needs_sync(_cfg(0), step, step - 1, False) for step in range(1, 6))
-    cfg = _cfg(3)
-    assert not needs_sync(cfg, 2, 1, False)
-    assert needs_sync(cfg, 2, 1, True)  # validation / checkpoint see the trained weights
+def test_sequential_loop_generates_in_the_step_and_syncs_every_step():
+    engines, versions, synced = _run(0, 5)
+    assert versions == [0, 1, 2, 3, 4] and synced == [1, 2, 3, 4, 5]
+    assert all(
+        restartable and thread == threading.current_thread().name
+        for _, restartable, thread in engines.calls.values()
+    )
+
+
+def test_overlapped_rollouts_come_from_the_generation_thread_without_restarts():
+    engines, _, _ = _run(1, 4)
+    assert sorted(engines.calls) == [1, 2, 3, 4]  # nothing generated for a step after the last
+    first_version, first_restartable, first_thread = engines.calls[1]
+    assert first_version == 0
+    assert first_restartable and first_thread == threading.current_thread().name
+    for step in (2, 3, 4):
+        _, restartable, thread = engines.calls[step]
+        assert not restartable and thread.startswith("rollouts-ahead")
+
+
+def test_forced_syncs_happen_and_only_they_with_a_large_k():
+    _, _, synced = _run(3, 8)
+    assert synced == [3, 6]  # the engines' version may lag step + 1 by 3: version 0 < 3 + 1 - 3 at step 3
+    _, _, synced = _run(3, 8, forced={2, 5})
+    assert synced == [2, 5, 8]  # validation / checkpoint see the trained weights; the lag restarts there
 
 
 def test_staleness_metrics():

@@ -186,7 +186,8 @@ def test_equal_tp_every_trainer_rank_feeds_one_engine_rank_with_half_the_bytes()
 def test_path_is_chosen_in_one_place_and_printed_at_start():
     import inspect
 
-    from megagrpo import driver, plan
+    from megagrpo import plan
+    from megagrpo.trainers import grpo as driver
     from megagrpo.weight_sync import sync, trainer
 
     # the controller asks the trainer's first rank, which calls shards.choose_path; plan calls it too

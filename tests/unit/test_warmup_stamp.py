@@ -3,7 +3,7 @@
 import pytest
 
 from megagrpo.config import load_config
-from megagrpo.warmup import warmup_stamp
+from megagrpo.trainers.warmup import warmup_stamp
 
 pytestmark = pytest.mark.unit
 

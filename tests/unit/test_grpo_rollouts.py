@@ -1,70 +1,21 @@
 """Driver step helpers that run without Ray actors or engines (fakes stand in for them)."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from megagrpo import driver
 from megagrpo.algorithms.grpo import LossConfig, grpo_loss, overlong_penalty
-from megagrpo.cluster import EnginePool
 from megagrpo.config import load_config
 from megagrpo.data.prompts import Prompt
-from megagrpo.generation.worker import Completion, SamplingSettings
+from megagrpo.generation.worker import Completion
 from megagrpo.rewards import RewardScorer
+from megagrpo.trainers import rollouts as rollouts_io
 
 pytestmark = pytest.mark.unit
-
-
-class FakeEngine:
-    """An engine handle whose ``generate.remote`` returns the completions themselves, not a ref."""
-
-    def __init__(self):
-        self.generate = SimpleNamespace(remote=self._generate)
-
-    @staticmethod
-    def _generate(prompts, settings, seeds):
-        return [Completion(i, list(p), [0.0] * len(p), "stop") for i, p in enumerate(prompts)]
-
-
-def test_rollouts_are_awaited_for_generation_timeout_s(monkeypatch):
-    waited = []
-
-    def get(ref, timeout):
-        waited.append(timeout)
-        return ref
-
-    monkeypatch.setattr(driver.ray, "get", get)
-    cfg = load_config(
-        None, ["generation.timeout_s=42", "generation.sync_timeout_s=5", "generation.num_engines=2"]
-    )
-    prompts = [SimpleNamespace(token_ids=[i]) for i in range(3)]
-    engines = EnginePool(
-        cfg, start=lambda indices: [FakeEngine() for _ in indices], connect=lambda actors: None
-    )
-    out = driver.generate(cfg, engines, prompts, SamplingSettings(max_tokens=4), [0] * 3)
-    assert waited == [42.0, 42.0]  # one wait per engine, no longer tied to sync_timeout_s
-    assert [(c.prompt_index, c.token_ids) for c in out] == [(0, [0]), (1, [1]), (2, [2])]
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Dynamic sampling, reward counts, overlong filtering and the soft overlong penalty
 # ------------------------------------------------------------------------------------------------------------
-
-
-class GroupEngine:
-    """``settings.n`` completions per prompt: completion j of prompt [k] is the tokens [k, j]."""
-
-    def __init__(self):
-        self.generate = SimpleNamespace(remote=self._generate)
-
-    @staticmethod
-    def _generate(prompts, settings, seeds):
-        return [
-            Completion(i, [p[0], j], [0.0, 0.0], "stop")
-            for i, p in enumerate(prompts)
-            for j in range(settings.n)
-        ]
 
 
 class OddPromptsVary:
@@ -87,21 +38,26 @@ class OddPromptsVary:
 STEP_OF_4x2 = ["grpo.num_prompts_per_step=4", "grpo.num_generations=2", "policy.mini_batch_size=8"]
 
 
-def _group_run(monkeypatch, overrides, source, scorer_cfg=None):
-    monkeypatch.setattr(driver.ray, "get", lambda ref, timeout: ref)
+def group_generate(prompts, settings, seeds):
+    """``settings.n`` completions per prompt: completion j of prompt [k] is the tokens [k, j]."""
+    return [
+        Completion(i, [p.token_ids[0], j], [0.0, 0.0], "stop")
+        for i, p in enumerate(prompts)
+        for j in range(settings.n)
+    ]
+
+
+def _group_run(overrides, source, scorer_cfg=None):
     cfg = load_config(None, [*STEP_OF_4x2, *overrides])
-    engines = EnginePool(cfg, start=lambda indices: [GroupEngine() for _ in indices], connect=lambda a: None)
     scorer = RewardScorer(scorer_cfg or cfg.reward)
     try:
-        return driver.generate_groups(cfg, engines, source, scorer, position=0, step=1)
+        return rollouts_io.generate_groups(cfg, group_generate, source, scorer, position=0)
     finally:
         scorer.close()
 
 
-def test_dynamic_sampling_replaces_flat_groups_with_fresh_prompts(monkeypatch):
-    rollouts, position, filtered = _group_run(
-        monkeypatch, ["grpo.filter_zero_variance_groups=true"], OddPromptsVary()
-    )
+def test_dynamic_sampling_replaces_flat_groups_with_fresh_prompts():
+    rollouts, position, filtered = _group_run(["grpo.filter_zero_variance_groups=true"], OddPromptsVary())
     # round 1: prompts 0-3 (0, 2 flat); round 2: 4, 5 (4 flat); round 3: 6 (flat); round 4: 7
     assert [p.token_ids[0] for p in rollouts.prompts] == [1, 3, 5, 7]
     assert (position, filtered) == (8, 4)
@@ -109,16 +65,14 @@ def test_dynamic_sampling_replaces_flat_groups_with_fresh_prompts(monkeypatch):
     assert [c.token_ids[0] for c in rollouts.completions] == [1, 1, 3, 3, 5, 5, 7, 7]
 
 
-def test_dynamic_sampling_fills_up_with_flat_groups_after_three_extra_rounds(monkeypatch):
+def test_dynamic_sampling_fills_up_with_flat_groups_after_three_extra_rounds():
     all_wrong = OddPromptsVary({(k, 0): "0" for k in range(100)})
-    rollouts, position, filtered = _group_run(
-        monkeypatch, ["grpo.filter_zero_variance_groups=true"], all_wrong
-    )
+    rollouts, position, filtered = _group_run(["grpo.filter_zero_variance_groups=true"], all_wrong)
     assert (position, filtered) == (16, 16)  # 4 rounds of 4 prompts, every group flat
     assert [p.token_ids[0] for p in rollouts.prompts] == [12, 13, 14, 15]  # the last round's
     assert rollouts.rewards.tolist() == [0.0] * 8
     # without dynamic sampling one round is all there is
-    rollouts, position, filtered = _group_run(monkeypatch, [], OddPromptsVary())
+    rollouts, position, filtered = _group_run([], OddPromptsVary())
     assert ([p.token_ids[0] for p in rollouts.prompts], position, filtered) == ([0, 1, 2, 3], 4, 0)
 
 
@@ -134,17 +88,17 @@ def reward(response, answer):
 """
 
 
-def test_reward_timeouts_and_errors_reach_the_step_metrics(monkeypatch, tmp_path):
+def test_reward_timeouts_and_errors_reach_the_step_metrics(tmp_path):
     path = tmp_path / "reward.py"
     path.write_text(USER_REWARD)
     keys = [f"reward.function={path}:reward", "reward.num_workers=2", "reward.timeout_s=2.5"]
     reward = load_config(None, ["reward.kind=python", *keys]).reward
     source = OddPromptsVary({(1, 0): "hang", (2, 1): "raise", (3, 1): "raise"})
-    rollouts, _, _ = _group_run(monkeypatch, [], source, reward)
+    rollouts, _, _ = _group_run([], source, reward)
     assert (rollouts.reward_timeouts, rollouts.reward_errors) == (1, 2)
     assert rollouts.rewards.tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
     cfg = load_config(None, STEP_OF_4x2)
-    metrics = driver.step_metrics(cfg, rollouts, None, {}, 1.0, 0)
+    metrics = rollouts_io.step_metrics(cfg, rollouts, None, {}, 1.0, 0)
     assert (metrics["reward/timeouts"], metrics["reward/errors"]) == (1, 2)
 
 
@@ -155,15 +109,15 @@ def _rollouts(lengths, finish, rewards, g=2):
         Completion(i % g, [5 + i] * n, [-0.5] * n, reason)
         for i, (n, reason) in enumerate(zip(lengths, finish, strict=True))
     ]
-    return driver.Rollouts(prompts, comps, torch.tensor(rewards))
+    return rollouts_io.Rollouts(prompts, comps, torch.tensor(rewards))
 
 
 def test_overlong_filtering_removes_truncated_responses_from_the_whole_loss():
     base = ["grpo.num_prompts_per_step=2", "grpo.num_generations=2", "policy.mini_batch_size=4"]
     base.append("grpo.baseline=mean")
     rollouts = _rollouts([3, 8, 8, 2], ["stop", "length", "length", "stop"], [1.0, 0.0, 0.0, 1.0])
-    masked = driver.to_train_batch(load_config(None, [*base, "grpo.overlong_policy=mask"]), rollouts)
-    plain = driver.to_train_batch(load_config(None, base), rollouts)
+    masked = rollouts_io.to_train_batch(load_config(None, [*base, "grpo.overlong_policy=mask"]), rollouts)
+    plain = rollouts_io.to_train_batch(load_config(None, base), rollouts)
     assert masked.in_loss.tolist() == [True, False, False, True]
     # the truncated responses still count in their group's baseline: the advantages are unchanged
     torch.testing.assert_close(masked.advantages, plain.advantages)
@@ -213,7 +167,7 @@ def test_soft_overlong_penalty_by_hand():
         ],
     )
     rollouts = _rollouts([3, 8, 6, 4], ["stop", "length", "stop", "stop"], [1.0, 1.0, 1.0, 1.0])
-    batch = driver.to_train_batch(cfg, rollouts)
+    batch = rollouts_io.to_train_batch(cfg, rollouts)
     # shaped rewards: [1, 0] and [1 - 0.5, 1]: group-mean advantages +-0.5 and -+0.25
     assert batch.advantages.tolist() == [0.5, -0.5, -0.25, 0.25]
     assert batch.in_loss is None

@@ -17,9 +17,10 @@ The synthetic task's pairs (``data.train_path: null``): for each problem, ``dpo.
 are sampled (temperature 1) from the initial policy; a problem with a wrong answer gives a pair whose chosen
 response is a right sample (or the reference answer when none is right) and whose rejected one is the most
 frequent wrong sample. They are written to ``<run dir>/data/`` and read back like any dataset. A tiny model
-starts from its warm-up (``megagrpo.warmup``), as GRPO does.
+starts from its warm-up (``megagrpo.trainers.warmup``), as GRPO does.
 
-It runs as one process per Megatron rank (spawned locally, or under torchrun; ``megagrpo.runs``).
+It runs as one process per Megatron rank (spawned locally, or under torchrun; ``megagrpo.runtime.groups``)
+in the run skeleton every trainer shares (``megagrpo.trainers.run``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megagrpo.config import Config, ConfigError, save_config
-from megagrpo.data.arithmetic import ArithmeticTask, Problem
+from megagrpo.data.arithmetic import ArithmeticTask
 from megagrpo.data.prompts import arithmetic_val_problems
 from megagrpo.data.supervised import (
     VAL_SEED_OFFSET,
@@ -42,20 +43,10 @@ from megagrpo.data.supervised import (
 )
 from megagrpo.data.tokenizer import load_tokenizer
 from megagrpo.rewards.arithmetic import arithmetic_reward
-from megagrpo.runs import (
-    LocalGroup,
-    check_checkpoint_dir,
-    end_rank,
-    export_final,
-    metrics_logger,
-    prefixed,
-    resolve_init_from,
-    restore_checkpoint,
-    run_ranks,
-    save_checkpoint,
-    wandb_settings,
-)
-from megagrpo.sft import decode_answer, greedy_accuracy
+from megagrpo.runtime.groups import LocalGroup, RankCalls, end_rank, run_ranks
+from megagrpo.trainers.checkpoints import check_checkpoint_dir, resolve_init_from
+from megagrpo.trainers.run import Cadence, Due, Trained, prefixed, run_steps, wandb_settings
+from megagrpo.trainers.supervised import decode_answer, greedy_accuracy, restore_checkpoint
 from megagrpo.types import SequenceBatch
 
 DPO_SUMMARY = (
@@ -86,15 +77,18 @@ class DPOResult:
     skipped_rows: int
     checkpoint: str | None
     export: str | None
+    interrupted: bool = False
+    """Stopped by Ctrl-C after a finished step (``checkpoint`` continues it)."""
 
 
-def run_dpo(cfg: Config, *, resume: bool = False) -> DPOResult | None:
-    """Run DPO as configured; the controller's result (None on the other ranks under torchrun)."""
-    from megagrpo.warmup import warmed_up_model
+def run_dpo(cfg: Config) -> DPOResult | None:
+    """Run DPO as configured (resuming when ``checkpoint.resume``); the controller's result (None on the
+    other ranks under torchrun); KeyboardInterrupt once a Ctrl-C'd run has saved its checkpoint."""
+    from megagrpo.trainers.warmup import warmed_up_model
 
     run_dir = Path(cfg.logging.dir) / cfg.run_name
     cfg = resolve_init_from(cfg)  # a staged recipe's previous stage, checked before anything starts
-    check_checkpoint_dir(cfg, resume)
+    check_checkpoint_dir(cfg)
     check_layout(cfg)
     tok = load_tokenizer(cfg)
     # Datasets are read and checked before anything starts; synthetic pairs need the model first.
@@ -108,7 +102,10 @@ def run_dpo(cfg: Config, *, resume: bool = False) -> DPOResult | None:
     cfg, _ = warmed_up_model(cfg, run_dir)  # a tiny model starts from its warm-up, as in GRPO
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
-    return run_ranks(_dpo_rank, cfg, tok, source, synthetic_task, str(run_dir), resume)
+    result = run_ranks(_dpo_rank, cfg, tok, source, synthetic_task, str(run_dir))
+    if result is not None and result.interrupted:
+        raise KeyboardInterrupt
+    return result
 
 
 def check_layout(cfg: Config) -> None:
@@ -132,7 +129,7 @@ def check_layout(cfg: Config) -> None:
         )
 
 
-def _dpo_rank(rank: int, world_size: int, cfg: Config, tok, source, task, run_dir: str, resume: bool):
+def _dpo_rank(rank: int, world_size: int, cfg: Config, tok, source, task, run_dir: str):
     from megagrpo.policy.supervised import DPOWorker
 
     worker = DPOWorker(cfg)
@@ -140,104 +137,118 @@ def _dpo_rank(rank: int, world_size: int, cfg: Config, tok, source, task, run_di
         group = LocalGroup(worker)
         if source is None:
             source = synthetic_pairs(cfg, group, tok, task, Path(run_dir) / "data")
-        return train(cfg, group, tok, source, Path(run_dir), resume)
+        return train(cfg, group, tok, source, Path(run_dir))
     finally:
         end_rank()
 
 
-def train(
-    cfg: Config, group: LocalGroup, tok, source: PreferenceSource, run_dir: Path, resume: bool
-) -> DPOResult | None:
-    """The DPO loop, on every rank (``group`` calls this rank's worker; the controller logs and saves)."""
-    from megagrpo.policy.supervised import DPOWorker
-
-    dpo = cfg.dpo
-    step, _ = restore_checkpoint(cfg, group, DPOWorker.load, resume)
-    val = None
-    if source.val:
-        val = SequenceBatch.from_pairs(source.val)
-        val = val.replace(ref_logps=group.call_first(DPOWorker.reference_logps, val))
-    problems = (
-        arithmetic_val_problems(cfg) if cfg.data.train_path is None and cfg.data.num_val_prompts else []
+def train(cfg: Config, group: RankCalls, tok, source: PreferenceSource, run_dir: Path) -> DPOResult | None:
+    """The DPO run, on every rank (``group`` calls this rank's worker; the controller logs and saves)."""
+    step = restore_checkpoint(cfg, group, _worker().load)
+    steps = DPOSteps(cfg, group, tok, source, step)
+    cadence = Cadence(
+        cfg.dpo.num_steps,
+        cfg.dpo.val_every,
+        validate_last=True,
+        title="DPO",
+        summary_keys=DPO_SUMMARY,
+        panels=DPO_PANELS,
     )
-    first, last, step_time = {}, {}, 0.0
-
-    def logger():
-        return metrics_logger(
-            cfg, run_dir, dpo.num_steps, step, title="DPO", summary_keys=DPO_SUMMARY, panels=DPO_PANELS
-        )
-
-    with group.controller_only(logger) as log:
-        if step == 0:
-            first = last = validate(cfg, group, tok, val, problems)
-            if log:
-                log.log(0, first)
-        while step < dpo.num_steps:
-            step += 1
-            batch = SequenceBatch.from_pairs(source.batch(step, dpo.batch_size))
-            t0 = time.perf_counter()
-            batch = batch.replace(ref_logps=group.call_first(DPOWorker.reference_logps, batch))
-            t1 = time.perf_counter()
-            train_metrics = group.call_first(DPOWorker.train_step, batch)
-            t2 = time.perf_counter()
-            step_time += t2 - t0
-            metrics = {
-                **prefixed("train", train_metrics.as_dict()),
-                "data/skipped_rows": source.skipped_rows,
-                "timing/reference_s": t1 - t0,
-                "timing/train_s": t2 - t1,
-                "timing/step_s": t2 - t0,
-                "throughput/tokens_per_s": batch.num_tokens / (t2 - t0),
-            }
-            if step == dpo.num_steps or (dpo.val_every and step % dpo.val_every == 0):
-                last = validate(cfg, group, tok, val, problems)
-                metrics |= last
-            if log:
-                log.log(step, metrics)
-            if cfg.checkpoint.dir and cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-                save_checkpoint(cfg, group, DPOWorker.save, step, step * dpo.batch_size)
-        curves = log.write_curves() if log else None
-    final = (
-        save_checkpoint(cfg, group, DPOWorker.save, step, step * dpo.batch_size)
-        if cfg.checkpoint.dir
-        else None
-    )
+    outcome = run_steps(cfg, group, steps, run_dir, cadence, step)
     if not group.is_controller:
         return None
-    export = export_final(final, run_dir / "hf_export") if final and cfg.checkpoint.export_hf_at_end else None
-    print(f"\nrun directory: {run_dir}\n  metrics: {run_dir / 'metrics.jsonl'}\n  curves:  {curves}")
-    if export:
-        print(f"  HF export: {export}")
     return DPOResult(
         run_dir=str(run_dir),
-        steps=step,
-        first=first,
-        last=last,
-        seconds=step_time,
+        steps=outcome.steps,
+        first=steps.first,
+        last=steps.last,
+        seconds=steps.step_time,
         skipped_rows=source.skipped_rows,
-        checkpoint=str(final) if final else None,
-        export=str(export) if export else None,
+        checkpoint=str(outcome.checkpoint) if outcome.checkpoint else None,
+        export=str(outcome.export) if outcome.export else None,
+        interrupted=outcome.interrupted,
     )
 
 
-def validate(cfg: Config, group: LocalGroup, tok, val: SequenceBatch | None, problems: list[Problem]) -> dict:
-    """``val/*`` preference metrics on the validation pairs; ``val/greedy_accuracy`` on held-out problems."""
+def _worker():
     from megagrpo.policy.supervised import DPOWorker
 
-    out = {}
-    if val is not None:
-        metrics = group.call_first(DPOWorker.evaluate, val).as_dict()
-        out |= prefixed("val", {k: v for k, v in metrics.items() if k != "pairs"})
-    if problems:
-        out["val/greedy_accuracy"] = greedy_accuracy(group, DPOWorker.complete, tok, problems, cfg)
-    return out
+    return DPOWorker
+
+
+class DPOSteps:
+    """DPO's steps as the run skeleton drives them, and what the result reports of them."""
+
+    def __init__(self, cfg: Config, group: RankCalls, tok, source: PreferenceSource, step: int):
+        self.save_method = _worker().save
+        self.cfg, self.group, self.tok, self.source, self._step = cfg, group, tok, source, step
+        self.val = None
+        if source.val:
+            val = SequenceBatch.from_pairs(source.val)
+            self.val = val.replace(ref_logps=group.call_first(_worker().reference_logps, val))
+        synthetic = cfg.data.train_path is None and cfg.data.num_val_prompts
+        self.problems = arithmetic_val_problems(cfg) if synthetic else []
+        self.first: dict = {}
+        self.last: dict = {}
+        self.step_time = 0.0
+
+    def start_metrics(self) -> dict:
+        self.first = self.last = self.validate()
+        return self.first
+
+    def step(self, step: int, due: Due) -> dict:
+        worker = _worker()
+        batch = SequenceBatch.from_pairs(self.source.batch(step, self.cfg.dpo.batch_size))
+        t0 = time.perf_counter()
+        batch = batch.replace(ref_logps=self.group.call_first(worker.reference_logps, batch))
+        t1 = time.perf_counter()
+        train_metrics = self.group.call_first(worker.train_step, batch)
+        t2 = time.perf_counter()
+        self._step, self.step_time = step, self.step_time + t2 - t0
+        metrics = {
+            **prefixed("train", train_metrics.as_dict()),
+            "data/skipped_rows": self.source.skipped_rows,
+            "timing/reference_s": t1 - t0,
+            "timing/train_s": t2 - t1,
+            "timing/step_s": t2 - t0,
+            "throughput/tokens_per_s": batch.num_tokens / (t2 - t0),
+        }
+        if due.validate:
+            self.last = self.validate()
+            metrics |= self.last
+        return metrics
+
+    def validate(self) -> dict:
+        """``val/*`` preference metrics on the validation pairs; ``val/greedy_accuracy`` on held-out
+        problems."""
+        worker, out = _worker(), {}
+        if self.val is not None:
+            metrics = self.group.call_first(worker.evaluate, self.val).as_dict()
+            out |= prefixed("val", {k: v for k, v in metrics.items() if k != "pairs"})
+        if self.problems:
+            out["val/greedy_accuracy"] = greedy_accuracy(
+                self.group, worker.complete, self.tok, self.problems, self.cfg
+            )
+        return out
+
+    def trained(self) -> Trained:
+        return Trained(self._step, self._step * self.cfg.dpo.batch_size)
+
+    def checkpoint_files(self):
+        return None
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 # ------------------------------------------------------------------------------ synthetic pairs
 
 
 def synthetic_pairs(
-    cfg: Config, group: LocalGroup, tok, task: ArithmeticTask, out_dir: Path
+    cfg: Config, group: RankCalls, tok, task: ArithmeticTask, out_dir: Path
 ) -> PreferenceSource:
     """Pairs sampled from the initial policy (before a resumed run loads its checkpoint, so the same pairs
     again), written to ``out_dir/{train,val}.jsonl`` by the controller and read back by every rank."""
@@ -258,7 +269,7 @@ def synthetic_pairs(
 
 
 def _sample_pairs(
-    cfg: Config, group: LocalGroup, tok, task: ArithmeticTask, count: int, seed: int
+    cfg: Config, group: RankCalls, tok, task: ArithmeticTask, count: int, seed: int
 ) -> list[dict]:
     from megagrpo.policy.supervised import DPOWorker
 

@@ -1,4 +1,5 @@
-"""The tiny model's warm-up before GRPO: an SFT run (``megagrpo.sft``) on the synthetic arithmetic task.
+"""The tiny model's warm-up before GRPO: an SFT run (``megagrpo.trainers.sft``) on the synthetic
+arithmetic task.
 
 GRPO needs a policy that is sometimes right: a randomly initialised model never is, so every group has zero
 reward variance and no gradient. The warm-up teaches the tiny default model the answer format with a short
@@ -65,7 +66,7 @@ def warmup_config(cfg: Config) -> Config:
 def run_warmup(cfg: Config, *, ckpt: Path | None = None) -> WarmupResult | None:
     """Run the warm-up (outputs under ``<logging.dir>/<run_name>/warmup``); with ``ckpt``, save the model
     there. Returns the controller's result (None on the other ranks under torchrun)."""
-    from megagrpo.sft import run_sft
+    from megagrpo.trainers.sft import run_sft
 
     if cfg.warmup.steps <= 0:
         raise ValueError("warmup.steps is 0: nothing to run (set warmup.steps=N)")
@@ -116,7 +117,8 @@ def warmed_up_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
     if not (stamp.is_file() and stamp.read_text() == wanted):
         if cfg.warmup.steps > 0:
             res = run_warmup(cfg, ckpt=ckpt)
-            print(f"warm-up: greedy accuracy {res.accuracy_before:.1%} -> {res.accuracy_after:.1%}")
+            if res is not None:  # None on the ranks other than the controller, under torchrun
+                print(f"warm-up: greedy accuracy {res.accuracy_before:.1%} -> {res.accuracy_after:.1%}")
         else:
             run_warmup(dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, steps=1)), ckpt=ckpt)
         atomic_write(stamp, wanted)

@@ -1,0 +1,291 @@
+"""The GRPO loop: one controller process driving Megatron policy ranks and vLLM engines through Ray.
+
+    prompts -> G generations each -> rewards -> advantages -> old/reference logprobs
+            -> mini-batch optimizer steps -> weight sync + probe -> validation -> checkpoint
+
+``GRPOSteps.step`` reads top to bottom as one step of that loop; the run around it (resume, Ctrl-C,
+checkpoints, validation cadence, export) is the skeleton every trainer shares
+(``megagrpo.trainers.run``). What it adds to the GRPO paper, each chosen by config: the advantage
+baseline (``grpo.baseline``: GRPO's group mean, which without std normalization is Dr. GRPO, or RLOO's
+leave-one-out), clip-higher, dynamic sampling, overlong filtering and the soft overlong penalty (DAPO),
+truncated importance correction against the generator's logprobs, and a probe after every weight sync.
+With ``grpo.max_staleness: k >= 1`` the engines generate the next step's rollouts while the trainer
+trains on the current ones (``megagrpo.trainers.overlap``).
+Launch: ``megagrpo train --config FILE`` (local Ray), or on a cluster see ``launch/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+
+import ray
+
+from megagrpo.ckpt import run as ckpt_io
+from megagrpo.config import Config, save_config
+from megagrpo.data.prompts import PromptSource, build_source
+from megagrpo.evaluate import evaluate
+from megagrpo.policy.worker import PolicyWorker
+from megagrpo.rewards import RewardScorer
+from megagrpo.runtime.engines import EnginePool, launch_engines, placement_summary
+from megagrpo.runtime.groups import RankGroup
+from megagrpo.runtime.ray_session import shutdown_ray, start_ray
+from megagrpo.trainers.checkpoints import check_checkpoint_dir, resolve_init_from, verified_resume_point
+from megagrpo.trainers.overlap import RolloutSchedule
+from megagrpo.trainers.rollouts import (
+    Pending,
+    generate_groups,
+    mean_metrics,
+    staleness_metrics,
+    step_metrics,
+    to_train_batch,
+)
+from megagrpo.trainers.run import Cadence, Due, Trained, prefixed, run_steps, timed, wandb_settings
+from megagrpo.types import SamplingSettings, TrainBatch
+
+
+def train(cfg: Config) -> Path:
+    """Run GRPO as configured (resuming when ``checkpoint.resume``); returns the run directory. A run
+    stopped by an error leaves no Ray behind in the calling process (a later run there starts a fresh
+    one); one stopped by Ctrl-C raises KeyboardInterrupt once its checkpoint is saved."""
+    run_dir = Path(cfg.logging.dir) / cfg.run_name
+    cfg = resolve_init_from(cfg)  # a staged recipe's previous stage, checked before anything starts
+    check_checkpoint_dir(cfg)
+    resume_from = verified_resume_point(cfg)  # checked before any worker starts
+    source, scorer = build_source(cfg), RewardScorer(cfg.reward)  # validates data before any actor starts
+    try:
+        wandb_settings(cfg)  # logging.wandb without the package: a config error now, not after the actors
+        cfg, model_dir = prepare_initial_model(cfg, run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        start_ray(cfg.cluster, cfg=cfg)
+        trainer = GRPOSteps(cfg, source, scorer, model_dir, resume_from)
+    except BaseException:
+        scorer.close()
+        shutdown_ray()
+        raise
+    cadence = Cadence(cfg.grpo.num_steps, cfg.logging.val_every)
+    outcome = run_steps(cfg, trainer.policy, trainer, run_dir, cadence, trainer.start_step)
+    if outcome.interrupted:
+        raise KeyboardInterrupt
+    return run_dir
+
+
+def prepare_initial_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
+    """(config whose model is loadable by policy and vLLM, the HF directory vLLM reads): a tiny model is
+    warmed up first (or its earlier warm-up reused), see ``megagrpo.trainers.warmup.warmed_up_model``."""
+    from megagrpo.trainers.warmup import warmed_up_model
+
+    return warmed_up_model(cfg, run_dir)
+
+
+class GRPOSteps:
+    """GRPO's steps as the run skeleton drives them: the policy ranks, the engine pool, the rollout
+    schedule, and what the policy holds (for checkpoints)."""
+
+    save_method = staticmethod(PolicyWorker.save)  # the function itself: a class attribute would bind it
+
+    def __init__(self, cfg: Config, source: PromptSource, scorer, model_dir: str, resume_from: Path | None):
+        """Start the policy ranks and the engines, restore ``resume_from`` (if any) and send the policy's
+        weights to the engines. Whatever started is stopped by ``close`` (also when this fails)."""
+        self.cfg, self.source, self.scorer = cfg, source, scorer
+        self.policy, self.engines, self.schedule = None, None, None
+        try:
+            self.policy, self.engines = start_workers(cfg, model_dir)
+            print_layout(self.policy, self.engines)
+            step, position, pending = restore(self.policy, resume_from)
+            self.start_step, self._trained, self.position = step, Trained(step, position), position
+            self.initial_timings: dict = {}
+            with timed(self.initial_timings, "sync_s"):
+                self.engines.sync_weights(step=step)
+            self.schedule = RolloutSchedule(
+                self.produce,
+                max_staleness=cfg.grpo.max_staleness,
+                num_steps=cfg.grpo.num_steps,
+                engine_version=step,  # the policy version whose weights the engines hold
+                pending=pending,
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def start_metrics(self) -> dict | None:
+        if not self.cfg.logging.val_every:
+            return None
+        return {**self.validate(0), **prefixed("timing", self.initial_timings)}
+
+    def step(self, step: int, due: Due) -> dict:
+        cfg, timings, t0 = self.cfg, {}, time.perf_counter()
+        current, generated_now = self.schedule.rollouts_for(step, self.position)
+        if generated_now:
+            timings["generation_s"] = current.seconds
+            timings["reward_s"] = current.rollouts.reward_seconds  # part of generation_s
+        self.position = current.position
+        self.schedule.start_ahead(step, self.position)  # overlapped: the next step's rollouts, meanwhile
+        batch = to_train_batch(cfg, current.rollouts)
+        self.engines.set_awake(False)  # colocated: hand the GPUs to the trainer
+        batch, train_metrics = train_on(cfg, self.policy, batch, timings)
+        self._trained = Trained(step, self.position)
+        trainer_busy = timings["logprobs_s"] + timings["train_s"]
+        engine_busy = timings.get("generation_s", 0.0)
+        with timed(timings, "wait_generation_s"):
+            ahead = self.schedule.wait_ahead()
+        if ahead is None:
+            del timings["wait_generation_s"]
+        else:
+            timings["generation_ahead_s"] = engine_busy = ahead.seconds
+        probe_error = float("nan")
+        if self.schedule.needs_sync(step, due.validate or due.save):
+            with timed(timings, "sync_s"):
+                self.engines.set_awake(True)
+                synced = self.engines.sync_weights(step=step)
+            timings["probe_s"] = synced.probe_s  # part of sync_s
+            probe_error = synced.probe.error
+            self.schedule.synced(step)
+        metrics = step_metrics(cfg, current.rollouts, batch, train_metrics, probe_error, current.filtered)
+        metrics |= staleness_metrics(current.rollouts, current.version, trained_version=step - 1)
+        metrics |= self.source.counts
+        if due.validate:
+            with timed(timings, "validation_s"):
+                metrics |= self.validate(step)
+        timings["step_s"] = time.perf_counter() - t0
+        metrics |= prefixed("timing", with_idle_times(timings, engine_busy, trainer_busy))
+        metrics["throughput/tokens_per_s"] = batch.num_tokens / timings["step_s"]
+        return metrics
+
+    def produce(self, step: int, position: int, version: int, restartable: bool) -> Pending:
+        """The rollouts ``step`` trains on, generated by the engines (holding policy ``version``)."""
+        start = time.perf_counter()
+        generate = functools.partial(self.engines.generate, step=step, restartable=restartable)
+        rollouts, position, filtered = generate_groups(self.cfg, generate, self.source, self.scorer, position)
+        return Pending(rollouts, position, filtered, version, time.perf_counter() - start)
+
+    def validate(self, step: int) -> dict[str, float]:
+        return validate(
+            self.cfg, functools.partial(self.engines.generate, step=step), self.source, self.scorer
+        )
+
+    def trained(self) -> Trained:
+        return self._trained
+
+    def checkpoint_files(self):
+        """The rollouts generated ahead for the next step, when there are any."""
+        pending = self.schedule.pending if self.schedule else None
+        return pending.save if pending is not None else None
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Stop the generation thread, the reward workers and Ray (engines and ranks with it)."""
+        if self.schedule is not None:
+            self.schedule.close()
+        self.scorer.close()
+        shutdown_ray()
+
+
+# --------------------------------------------------------------------------------------- set-up
+
+
+def start_workers(cfg: Config, model_dir: str) -> tuple[RankGroup, EnginePool]:
+    """The policy ranks and the engine pool. The engines start while the ranks set up (before them
+    where ``starts_engines_first``), except beside them on one GPU (colocated): vLLM sizes its cache
+    from the memory free at its start."""
+    early = launch_engines(cfg, model_dir) if starts_engines_first(cfg) else None
+    policy = RankGroup(cfg, PolicyWorker, wait=cfg.generation.placement == "colocated")
+    return policy, EnginePool.start(cfg, model_dir, policy, launched=early)
+
+
+def starts_engines_first(cfg: Config) -> bool:
+    """Whether the engines are started before the policy ranks: on one node with engines of their own
+    (their start-up, vLLM's imports and set-up, is the longest: it then overlaps the ranks' own).
+    Colocated engines go into the ranks' placement group, and on several nodes the ranks' group
+    is placed first, so that the engines do not split it."""
+    return cfg.generation.placement == "disaggregated" and cfg.cluster.num_nodes == 1
+
+
+def print_layout(policy: RankGroup, engines: EnginePool) -> None:
+    """Where the ranks and engines run, their CPU threads, and the weight-sync path."""
+    sync, count = engines.sync, len(engines.actors)
+    print(f"placement: {placement_summary(policy, engines.actors)}")
+    if policy.cpu_threads[0] is not None:
+        engine_threads = sorted(set(ray.get([e.cpu_threads.remote() for e in engines.actors])))
+        print(
+            f"trainer: {'/'.join(map(str, sorted(set(policy.cpu_threads))))} CPU thread(s) per rank; "
+            f"engines: {'/'.join(map(str, engine_threads))} each"
+        )
+    print(
+        f"weight sync: {sync.backend}, {sync.path.kind} ({sync.path.reason}); {count} engine(s), "
+        f"{sync.total_bytes / 2**20:.1f} MiB sent, {max(sync.worker_bytes) / 2**20:.1f} MiB per vLLM worker"
+    )
+
+
+def restore(policy: RankGroup, checkpoint: Path | None) -> tuple[int, int, Pending | None]:
+    """(last completed step, data position, rollouts generated ahead): from ``checkpoint`` when
+    resuming, else (0, 0, None)."""
+    if checkpoint is None:
+        return 0, 0, None
+    policy.call_all(PolicyWorker.load, str(checkpoint))
+    state = ckpt_io.load_driver_state(checkpoint)
+    state.restore_rng()
+    pending = Pending.load(checkpoint)
+    ahead = f", with the rollouts of step {state.step + 1} generated ahead" if pending else ""
+    print(f"resume: continuing after step {state.step} from {checkpoint}{ahead}")
+    return state.step, state.data_position, pending
+
+
+# ----------------------------------------------------------------------------------- the step parts
+
+
+def train_on(cfg: Config, policy: RankGroup, batch: TrainBatch, timings: dict) -> tuple[TrainBatch, dict]:
+    """(the batch with its reference logprobs when the loss has a KL term, the step's mean train
+    metrics): the policy's optimizer steps on ``batch`` (old logprobs are ``train``'s own), timed
+    into ``timings`` (``logprobs_s``, ``train_s``, and ``train_rank_s`` inside the ranks)."""
+    with timed(timings, "logprobs_s"):
+        if cfg.grpo.kl_coef > 0:
+            batch = batch.replace(ref_logprobs=policy.call_first(PolicyWorker.reference_logprobs, batch))
+    with timed(timings, "train_s"):
+        metrics = mean_metrics(policy.call_first(PolicyWorker.train, batch))
+    timings["train_rank_s"] = policy.last_call_s  # inside the ranks: the rest is Ray
+    return batch, metrics
+
+
+def with_idle_times(timings: dict, engine_busy: float, trainer_busy: float) -> dict:
+    """``timings`` with each side's idle time in the step (``step_s`` less its busy time and the sync)."""
+    sync_s = timings.get("sync_s", 0.0)
+    timings["engine_idle_s"] = max(0.0, timings["step_s"] - engine_busy - sync_s)
+    timings["trainer_idle_s"] = max(0.0, timings["step_s"] - trainer_busy - sync_s)
+    return timings
+
+
+def validate(cfg: Config, generate, source: PromptSource, scorer) -> dict[str, float]:
+    """``val/accuracy``: greedy accuracy on the validation prompts (a reward >= 1 is a correct answer:
+    a format reward is partial credit, not accuracy); with ``eval.val_samples``, also ``val/pass@k`` of
+    that many samples per prompt (``megagrpo.evaluate``, as ``megagrpo eval``). ``generate``: the
+    engines' generate with the step bound."""
+    if not source.val:
+        return {"val/accuracy": float("nan")}
+    settings = dataclasses.replace(
+        SamplingSettings.from_config(cfg, stop_token_ids=source.stop_token_ids),
+        temperature=0.0,
+        n=1,
+        ignore_eos=False,  # validation answers stop where the model stops
+    )
+    comps = generate(source.val, settings, [0] * len(source.val))
+    texts = [source.decode(c.token_ids) for c in comps]
+    scores = scorer(texts, [source.val[c.prompt_index].answer for c in comps])
+    out = {"val/accuracy": sum(s >= 1.0 for s in scores) / len(comps)}
+    if cfg.eval.val_samples:
+        ev = cfg.eval
+        sampled = SamplingSettings(
+            max_tokens=ev.max_new_tokens or cfg.generation.max_new_tokens,
+            temperature=ev.temperature,
+            top_p=ev.top_p,
+            stop_token_ids=source.stop_token_ids,
+            n=ev.val_samples,
+        )
+        report = evaluate(generate, source.val, sampled, scorer, source.decode, seed=ev.seed)
+        out |= report.metrics("val")
+    return out

@@ -1,0 +1,201 @@
+"""GRPO's rollouts, from sampled groups to a training batch: generation with dynamic sampling, scoring,
+the advantages and the loss's inputs, the rollouts generated ahead of their step (``Pending``), and the
+step's rollout metrics. Functions of their inputs: the engines are reached only through the ``generate``
+callable a caller passes (``EnginePool.generate`` with the step's arguments bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megagrpo.algorithms.grpo import group_advantages, overlong_penalty, zero_variance_groups
+from megagrpo.config import Config
+from megagrpo.data.prompts import Prompt, PromptSource
+from megagrpo.types import Completion, SamplingSettings, TrainBatch, TrainMetrics
+
+Generate = Callable[[Sequence[Prompt], SamplingSettings, Sequence[int]], list[Completion]]
+"""Completions for prompts (``settings.n`` each, in prompt order) with their seeds."""
+
+
+@dataclass
+class Rollouts:
+    prompts: list[Prompt]
+    """One entry per group (prompt), G completions each."""
+    completions: list[Completion]
+    """[P * G], group after group."""
+    rewards: torch.Tensor
+    """[P * G] float32."""
+    reward_timeouts: int = 0
+    """Responses of the step (every dynamic-sampling round) whose scoring was cut at reward.timeout_s."""
+    reward_errors: int = 0
+    """Responses of the step whose scoring failed (raised, or its worker died)."""
+    reward_seconds: float = 0.0
+    """Time spent decoding and scoring them (every dynamic-sampling round; not saved with them)."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Scored rollouts produced before the step that trains them, and the policy version that
+    generated them (``grpo.max_staleness``; in the sequential loop, the step's own rollouts)."""
+
+    rollouts: Rollouts
+    position: int
+    """Data position after their prompts."""
+    filtered: int
+    """Groups dropped by dynamic sampling while producing them."""
+    version: int
+    """The policy version (GRPO steps trained) whose weights the engines held."""
+    seconds: float
+    """Time spent generating and scoring them."""
+
+    FILE = "rollouts_ahead.pt"
+
+    def save(self, directory: Path) -> None:
+        """Into a checkpoint being written (its manifest covers the file)."""
+        r = self.rollouts
+        data = {
+            "prompts": [{"token_ids": p.token_ids, "answer": p.answer} for p in r.prompts],
+            "completions": [dataclasses.asdict(c) for c in r.completions],
+            "rewards": r.rewards,
+            "reward_timeouts": r.reward_timeouts,
+            "reward_errors": r.reward_errors,
+            "position": self.position,
+            "filtered": self.filtered,
+            "version": self.version,
+            "seconds": self.seconds,
+        }
+        torch.save(data, directory / self.FILE)
+
+    @classmethod
+    def load(cls, checkpoint: Path) -> Pending | None:
+        path = checkpoint / cls.FILE
+        if not path.is_file():
+            return None
+        data = torch.load(path, weights_only=True)
+        rollouts = Rollouts(
+            [Prompt(**p) for p in data["prompts"]],
+            [Completion(**c) for c in data["completions"]],
+            data["rewards"],
+            data["reward_timeouts"],
+            data["reward_errors"],
+        )
+        return cls(rollouts, data["position"], data["filtered"], data["version"], data["seconds"])
+
+
+def staleness_metrics(rollouts: Rollouts, version: int, *, trained_version: int) -> dict[str, float]:
+    """How many policy versions older than the trained policy the step's rollouts were, and which
+    version generated them (one per batch: weights reach the engines only between batches)."""
+    staleness = trained_version - version
+    tokens = sum(len(c.token_ids) for c in rollouts.completions)
+    return {
+        "staleness/generator_version": float(version),
+        "staleness/mean": float(staleness),
+        "staleness/max": float(staleness),
+        "staleness/off_policy_token_frac": 1.0 if staleness > 0 and tokens else 0.0,
+    }
+
+
+def generate_groups(cfg: Config, generate: Generate, source: PromptSource, scorer, position: int):
+    """``num_prompts_per_step`` groups of G scored completions; with dynamic sampling, groups whose
+    rewards are all equal are replaced by fresh prompts (up to 3 extra rounds)."""
+    g, want = cfg.grpo.num_generations, cfg.grpo.num_prompts_per_step
+    settings = SamplingSettings.from_config(cfg, stop_token_ids=source.stop_token_ids, n=g)
+    kept_prompts, kept_comps, kept_rewards, filtered = [], [], [], 0
+    timeouts = errors = 0
+    reward_seconds = 0.0
+    for _ in range(4 if cfg.grpo.filter_zero_variance_groups else 1):
+        need = want - len(kept_prompts)
+        prompts = source.batch(position, need)
+        seeds = [cfg.generation.seed * 1_000_003 + position + i for i in range(need)]
+        position += need
+        comps = generate(prompts, settings, seeds)
+        scoring = time.perf_counter()
+        texts = [source.decode(c.token_ids) for c in comps]
+        scored = scorer.score(texts, [prompts[c.prompt_index].answer for c in comps])
+        reward_seconds += time.perf_counter() - scoring
+        rewards = torch.tensor(scored.scores, dtype=torch.float32)
+        timeouts, errors = timeouts + scored.timeouts, errors + scored.errors
+        flat = (
+            zero_variance_groups(rewards, g)
+            if cfg.grpo.filter_zero_variance_groups
+            else torch.zeros(need, dtype=torch.bool)
+        )
+        for p in range(need):
+            if not flat[p]:
+                kept_prompts.append(prompts[p])
+                kept_comps += comps[p * g : (p + 1) * g]
+                kept_rewards.append(rewards[p * g : (p + 1) * g])
+        filtered += int(flat.sum())
+        if len(kept_prompts) == want:
+            break
+        last = (prompts, comps, rewards, flat)
+    else:
+        # Not enough groups with signal: fill up with flat ones (zero advantage, still valid data).
+        prompts, comps, rewards, flat = last
+        for p in torch.nonzero(flat).flatten().tolist()[: want - len(kept_prompts)]:
+            kept_prompts.append(prompts[p])
+            kept_comps += comps[p * g : (p + 1) * g]
+            kept_rewards.append(rewards[p * g : (p + 1) * g])
+    rollouts = Rollouts(kept_prompts, kept_comps, torch.cat(kept_rewards), timeouts, errors, reward_seconds)
+    return rollouts, position, filtered
+
+
+def to_train_batch(cfg: Config, rollouts: Rollouts) -> TrainBatch:
+    """Prompt + response sequences with advantages and the generator's logprobs aligned to positions."""
+    grpo, g = cfg.grpo, cfg.grpo.num_generations
+    rewards = rollouts.rewards.clone()
+    lengths = torch.tensor([len(c.token_ids) for c in rollouts.completions])
+    truncated = torch.tensor([c.finish_reason == "length" for c in rollouts.completions])
+    if grpo.overlong_policy == "soft_penalty":
+        rewards += overlong_penalty(
+            lengths, cfg.generation.max_new_tokens, grpo.overlong_buffer_tokens, grpo.overlong_penalty
+        )
+    advantages = group_advantages(rewards, g, baseline=grpo.baseline, normalize_std=grpo.normalize_adv_std)
+    # DAPO's overlong filtering: truncated responses leave the loss (sum, token count, KL), not only their
+    # advantage; they still count in their group's baseline.
+    in_loss = ~truncated if grpo.overlong_policy == "mask" else None
+    seqs, prompt_lens = [], []
+    for i, comp in enumerate(rollouts.completions):
+        prompt = rollouts.prompts[i // g].token_ids
+        seqs.append(prompt + comp.token_ids)
+        prompt_lens.append(len(prompt))
+    batch = TrainBatch.from_sequences(seqs, prompt_lens)
+    gen = torch.zeros(batch.size, batch.input_ids.shape[1] - 1)
+    for row, comp in enumerate(rollouts.completions):
+        start = prompt_lens[row] - 1
+        gen[row, start : start + len(comp.logprobs)] = torch.tensor(comp.logprobs)
+    return batch.replace(advantages=advantages, gen_logprobs=gen, in_loss=in_loss)
+
+
+def step_metrics(
+    cfg: Config, rollouts: Rollouts, batch: TrainBatch, train: dict, probe_error: float, filtered: int
+) -> dict:
+    """The step's reward, response-length, filtering, probe and train metrics."""
+    lengths = torch.tensor([len(c.token_ids) for c in rollouts.completions], dtype=torch.float32)
+    rewards = rollouts.rewards
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "reward/accuracy": float((rewards >= 1.0).float().mean()),
+        "reward/timeouts": rollouts.reward_timeouts,
+        "reward/errors": rollouts.reward_errors,
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": sum(c.finish_reason == "length" for c in rollouts.completions)
+        / len(lengths),
+        "data/filtered_groups": filtered,
+        "sync/probe_error": probe_error,
+        **{f"train/{k}": v for k, v in train.items()},
+    }
+
+
+def mean_metrics(history: list[TrainMetrics]) -> dict[str, float]:
+    """Average per-optimizer-step metrics over the step's mini-batches."""
+    rows = [h.as_dict() for h in history]
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
