@@ -284,7 +284,15 @@ def make_plan(
     gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     mem = int(gpu_memory_gib * GIB)
     plan = Plan(par.world_size, gpus, mem, impl, cfg.resolved.backend, params, ranks, engine, sync, errors)
-    colocated = gen.placement == "colocated"
+    errors += memory_errors(cfg, ranks, engine, gpu_memory_gib)
+    return plan
+
+
+def memory_errors(cfg: Config, ranks: list[RankMemory], engine: dict, gpu_memory_gib: float) -> list[str]:
+    """What does not fit: a pipeline stage's trainer rank, an engine worker's weights and KV cache in its
+    share of the GPU, and (colocated) the trainer's states beside the woken engine."""
+    gen, mem, errors = cfg.generation, int(gpu_memory_gib * GIB), []
+    concurrency = engine["concurrency"]
     for r in ranks:
         if r.total > mem:
             errors.append(
@@ -301,7 +309,8 @@ def make_plan(
             f"gives it {engine['claimed'] / GIB:.1f} GiB: {(need - engine['claimed']) / GIB:.1f} GiB short "
             "(vLLM would run fewer sequences at once)"
         )
-    if colocated:  # the engines wake up next to the trainer's weights, gradients and optimizer states
+    # Colocated: the engines wake up next to the trainer's weights, gradients and optimizer states.
+    if gen.placement == "colocated":
         static = max(r.weights + r.grads + r.optimizer for r in ranks)
         if static + engine["claimed"] > mem:
             errors.append(
@@ -309,7 +318,7 @@ def make_plan(
                 f"generation.gpu_memory_utilization {gen.gpu_memory_utilization} x {gpu_memory_gib:g} GiB "
                 f"exceed the GPU by {(static + engine['claimed'] - mem) / GIB:.1f} GiB"
             )
-    return plan
+    return errors
 
 
 def _size(n: float) -> str:
