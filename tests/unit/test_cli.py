@@ -75,7 +75,8 @@ def test_train_reports_impossible_layout_before_starting(capsys):
 
 def _run_python(code: str) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-c", textwrap.dedent(code)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    # A generous deadline: importing torch on two loaded cores takes tens of seconds.
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
 
 
 def test_exit_without_teardown_keeps_exit_handlers_output_and_status(tmp_path):
@@ -102,12 +103,17 @@ def test_exit_without_teardown_keeps_exit_handlers_output_and_status(tmp_path):
 
 
 def test_exit_without_teardown_waits_for_a_running_thread():
+    # The thread is still running when exit_without_teardown looks, whatever the machine's load: it waits
+    # for an event set by threading's own shutdown hooks, which run in the interpreter's teardown (before
+    # it joins the threads) and never when the process ends with os._exit.
     done = _run_python(
         """
-        import threading, time
+        import threading
         from megagrpo.cli import exit_without_teardown
 
-        threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+        teardown = threading.Event()
+        threading._register_atexit(teardown.set)
+        threading.Thread(target=lambda: (teardown.wait(), print("thread finished"))).start()
         exit_without_teardown(0)
         """
     )

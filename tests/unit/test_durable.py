@@ -2,6 +2,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -39,9 +40,12 @@ def test_writeback_follows_files_another_process_writes(tmp_path):
     )
     with durable.writeback_as_written(tmp_path, ".distcp", step=step) as queued:
         subprocess.run([sys.executable, "-c", writer], check=True)
-        import time
-
-        time.sleep(0.2)  # the thread's next look sees the file's last bytes
+        # The thread looks every 20 ms; on a loaded machine its look at the file's last bytes may come
+        # much later: wait for it (the block's exit stops the thread).
+        deadline = time.monotonic() + 60
+        while queued.get("a.distcp", 0) < 8 * step:
+            assert time.monotonic() < deadline, f"after 60 s, queued {queued} of {8 * step} bytes"
+            time.sleep(0.02)
     assert set(queued) == {"a.distcp"}  # files of other suffixes are not followed
     assert queued["a.distcp"] == 8 * step
 
