@@ -9,7 +9,7 @@ STAMP := $(VENV)/.megagrpo-$(EXTRAS)-installed
 PYTEST_ARGS ?=
 SUITE ?= cpu
 
-.PHONY: setup demo sft-demo dpo-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-deps bench-readme clean
+.PHONY: setup demo sft-demo dpo-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-deps bench-readme bench-check clean
 
 setup: $(STAMP)
 
@@ -96,9 +96,13 @@ bench-deps: setup
 	@# Only the extra: reinstalling the cpu extra would bring back the torchvision that setup removes.
 	$(PY) -c "import trl" 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
 
-# README.md's "Measured" table rewritten from the results files in benchmarks/results/.
+# README.md's "Measured" table rewritten from the suites' results in benchmarks/results/.
 bench-readme: setup
 	$(PY) -m benchmarks readme
+
+# Fails when README.md's "Measured" table is not what the committed results give.
+bench-check: setup
+	$(PY) -m benchmarks readme --check
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,3 +1,4 @@
-"""megagrpo's benchmarks: one script per benchmark (run alone as ``python benchmarks/<name>.py``)
-and the suite that runs them all (``python -m benchmarks run``, ``suite.py``) and writes the README's
-"Measured" table from their saved results (``python -m benchmarks readme``, ``readme_table.py``)."""
+"""megagrpo's benchmarks: one module per benchmark (``python -m benchmarks.<name>``), each writing
+its measurements in one record format (``common/record.py``); the suite that runs them
+(``python -m benchmarks run``) and README.md's Measured table from their results
+(``python -m benchmarks readme``)."""

@@ -1,5 +1,5 @@
-"""``python -m benchmarks run ...``: the suite (``suite.py``); ``python -m benchmarks readme
-[--check]``: README.md's "Measured" table from the saved results (``readme_table.py``)."""
+"""``python -m benchmarks run ...``: the suite (``suite.py``); ``python -m benchmarks readme [--check]``:
+README.md's "Measured" table from the committed results (``readme.py``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
 
         suite = run(argv[1:])
         return 1 if any("error" in b for b in suite["benchmarks"].values()) else 0
-    from .readme_table import main as readme_main
+    from .readme import main as readme_main
 
     return readme_main(argv[1:])
 

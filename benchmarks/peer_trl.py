@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
-"""The peer's side of peer_bench: TRL's ``GRPOTrainer`` on an HF model, in a process of its own.
+"""The peer's side of ``benchmarks.peer``: TRL's ``GRPOTrainer`` on an HF model, in a process of its own.
 
-    python benchmarks/peer_trl.py --model HF_DIR --steps N --out FILE.json [--prompts 64] [--generations 8]
-        [--max-new-tokens 8] [--mini-batch 256] [--lr 3e-4] [--generation generate|paged]
+    python -m benchmarks.peer_trl --model HF_DIR --steps N --out FILE.json [--prompts 64] [--generations 8]
+        [--max-new-tokens 8] [--mini-batch 256] [--lr 3e-4] [--generation generate|paged|vllm]
 
 The prompts are the embedded arithmetic task's (``37+45=``), drawn from the same stream as
 ``megagrpo train``'s (prompt ``i`` of the run from seed ``grpo.seed * 1_000_003 + i``), in the same
@@ -13,7 +12,9 @@ The settings mirror the megagrpo run it is compared with: ``--prompts`` x ``--ge
 per GRPO step, ``--mini-batch`` completions per optimizer step (TRL's ``steps_per_generation``), one
 pass over each batch, Adam at a constant ``--lr``, gradient clipping at 1, clip range 0.2 / 0.28, no
 KL term, token-level loss over the batch (TRL's ``dapo``), advantages ``(r - group mean) / group std``
-(TRL's ``scale_rewards: group``; megagrpo runs with ``grpo.baseline: mean`` beside it).
+(TRL's ``scale_rewards: group``; megagrpo runs with ``grpo.baseline: mean`` beside it). Generation:
+``transformers``' ``generate``, its continuous batching (``paged``), or vLLM in this process
+(``vllm``: TRL's ``vllm_mode="colocate"``, the CPU build, eager, 1 GiB of KV cache).
 
 A GRPO step's time is the time between the ends of the optimizer steps that close two consecutive
 generation batches (generation, reward, logprobs, the optimizer steps, logging), from a
@@ -25,9 +26,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import time
 from pathlib import Path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def arithmetic_rows(n: int, seed: int) -> list[dict]:
@@ -69,43 +79,20 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> 
     return sum(arithmetic_reward(t, r["answer"]) for t, r in zip(texts, rows, strict=True)) / len(rows)
 
 
-class StepClock:
-    """When each GRPO step ends (the optimizer step that closes a generation batch; the first entry
-    is the training's start), and the seconds of each part TRL times itself during each step.
+def step_clock(per_batch: int, ends: list[float]):
+    """A callback appending the time each GRPO step ends (the optimizer step that closes a generation
+    batch) to ``ends``; its first entry is the training's start."""
+    from transformers import TrainerCallback
 
-    TRL times its parts (generation, logprob passes, loss, reward) with ``ProfilingContext``, which
-    reports only to experiment trackers: its report hook is wrapped to keep them here."""
+    class StepEnds(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            ends.append(time.perf_counter())
 
-    def __init__(self, per_batch: int):
-        from trl.extras.profiling import ProfilingContext
+        def on_step_end(self, _args, state, *_, **__):
+            if state.global_step % per_batch == 0:
+                ends.append(time.perf_counter())
 
-        self.per_batch, self.ends, self.parts = per_batch, [], []
-        report = ProfilingContext._log_metrics
-
-        def keep(context, duration: float) -> None:
-            if self.ends:  # during training: the step under way is number len(ends)
-                while len(self.parts) < len(self.ends):
-                    self.parts.append({})
-                step = self.parts[len(self.ends) - 1]
-                step[context.name] = step.get(context.name, 0.0) + duration
-            report(context, duration)
-
-        ProfilingContext._log_metrics = keep
-
-    def callback(self):
-        from transformers import TrainerCallback
-
-        clock = self
-
-        class StepEnds(TrainerCallback):
-            def on_train_begin(self, *_, **__):
-                clock.ends.append(time.perf_counter())
-
-            def on_step_end(self, _args, state, *_, **__):
-                if state.global_step % clock.per_batch == 0:
-                    clock.ends.append(time.perf_counter())
-
-        return StepEnds()
+    return StepEnds()
 
 
 def grpo_config(args: argparse.Namespace, batch: int, per_batch: int):
@@ -145,6 +132,9 @@ def grpo_config(args: argparse.Namespace, batch: int, per_batch: int):
         seed=args.seed,
         disable_dropout=True,
         use_transformers_continuous_batching=args.generation == "paged",
+        use_vllm=args.generation == "vllm",
+        vllm_mode="colocate",
+        vllm_max_model_length=256,
     )
 
 
@@ -161,12 +151,18 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--generation",
-        choices=["generate", "paged"],
+        choices=["generate", "paged", "vllm"],
         default="generate",
-        help="transformers' generate, or its continuous-batching (paged) generation",
+        help="transformers' generate, its continuous batching (paged), or vLLM colocated",
     )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    if args.generation == "vllm":  # vLLM's CPU build in this process, as small as the task allows
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        one_rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        for key, value in {**one_rank, "MASTER_PORT": str(free_port())}.items():  # TRL's external launcher
+            os.environ.setdefault(key, value)
 
     import torch
     from datasets import Dataset
@@ -187,7 +183,7 @@ def main(argv=None) -> dict:
     def reward(completions, answer, **_):
         return [arithmetic_reward(c, a) for c, a in zip(completions, answer, strict=True)]
 
-    clock = StepClock(per_batch)
+    ends: list[float] = []
     config = grpo_config(args, batch, per_batch)
     trainer = GRPOTrainer(
         model=model,
@@ -195,13 +191,13 @@ def main(argv=None) -> dict:
         args=config,
         train_dataset=Dataset.from_list(arithmetic_rows(args.steps * args.prompts, args.seed)),
         processing_class=tokenizer,
-        callbacks=[clock.callback()],
+        callbacks=[step_clock(per_batch, ends)],
     )
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     after = greedy_accuracy(trainer.model, tokenizer, val, args.max_new_tokens)
-    step_s = [b - a for a, b in itertools.pairwise(clock.ends)]
+    step_s = [b - a for a, b in itertools.pairwise(ends)]
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     lengths = [
         h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
@@ -214,11 +210,6 @@ def main(argv=None) -> dict:
         "step_s": step_s,
         "train_wall_s": wall,
         "reward": rewards,
-        # Seconds per GRPO step of each part TRL times (nested parts are counted in their parents too).
-        "parts_s": {
-            name: statistics.median(p.get(name, 0.0) for p in clock.parts[1:] or clock.parts)
-            for name in sorted({n for p in clock.parts for n in p})
-        },
         "response_length_mean": lengths,
         "val_accuracy_before": before,
         "val_accuracy_after": after,

@@ -1,29 +1,33 @@
-"""What the benchmarks of this folder share (each is written once here).
+"""What the benchmarks share, each written once.
 
-- ``models``: random Qwen2-shaped HF checkpoints (sizes, a cache that survives while the shape
-  holds, writers through safetensors or transformers);
-- ``configs``: megagrpo run configs for a benchmark, from ``{"section.key": value}`` overrides;
-- ``sampling``: the machine and the code measured, and /proc readings: CPU time of processes and of
-  the whole machine (contention from other jobs), RSS/PSS, available memory;
-- ``tables``: Markdown table rows and the results files (``<name>.json`` + ``<name>.md``);
-- ``memory``: activation memory on any device (peak bytes autograd saves for backward).
-
-The benchmarks are scripts run from the repository (``python benchmarks/<name>.py``), so this
-folder is on ``sys.path`` and they import ``common.<module>``. Importing ``common`` puts the
-repository root first on ``sys.path``: the benchmarks run the checkout's megagrpo without installing
-it.
+- ``record``: the one measurement record (``Measurement``), the options every benchmark takes
+  (``--repeat``, ``--out``, ``--quick``), its results file and their generic Markdown;
+- ``timing``: the interleaved timer (A, B, ... then ..., B, A: drift on a shared machine hits all
+  alike) and what it samples besides wall time (CPU time, other jobs' load);
+- ``machine``: the machine and commit measured; ``/proc`` readings (CPU time, RSS, PSS, memory);
+- ``megatron``: the bare Megatron step every "against bare Megatron" figure compares with;
+- ``models``: random Qwen2-shaped HF checkpoints, built once under ``results/tmp/``;
+- ``configs``: megagrpo run configs from ``{"section.key": value}`` overrides;
+- ``runs``: whole ``megagrpo train`` runs (warm-ups and runs a suite makes once) and their metrics;
+- ``memory``: activation memory (peak bytes autograd holds for backward) on any device.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 TMP = RESULTS / "tmp"
-"""Scratch data (source models, outputs), git-ignored."""
+"""Scratch data (source models, outputs, results of runs outside a suite), git-ignored."""
 MB = 10**6
 GB = 10**9
 
-sys.path.insert(0, str(REPO))
+
+def importable_by_workers() -> None:
+    """Let the processes this one starts from now on (Ray's workers: they unpickle this folder's
+    actor classes by module) import ``benchmarks``: the repository first on their PYTHONPATH."""
+    import os
+
+    paths = [str(REPO), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))

@@ -1,4 +1,4 @@
-"""``megagrpo train`` runs for the benchmarks that time the whole GRPO step (step_bench, overlap_bench):
+"""``megagrpo train`` runs for the benchmarks that time the whole GRPO step (step, scaling, peer):
 each in a process of its own, with an earlier run's warm-up reused, and its metrics.jsonl read back."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 SHARED_WARMUPS = "MEGAGRPO_BENCH_WARMUPS"
 """Environment variable naming a directory where the runs of several benchmarks share their tiny
-models' warm-ups, one per warm-up config (``megagrpo.warmup.warmup_stamp``), and their whole runs,
+models' warm-ups, one per warm-up config (``megagrpo.trainers.warmup.warmup_stamp``), and their whole runs,
 one per run config: the suite sets it, so that step, scaling and peer train the demo's warm-up
 once rather than once each, and a run that two benchmarks ask for (the same config and steps)
 is made once."""
@@ -26,7 +26,7 @@ def shared_warmup(overrides: list[str]) -> Path | None:
     if not os.environ.get(SHARED_WARMUPS):
         return None
     from megagrpo.config import load_config
-    from megagrpo.warmup import warmup_stamp
+    from megagrpo.trainers.warmup import warmup_stamp
 
     cfg = load_config(None, overrides)
     if cfg.model.tiny is None:
@@ -61,20 +61,15 @@ def _publish(src: Path, shared: Path) -> None:
 
 
 def train_run(
-    root: Path,
-    name: str,
-    steps: int,
-    overrides: list[str],
-    warmup: Path | None = None,
-    profile: Path | None = None,
+    root: Path, name: str, steps: int, overrides: list[str], warmup: Path | None = None, shared: bool = True
 ) -> Path:
     """Run ``name`` under ``root/runs`` for ``steps`` GRPO steps with ``overrides`` (no TensorBoard,
     progress bar, checkpoints or export), starting from the copy of ``warmup`` when given, else from
     the suite's shared warm-up of the same config when there is one (the run's own is shared after
     it); returns its run directory. In a suite, a run of the same config and steps that another
-    benchmark made is not made again: its directory is copied (hard links) to ``name``'s. With
-    ``profile``, the driver process runs under cProfile, its stats written there (never shared). A
-    failed run stops the benchmark with the run's output."""
+    benchmark made is not made again: its directory is copied (hard links) to ``name``'s;
+    ``shared=False`` makes a run of its own (another round of the same config). A failed run stops
+    the benchmark with the run's output."""
     run_dir = root / "runs" / name
     args = [
         f"logging.dir={root / 'runs'}",
@@ -87,50 +82,30 @@ def train_run(
         "checkpoint.save_every=0",
         *overrides,
     ]
-    made = shared_run(args) if profile is None else None
+    made = shared_run(args) if shared else None
     if made is not None and made.is_dir():
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.copytree(made, run_dir, copy_function=os.link)
-        print(f"[{Path(sys.argv[0]).stem}] {name}: the suite's earlier run of this config", flush=True)
+        print(f"[runs] {name}: the suite's earlier run of this config", flush=True)
         return run_dir
-    shared = shared_warmup(overrides) if warmup is None else None
-    if shared is not None and shared.is_dir():
-        warmup = shared
+    shared_warm = shared_warmup(overrides) if warmup is None else None
+    if shared_warm is not None and shared_warm.is_dir():
+        warmup = shared_warm
     if warmup is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.copytree(warmup, run_dir / "warmup")
     start = time.perf_counter()
-    profiler = ["-m", "cProfile", "-o", str(profile)] if profile is not None else []
     done = subprocess.run(
-        [sys.executable, *profiler, "-m", "megagrpo.cli", "train", *args], capture_output=True, text=True
+        [sys.executable, "-m", "megagrpo.cli", "train", *args], capture_output=True, text=True
     )
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    print(f"[{Path(sys.argv[0]).stem}] {name}: {time.perf_counter() - start:.0f}s", flush=True)
-    if shared is not None and not shared.is_dir() and (run_dir / "warmup").is_dir():
-        _publish(run_dir / "warmup", shared)
+    print(f"[runs] {name}: {time.perf_counter() - start:.0f}s", flush=True)
+    if shared_warm is not None and not shared_warm.is_dir() and (run_dir / "warmup").is_dir():
+        _publish(run_dir / "warmup", shared_warm)
     if made is not None and not made.is_dir():
         _publish(run_dir, made)
     return run_dir
-
-
-def run_report(
-    benchmark: str, script: str, argv: list[str] | None, args, *packages: str, **more_args
-) -> dict:
-    """The head of a whole-run benchmark's report: what it measures, the command that reproduces it
-    (``benchmarks/<script>`` with ``argv``, else this process's own arguments), the machine with the
-    versions of torch, vLLM, Megatron-Core and ``packages``, and the parsed ``args`` (paths as text)
-    with ``more_args``."""
-    from common.sampling import machine_info
-
-    command = ["python", *(sys.argv if argv is None else [f"benchmarks/{script}", *argv])]
-    parsed = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    return {
-        "benchmark": benchmark,
-        "command": " ".join(command),
-        "machine": machine_info("torch", "vllm", "megatron.core", *packages),
-        "args": {**parsed, **more_args},
-    }
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:

@@ -1,233 +1,250 @@
-"""The benchmark suite's pure parts (``python -m benchmarks``): options, selection, the command of
-each benchmark, summary statistics, the Markdown report, the metrics read from the committed
-results; and README.md's "Measured" table against what the generator writes from those results."""
+"""The benchmark harness (``benchmarks/``): the measurement record and its targets, the options every
+benchmark takes, the interleaved timer, the suite's commands (every one parsed by its benchmark),
+the runs a suite makes once, and the README table's generic renderer. No benchmark is run here."""
 
+import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks import readme_table, suite
-from benchmarks.common import RESULTS
+from benchmarks import readme, suite
+from benchmarks.common import record, timing
+from benchmarks.common.record import Measurement
 
 pytestmark = pytest.mark.unit
 
 
-def test_suite_is_required_and_checked():
+def test_a_measurement_needs_samples_and_a_valid_target():
+    with pytest.raises(ValueError, match="no samples"):
+        Measurement("x", [], "s")
+    with pytest.raises(ValueError, match="target '~1'"):
+        Measurement("x", [1.0], "s", target="~1")
+    m = Measurement("x", [3, 1, 2], "s", {"tp": 2})
+    assert m.samples == (3.0, 1.0, 2.0) and m.median == 2.0 and m.label() == "x (tp=2)"
+
+
+@pytest.mark.parametrize(
+    "samples, target, verdict",
+    [
+        ([1.1, 1.3], "> 1", "met"),
+        ([0.8, 1.2, 1.3], "> 1", "missed in 1 of 3"),  # a median that meets it is not enough
+        ([0.9], ">= 1.25", "missed"),
+        ([0.86, 1.1], "0.85..1.15", "met"),
+        ([0.8], "0.85..1.15", "missed"),
+        ([0.001], "<= 0.001", "met"),
+        ([5.0], None, ""),
+    ],
+)
+def test_a_target_is_met_only_when_every_sample_meets_it(samples, target, verdict):
+    assert Measurement("x", samples, "x", target=target).verdict() == verdict
+
+
+def test_ratio_is_per_repetition():
+    m = record.ratio("a / b", [2.0, 3.0], [1.0, 2.0], settings={"tp": 1}, headline=True)
+    assert m.samples == (2.0, 1.5) and m.unit == "x" and m.headline
+    with pytest.raises(ValueError, match="2 against 1"):
+        record.ratio("a / b", [2.0, 3.0], [1.0])
+
+
+def test_quick_replaces_defaults_but_not_options_given():
+    p = record.parser("demo", "demo.", repeat=3)
+    p.add_argument("--size", type=int, default=100)
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    quick = {"size": 8, "tp": [1]}
+    full = record.parse(p, [], quick)
+    assert (full.size, full.tp, full.repeat, full.quick) == (100, [1, 2], 3, False)
+    small = record.parse(p, ["--quick"], quick)
+    assert (small.size, small.tp, small.repeat) == (8, [1], 1)
+    mixed = record.parse(p, ["--quick", "--size", "16", "--repeat", "2"], quick)
+    assert (mixed.size, mixed.repeat) == (16, 2)
+    assert mixed.command == "python -m benchmarks.demo --quick --size 16 --repeat 2"
+    with pytest.raises(SystemExit):
+        record.parse(p, ["--repeat", "0"], quick)
+
+
+def test_results_file_round_trip_and_markdown(tmp_path):
+    args = argparse.Namespace(out=tmp_path / "x.json", command="python -m benchmarks.x", repeat=2)
+    ms = [
+        Measurement("train / bare", [0.9, 0.8], "x", {"tp": 1}, target=">= 0.85", headline=True),
+        Measurement("tiny", [4e-7], ""),
+    ]
+    record.write(args, "x", "what it measures", ms, notes=["a note"])
+    back = record.read(tmp_path / "x.json")
+    assert back["measurements"] == ms and back["command"] == "python -m benchmarks.x"
+    md = (tmp_path / "x.md").read_text()
+    assert "| train / bare | tp=1 | 0.85 x (0.8-0.9, n=2) | >= 0.85: missed in 1 of 2 |" in md
+    assert "| tiny |  | 4e-07 |  |" in md and "- a note" in md
+    (tmp_path / "old.json").write_text(json.dumps({"runs": []}))
+    with pytest.raises(ValueError, match=r"old\.json: not a benchmark results file"):
+        record.read(tmp_path / "old.json")
+
+
+def test_find_matches_name_and_settings():
+    ms = [
+        Measurement("sync", [1.0], "s", {"engines": 1, "bucket_mb": 512.0}),
+        Measurement("sync", [2.0], "s", {"engines": 2}),
+    ]
+    assert record.find(ms, "sync", engines=1, bucket_mb=512).samples == (1.0,)
+    with pytest.raises(KeyError):
+        record.find(ms, "sync")
+
+
+def test_interleave_alternates_the_order_and_keeps_warmups_out():
+    calls, cleaned = [], []
+    steps = {name: (lambda n=name: calls.append(n) or n) for name in "abc"}
+    times = timing.interleave(steps, 2, warmup=1, before=cleaned.append)
+    assert calls == list("abccbaabc")  # warm-up round, then the timed ones, each reversed in turn
+    assert cleaned == calls
+    assert [t.value for t in times["c"]] == ["c", "c"] and all(t.seconds >= 0 for t in times["a"])
+
+
+def test_slowest_rank_takes_each_rounds_longest_call():
+    t = timing.Timed
+    ranks = [[t(1.0, 0.5, 0.0), t(2.0, 1.0, 0.0)], [t(1.5, 0.4, 1.0), t(1.0, 1.2, 1.0)]]
+    rounds = timing.slowest_rank(ranks)
+    assert [r.seconds for r in rounds] == [1.5, 2.0] and [r.cpu_s for r in rounds] == [0.5, 1.2]
+
+
+# ------------------------------------------------------------------------------------------ suite
+
+
+def test_suite_options():
     with pytest.raises(SystemExit):
         suite.parse_args([])
-    with pytest.raises(SystemExit):
-        suite.parse_args(["--suite", "tpu"])
-
-
-def test_default_out_depends_on_suite_and_quick():
-    assert suite.parse_args(["--suite", "cpu"]).out == RESULTS / "suite_cpu"
-    assert suite.parse_args(["--suite", "gpu", "--quick"]).out == RESULTS / "suite_gpu_quick"
-    assert suite.parse_args(["--suite", "cpu", "--out", "/x/y"]).out == Path("/x/y")
-
-
-def test_only_keeps_suite_order_and_rejects_names_outside_the_suite():
+    assert suite.parse_args(["--suite", "cpu"]).out == suite.RESULTS / "suite_cpu"
+    assert suite.parse_args(["--suite", "gpu", "--quick"]).out == suite.RESULTS / "suite_gpu_quick"
     args = suite.parse_args(["--suite", "cpu", "--only", "sync", "reward"])
-    assert [b.name for b in args.benchmarks] == ["reward", "sync"]  # suite order, not the order given
+    assert [b.name for b in args.benchmarks] == ["reward", "sync"]  # suite order
     assert {b.name for b in suite.parse_args(["--suite", "gpu"]).benchmarks} == {"logprob_memory", "train"}
     with pytest.raises(SystemExit, match="rollout: not in the gpu suite"):
         suite.parse_args(["--suite", "gpu", "--only", "rollout"])
-    with pytest.raises(SystemExit, match="nosuch"):
-        suite.parse_args(["--suite", "cpu", "--only", "train", "nosuch"])
-
-
-def test_repeat_must_be_positive():
     with pytest.raises(SystemExit):
         suite.parse_args(["--suite", "cpu", "--repeat", "0"])
 
 
-def test_every_benchmark_has_arguments_for_each_of_its_suites():
+def _parsed(command: list[str]) -> argparse.Namespace:
+    """A suite command's arguments as its benchmark parses them."""
+    assert command[:2] == [sys.executable, "-m"]
+    module = importlib.import_module(command[2])
+    return module.parse_args(command[3:])
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_every_command_of_every_suite_is_accepted_by_its_benchmark(tmp_path, quick):
     for bench in suite.BENCHMARKS:
-        assert (suite.HERE / bench.script).is_file(), bench.script
         for name in bench.suites:
-            assert name in bench.args and name in bench.quick_args, (bench.name, name)
+            args = _parsed(bench.command(name, quick, None, tmp_path))
+            assert args.out == tmp_path / f"{bench.name}.json" and args.quick == quick
+            assert "{out}" not in " ".join(map(str, vars(args).values()))
+    again = _parsed(suite.BY_NAME["reward"].command("cpu", True, 4, tmp_path))
+    assert again.repeat == 4  # the suite's --repeat wins over --quick's single repetition
 
 
-def test_command_repetitions_and_output_path(tmp_path):
-    train, reward = suite.BY_NAME["train"], suite.BY_NAME["reward"]
-    quick = train.command("cpu", True, None, tmp_path)
-    assert quick[0] == sys.executable and quick[1].endswith("train_bench.py")
-    assert quick[quick.index("--iters") + 1] == "1"
-    assert quick[quick.index("--out") + 1] == f"{tmp_path / 'train'}.json"
-    full = train.command("cpu", False, None, tmp_path)
-    assert full[full.index("--iters") + 1] == str(train.repeat_default["cpu"])
-    gpu = train.command("gpu", False, None, tmp_path)  # repetitions per suite
-    iters = gpu[gpu.index("--iters") + 1]
-    assert iters == str(train.repeat_default["gpu"]) != full[full.index("--iters") + 1]
-    assert full[full.index("--seq") + 1] == "256" != gpu[gpu.index("--seq") + 1]  # args per suite
-    override = reward.command("cpu", True, 4, tmp_path)
-    assert override[override.index("--repeat") + 1] == "4"
-    assert override[override.index("--output") + 1] == str(tmp_path / "reward")  # --output takes no .json
+def _numbers(args: argparse.Namespace) -> dict[str, float]:
+    out = {}
+    for key, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = max(values)
+    return out
 
 
-def test_summarize():
-    assert suite.summarize([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "n": 4}
-    assert suite.summarize([7.0]) == {"median": 7.0, "min": 7.0, "max": 7.0, "n": 1}
-    with pytest.raises(ValueError):
-        suite.summarize([])
-
-
-def test_fmt():
-    assert suite.fmt(0.123456) == "0.1235"
-    assert suite.fmt(12345.6) == "12346"
-    assert suite.fmt(4.5e6) == "4.5e+06"
-    assert suite.fmt(0.0) == "0"
-
-
-def test_render_markdown_lists_each_benchmark_and_its_metrics():
-    report = {
-        "suite": "cpu",
-        "quick": True,
-        "wall_s": 12.0,
-        "machine": {"date": "d", "host": "h", "cpu": "c", "cpus_usable": 2, "memory_bytes": 2**31},
-        "benchmarks": {
-            "train": {
-                "what": "train vs bare",
-                "command": ["python", "train_bench.py"],
-                "wall_s": 3.25,
-                "returncode": 0,
-                "metrics": {
-                    "tp1 train/bare": {"median": 0.9, "min": 0.8, "max": 1.0, "n": 3, "unit": "ratio"}
-                },
-            },
-            "sync": {
-                "what": "sync",
-                "command": ["x"],
-                "wall_s": 1.0,
-                "returncode": 1,
-                "error": "exited with 1",
-            },
-        },
-    }
-    md = suite.render_markdown(report)
-    assert "# Benchmark suite `cpu` (quick)" in md
-    assert "| tp1 train/bare | ratio | 0.9 | 0.8 | 1 | 3 |" in md
-    assert "## sync: sync" in md and "exit status 1: exited with 1" in md
-    assert "2.0 GiB" in md
-
-
-@pytest.mark.parametrize(
-    "name, source",
-    [
-        ("train", "train"),
-        ("rollout", "rollout"),
-        ("sync", "sync"),
-        ("convert", "convert"),
-        ("logprob_memory", "logprob_memory"),
-        ("sft_dpo", "sft_dpo"),
-        ("faults", "faults"),
-        ("reward", "reward"),
-        ("shard_sync", "shard_sync"),
-    ],
-)
-def test_metrics_of_the_committed_reports(name, source):
-    report = json.loads((RESULTS / f"{source}.json").read_text())
-    samples = suite.BY_NAME[name].metrics(report)
-    assert samples
-    for metric, (values, unit) in samples.items():
-        assert values and unit, metric
-        assert all(isinstance(v, (int, float)) for v in values), metric
-
-
-def test_metric_samples_are_the_repetitions_the_script_recorded():
-    report = json.loads((RESULTS / "train.json").read_text())
-    run = report["runs"][0]
-    values, _ = suite.BY_NAME["train"].metrics(report)[f"tp{run['tp']} train tokens/s"]
-    assert len(values) == len(run["train"]["step_s_all"])
-    # tokens per step over each recorded step time: the fastest step is the highest rate
-    assert max(values) == pytest.approx(run["tokens_per_step"] / min(run["train"]["step_s_all"]), rel=1e-12)
-
-
-def test_sft_and_dpo_keep_their_own_bare_step():
-    report = json.loads((RESULTS / "sft_dpo.json").read_text())
-    samples = suite.BY_NAME["sft_dpo"].metrics(report)
-    sft_bare, dpo_bare = samples["tp1 sft: bare s"][0], samples["tp1 dpo: bare s"][0]
-    assert sft_bare == report["runs"][0]["sft"]["bare"]["wall"]
-    assert dpo_bare == report["runs"][0]["dpo"]["bare"]["wall"]
-
-
-def test_readme_measured_table_is_the_generated_one():
-    """A number edited by hand in README's generated table, or a results file changed without
-    `python -m benchmarks readme`, fails here."""
-    text = readme_table.README.read_text()
-    block = readme_table.render_table(readme_table.load_results())
-    assert readme_table.replace_block(text, block) == text
-
-
-def test_replace_block_needs_both_markers():
-    block = f"{readme_table.BEGIN}\nnew\n{readme_table.END}"
-    text = f"a\n{readme_table.BEGIN}\nold\n{readme_table.END}\nb\n"
-    assert readme_table.replace_block(text, block) == f"a\n{block}\nb\n"
-    with pytest.raises(ValueError, match="markers"):
-        readme_table.replace_block("no markers here", block)
-
-
-def test_a_changed_result_changes_the_table():
-    results = readme_table.load_results()
-    before = readme_table.render_table(results)
-    results["train"]["runs"][0]["ratio_train_over_bare"] = 0.123
-    after = readme_table.render_table(results)
-    assert "0.12 (TP=" in after and before != after
-
-
-def test_out_placeholder_names_the_suite_output_directory(tmp_path):
-    scaling = suite.BY_NAME["scaling"].command("cpu", False, None, tmp_path)
-    assert scaling[scaling.index("--sync-from") + 1] == f"{tmp_path}/sync.json"
-    assert not any("{out}" in a for a in scaling)
-
-
-def _script_module(name: str):
-    """A benchmark script as a module (its siblings import as top-level ``common``, ``step_bench``)."""
-    import importlib
-
-    here = str(Path(suite.__file__).parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    return importlib.import_module(name)
-
-
-def test_peer_m25_run_is_step_bench_setup_so_a_suite_makes_it_once():
-    peer, step = _script_module("peer_bench"), _script_module("step_bench")
-    assert peer.ours_overrides("m25", 1, 2) == step.setup_overrides("m25_tp1")
-    assert "generation.ignore_eos=true" in peer.ours_overrides("m25", 1, 2)
-    # At tiny the peer's run keeps its own config: TRL's advantage, one micro-batch, validation.
-    tiny = peer.ours_overrides("tiny", 1, 10)
-    assert "grpo.baseline=mean" in tiny and "logging.val_every=10" in tiny
-
-
-def test_scaling_sync_point_read_back_only_for_the_same_size(tmp_path):
-    scaling = _script_module("scaling_bench")
-    row = {"engines": 1, "bucket_mb": 512, "total_bytes": 2**28, "sync_s": 0.5, "flat_s": 0.1}
-    other = {**row, "engines": 2}
-    report = {"args": {"size_mb": 256}, "variants": {"default": {"results": [other, row]}}}
-    path = tmp_path / "sync.json"
-    path.write_text(json.dumps(report))
-    assert scaling.measured_sync_row(path, 256) == row
-    assert scaling.measured_sync_row(path, 400) is None  # another size: measured by the curve
-    assert scaling.measured_sync_row(tmp_path / "missing.json", 256) is None
-    (point,) = scaling.sync_curve(tmp_path, [256], path)
-    assert point["from"] == str(path) and point["s_per_gb"] == 0.5 / (2**28 / 1e9)
+def test_the_full_cpu_suite_is_the_quick_one_scaled_up(tmp_path):
+    """A full run differs from its quick run by sizes and repetitions only, each at least as large."""
+    for bench in suite.select("cpu", None):
+        quick = _numbers(_parsed(bench.command("cpu", True, None, tmp_path)))
+        full = _numbers(_parsed(bench.command("cpu", False, None, tmp_path)))
+        for key, small in quick.items():
+            if key in ("warmup", "timeout", "min_len_frac", "prompt_len"):
+                continue
+            if key == "warmup_steps":  # peer's full run: None, the demo's own warm-up
+                assert full.get(key) is None or full[key] >= small
+                continue
+            assert full[key] >= small, (bench.name, key, full[key], small)
 
 
 def test_quick_step_scaling_and_peer_ask_for_one_run():
+    from benchmarks import peer, scaling, step
     from megagrpo.config import config_to_dict, load_config
-
-    peer, step = _script_module("peer_bench"), _script_module("step_bench")
-    scaling = ["logging.val_every=0", "parallel.tensor_model_parallel_size=1", "grpo.num_prompts_per_step=64"]
-    scaling += ["policy.mini_batch_size=256", *suite.QUICK_RUN]  # scaling_bench's 64-prompt point
 
     def config(overrides):
         return config_to_dict(load_config(None, overrides))
 
-    run = config(step.setup_overrides("tiny_tp1", list(suite.QUICK_RUN)))
-    assert run == config(peer.ours_overrides("tiny", 1, 5, 10)) == config(scaling)
-    quick = {b.name: b.command("cpu", True, None, Path("/x")) for b in suite.BENCHMARKS}
-    assert quick["step"][quick["step"].index("--steps") + 1] == "5"
-    assert quick["peer"][quick["peer"].index("--steps") + 1] == "tiny=5"
-    assert quick["peer"][quick["peer"].index("--warmup-steps") + 1] == "10"
+    quick = scaling.parse_args(["--quick"])
+    point = ["logging.val_every=0", "parallel.tensor_model_parallel_size=1", "grpo.num_prompts_per_step=64"]
+    point += ["policy.mini_batch_size=256", *quick.extra]  # scaling's 64-prompt point
+    run = config(step.setup_overrides("tiny_tp1", list(step.QUICK_RUN)))
+    assert run == config(peer.ours_overrides("tiny", 1, 5, 10)) == config(point)
+    steps = step.parse_args(["--quick"])
+    assert step.SKIP["tiny"] + steps.measured["tiny"] == scaling.SKIP + quick.repeat == 5
+    assert peer.parse_args(["--quick"]).run_steps["tiny"] == 5
+
+
+def test_peer_m25_run_is_steps_setup_so_a_suite_makes_it_once():
+    from benchmarks import peer, step
+
+    assert peer.ours_overrides("m25", 1, 2) == step.setup_overrides("m25_tp1")
+    assert "generation.ignore_eos=true" in peer.ours_overrides("m25", 1, 2)
+
+
+def test_scaling_reads_the_sync_point_of_the_suites_sync_run_back(tmp_path):
+    from benchmarks import scaling
+
+    args = argparse.Namespace(out=tmp_path / "sync.json", command="c", size_mb=256.0)
+    s = {"size_mb": 256.0, "engines": 1, "bucket_mb": 512.0, "bytes": 2 * 10**8}
+    ms = [
+        Measurement("sync", [0.5, 0.7], "s", s),
+        Measurement("flat broadcast of the same bytes", [0.1], "s", s),
+    ]
+    record.write(args, "sync", "w", ms)
+    sync, flat = scaling.sync_point(256, args.out, tmp_path)
+    assert sync.samples == (0.5, 0.7) and flat.samples == (0.1,)
+    curve = scaling.sync_curve(tmp_path, argparse.Namespace(sizes_mb=[256], sync_from=args.out))
+    assert curve[0].name == "sync time per GB" and curve[0].samples == pytest.approx((2.5, 3.5))
+
+
+# ----------------------------------------------------------------------------------------- README
+
+
+def _results(root: Path, suite_dir: str, name: str, ms: list[Measurement]) -> None:
+    args = argparse.Namespace(out=root / suite_dir / f"{name}.json", command=f"python -m benchmarks.{name}")
+    record.write(args, name, "w", ms)
+
+
+def test_readme_table_holds_the_headline_measurements_in_suite_order(tmp_path):
+    _results(
+        tmp_path, "suite_cpu", "train", [Measurement("train / bare", [0.9], "x", {"tp": 1}, ">= 0.85", True)]
+    )
+    _results(
+        tmp_path,
+        "suite_cpu",
+        "reward",
+        [Measurement("rate", [5.0], "1/s", headline=True), Measurement("no", [1], "")],
+    )
+    _results(tmp_path, "suite_gpu", "train", [Measurement("MFU", [0.1], "fraction", headline=True)])
+    block = readme.render(tmp_path)
+    assert block.startswith(readme.BEGIN) and block.endswith(readme.END)
+    rows = [line for line in block.splitlines() if line.startswith("| [")]
+    assert rows == [
+        "| [reward](benchmarks/results/suite_cpu/reward.md) | rate | 5 1/s |  |",
+        "| [train](benchmarks/results/suite_cpu/train.md) | train / bare (tp=1) | 0.9 x | >= 0.85: met |",
+        "| [train](benchmarks/results/suite_gpu/train.md) | MFU | 0.1 fraction |  |",
+    ]
+
+
+def test_readme_block_is_replaced_between_the_markers_and_checked(tmp_path, monkeypatch):
+    text = f"a\n{readme.BEGIN}\nold\n{readme.END}\nb\n"
+    assert readme.replace_block(text, "NEW") == "a\nNEW\nb\n"
+    old_marker = "a\n<!-- measured:begin (written by a tool) -->\nold\n<!-- measured:end -->\n"
+    assert readme.replace_block(old_marker, "NEW") == "a\nNEW\n"
+    with pytest.raises(ValueError, match="exactly one block"):
+        readme.replace_block("no markers", "NEW")
+    copy = tmp_path / "README.md"
+    copy.write_text(text)
+    monkeypatch.setattr(readme, "render", lambda: f"{readme.BEGIN}\nrows\n{readme.END}")
+    assert readme.main(["--check", "--readme", str(copy)]) == 1 and copy.read_text() == text
+    assert readme.main(["--readme", str(copy)]) == 0 and "rows" in copy.read_text()
+    assert readme.main(["--check", "--readme", str(copy)]) == 0

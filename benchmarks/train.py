@@ -1,0 +1,277 @@
+"""The GRPO train step against a bare Megatron step on the same model and tokens.
+
+    python -m benchmarks.train [--tp 1 2] [--impl local torch] [--seq 256] [--repeat 3] [--quick]
+
+Both steps run in the same rank processes, on the same model (the worker's own engine: weights,
+DDP buffers, optimizer) and the same micro-batches (the worker's own packing of its shard):
+
+- ``train``: ``PolicyWorker.train(batch)``, one optimizer step per call (``policy.mini_batch_size``
+  = the batch); the old and the generator's logprobs are computed once before timing, as the GRPO
+  driver does before its updates;
+- ``bare``: ``common.megatron.bare_step``: Megatron's schedule with a plain cross-entropy on the
+  same response tokens, then the optimizer step.
+
+Interleaved rounds (``common.timing``); tokens/s counts the real (unpadded) tokens. Target:
+train / bare >= 0.85 in every round. Also measured: the activation memory of a step (bytes autograd
+holds for backward), and the peak memory against ``megagrpo plan``'s estimate for the same config
+(CUDA: the allocator's peak; CPU: the rank's RSS growth over its idle process, the host copy of
+the reference policy left out; target: within 15%). On CUDA, MFU = 6 N tokens/s / peak (N: all
+parameters, the tied embedding once) and with attention's 12 L h s per token; with
+``--sync-bucket-mb``, the weight-sync sender (HF conversion + double-buffered buckets, a group
+without receivers) against one flat device copy of the same bytes. Several ``--seq`` keep the
+first one's tokens per step; several ``--impl`` add their ratio to the first's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from pathlib import Path
+
+from .common import record
+from .common.machine import proc_status
+from .common.megatron import add_model_args, bare_step, device_sync, model_overrides, rank_threads, shape_of
+from .common.record import Measurement, ratio
+from .common.timing import interleave, other_load, seconds, slowest_rank
+
+QUICK = {"tp": [1], "batch": 2, "seq": [64]}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = record.parser("train", __doc__)
+    add_model_args(p, tp=[1, 2], seq=256, budget=1024, seqs=True)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (at the first --seq)")
+    p.add_argument("--impl", nargs="+", default=["local"], choices=["local", "torch", "transformer_engine"])
+    p.add_argument("--steps", nargs="+", default=["train", "bare"], choices=["train", "bare"])
+    p.add_argument("--recompute", default="none", choices=["none", "core_attention", "full"])
+    p.add_argument("--compile", action="store_true", help="Megatron's torch.compile'd fusions on")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (H200 bf16: 989)")
+    p.add_argument("--sync-bucket-mb", type=float, default=0.0, help="also time the weight-sync sender")
+    args = record.parse(p, argv, QUICK)
+    args.shape_values = shape_of(p, args)
+    return args
+
+
+def bench_config(args, tp: int, impl: str, seq: int, batch: int):
+    from .common.configs import make_config
+
+    run = argparse.Namespace(**{**vars(args), "seq": seq})
+    return make_config(
+        {
+            **model_overrides(run, args.shape_values, tp),
+            "generation.max_new_tokens": seq - seq // 4,
+            "parallel.transformer_impl": impl,
+            "policy.mini_batch_size": batch,
+            "policy.recompute": args.recompute,
+            # The tiny default's loss, pinned: no reference model, TIS on the generator's logprobs.
+            "grpo.kl_coef": 0.0,
+            "grpo.tis_cap": 2.0,
+            "grpo.num_prompts_per_step": 1,
+            "grpo.num_generations": batch,
+        }
+    )
+
+
+def make_batch(seq: int, batch: int, min_frac: float, vocab: int):
+    """Fixed random sequences, lengths in [seq * min_frac, seq], prompts a quarter of each."""
+    import torch
+
+    from megagrpo.types import TrainBatch
+
+    gen = torch.Generator().manual_seed(0)
+    low = max(2, int(seq * min_frac))
+    lengths = [int(torch.randint(low, seq + 1, (1,), generator=gen)) for _ in range(batch)]
+    seqs = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
+    out = TrainBatch.from_sequences(seqs, [max(1, n // 4) for n in lengths])
+    return out.replace(advantages=torch.randn(batch, generator=gen))
+
+
+def _vm(field: str) -> int:
+    return proc_status("self", (field,)).get(field, 0)
+
+
+def rank_main(rank: int, world_size: int, args, impl: str, seq: int, batch: int) -> dict:
+    import torch
+
+    from megagrpo.parallel import destroy_parallel
+    from megagrpo.policy.worker import PolicyWorker
+    from megagrpo.types import balanced_shards
+
+    from .common.memory import SavedActivations
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = bench_config(args, world_size, impl, seq, batch)
+    idle = _vm("VmRSS")  # interpreter, torch, Megatron, process groups
+    worker = PolicyWorker(cfg)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the steps' peak
+    try:
+        engine, device = worker.engine, worker.ctx.device
+        if args.compile:  # read by Megatron's MLP and layers at every forward
+            engine.config.bias_activation_fusion = engine.config.bias_dropout_fusion = True
+        data = make_batch(seq, batch, args.min_len_frac, cfg.model.tiny.vocab_size)
+        old = worker.logprobs(data)
+        gen = old + 0.01 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
+        data = data.replace(old_logprobs=old, gen_logprobs=gen)
+        shard = balanced_shards(data.lengths.tolist(), worker.ctx.dp_size)[worker.ctx.dp_rank]
+        micro = [m for _, m in worker.micro_batches(data, shard)]
+        steps = {"train": lambda: worker.train(data), "bare": lambda: bare_step(engine, micro)}
+        steps = {k: steps[k] for k in args.steps}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+        def log(r, done):
+            if rank == 0:
+                print(f"[train] round {r}: " + ", ".join(f"{k} {t.seconds:.2f}s" for k, t in done.items()))
+
+        times = interleave(steps, args.repeat, warmup=args.warmup, settle=device_sync(device), log=log)
+        out = {"times": times}
+        out["shard_tokens"] = int(sum(int(data.lengths[i]) for i in shard))
+        held = worker.reference.tensors.values() if worker.reference else ()
+        reference = sum(t.numel() * t.element_size() for t in held)
+        if device.type == "cuda":
+            out["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        else:
+            out["peak_bytes"] = _vm("VmHWM") - idle - reference
+        with SavedActivations(engine.module) as saved:  # untimed: one more step, its saved tensors counted
+            next(iter(steps.values()))()
+        out["activation_bytes"] = saved.peak_bytes
+        if args.sync_bucket_mb:
+            out["sync"] = time_sender(worker, args)
+        return out
+    finally:
+        destroy_parallel()
+
+
+def time_sender(worker, args) -> dict:
+    """The trainer side of a weight sync (one rank, a group without receivers: what the trainer adds
+    to the transport) and one device copy of the same bytes (every byte is packed once at least)."""
+    from dataclasses import replace
+
+    import torch
+
+    from megagrpo.parallel.backends import weight_sync_backend
+    from megagrpo.weight_sync.shards import SyncPath
+    from megagrpo.weight_sync.transport import GroupAddress
+
+    device = worker.ctx.device
+    links = worker.weight_sync_offer(SyncPath("gathered", "benchmark"), 1, int(args.sync_bucket_mb * 2**20))
+    if len(links) != 1:
+        raise SystemExit("--sync-bucket-mb times one sender: run it with --tp 1")
+    plan = tuple(replace(b, source=0) for b in links[0].buckets)  # this rank's own plan
+    backend = weight_sync_backend(worker.cfg.resolved.backend)
+    worker.open_weight_sync(
+        [GroupAddress(links[0].address, links[0].port, 1)], [links[0].key], backend, 300.0
+    )
+    total = sum(b.nbytes for b in plan)
+    flat = torch.empty(2, total, dtype=torch.uint8, device=device)
+    try:
+        steps = {"send": lambda: worker.send_weights(plan), "copy": lambda: flat[1].copy_(flat[0])}
+        times = interleave(steps, args.repeat, warmup=args.warmup, settle=device_sync(device))
+    finally:
+        worker.close_weight_sync()
+    return {"bytes": total, "send": seconds(times["send"]), "copy": seconds(times["copy"])}
+
+
+def plan_estimate(cfg) -> float:
+    """``megagrpo plan``'s memory estimate for rank 0 of ``cfg``, bytes."""
+    from megagrpo.plan import make_plan, read_shape
+
+    shape, where = read_shape(cfg, None)
+    return make_plan(cfg, shape, where, gpu_memory_gib=141.0).ranks[0].total
+
+
+def measure_run(args, tp: int, impl: str, seq: int, batch: int, settings: dict) -> list[Measurement]:
+    from megagrpo.models.shape import padded_vocab_size
+    from megagrpo.parallel.local import run_local_ranks
+
+    from .common.models import qwen2_params
+
+    run = argparse.Namespace(**{**vars(args), "threads": rank_threads(args, tp)})
+    print(f"[train] {settings}: {args.warmup} warm-up + {args.repeat} rounds", flush=True)
+    ranks = run_local_ranks(rank_main, tp, run, impl, seq, batch, timeout_s=args.timeout)
+    tokens = sum(r["shard_tokens"] for r in ranks) // tp  # the TP ranks share one shard
+    steps = {k: slowest_rank([r["times"][k] for r in ranks]) for k in args.steps}
+    rates = {k: [tokens / t.seconds for t in v] for k, v in steps.items()}
+    out = [Measurement(f"{k} step", v, "tokens/s", settings) for k, v in rates.items()]
+
+    def add(name: str, samples, unit: str, s=settings, **kw) -> None:
+        out.append(Measurement(name, samples, unit, s, **kw))
+
+    if len(steps) == 2:
+        per_round = ratio("", rates["train"], rates["bare"]).samples
+        add("train / bare Megatron step", per_round, "x", target=">= 0.85", headline=True)
+        cpu = [[t.cpu_s for t in steps[k]] for k in ("bare", "train")]
+        add("train / bare Megatron step, CPU time", ratio("", *cpu).samples, "x")
+    add(f"{args.steps[0]} step activation memory", [max(r["activation_bytes"] for r in ranks) / 2**20], "MiB")
+    peak = max(r["peak_bytes"] for r in ranks)
+    estimate = plan_estimate(bench_config(args, tp, impl, seq, batch))
+    add(
+        "megagrpo plan's memory estimate / measured peak",
+        [estimate / peak],
+        "x",
+        target="0.85..1.15",
+        headline=True,
+    )
+    if args.peak_tflops:  # MFU: all parameters (the tied embedding once), 6 N (+ attention) per token
+        shape = args.shape_values
+        hf = {"hidden_size": shape["hidden_size"], "intermediate_size": shape["ffn_hidden_size"]}
+        hf |= {
+            "num_attention_heads": shape["num_attention_heads"],
+            "num_key_value_heads": shape["num_query_groups"],
+        }
+        n = qwen2_params(
+            {**hf, "vocab_size": padded_vocab_size(shape["vocab_size"])}, shape["num_layers"], tied=True
+        )
+        flops = {"6N": 6 * n, "6N + attention": 6 * n + 12 * shape["num_layers"] * shape["hidden_size"] * seq}
+        for k, v in rates.items():
+            for what, per_token in flops.items():
+                mfu = [per_token * x / (args.peak_tflops * 1e12 * tp) for x in v]
+                add(f"{k} step MFU ({what})", mfu, "fraction", headline=k == "train" and what == "6N")
+        add("peak device memory", [peak / 2**30], "GiB")
+    if "sync" in ranks[0]:
+        sync = ranks[0]["sync"]
+        s = {**settings, "bytes": sync["bytes"], "bucket_mb": args.sync_bucket_mb}
+        add("weight-sync sender", [sync["bytes"] / x / 1e9 for x in sync["send"]], "GB/s", s, headline=True)
+        add(
+            "one flat device copy of the same bytes",
+            [sync["bytes"] / x / 1e9 for x in sync["copy"]],
+            "GB/s",
+            s,
+        )
+    return [*out, other_load(*steps.values(), **settings)]
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    measurements: list[Measurement] = []
+    by_impl: dict[str, list[Measurement]] = {}
+    for impl in args.impl:
+        for seq in args.seq:
+            batch = max(1, args.batch * args.seq[0] // seq)
+            for tp in args.tp:
+                settings = {"tp": tp, "impl": impl, "seq": seq, "batch": batch}
+                run = measure_run(args, tp, impl, seq, batch, settings)
+                by_impl.setdefault(impl, []).extend(run)
+                measurements += run
+    base = args.impl[0]
+    for impl in args.impl[1:]:  # each other layer implementation against the first's same run
+        for m in by_impl[impl]:
+            if m.name in (f"{args.steps[0]} step", f"{args.steps[0]} step activation memory"):
+                ref = record.find(by_impl[base], m.name, **{**m.settings, "impl": base})
+                measurements.append(
+                    ratio(
+                        f"{m.name}, {impl} / {base} layers",
+                        m.samples[: len(ref.samples)],
+                        ref.samples,
+                        settings=m.settings,
+                    )
+                )
+    what = "PolicyWorker.train() against a bare Megatron step on the same model and micro-batches"
+    notes = [f"model {args.preset} {args.shape_values}, {args.dtype}; {args.warmup} warm-up round(s)"]
+    return record.write(args, "train", what, measurements, packages=("torch", "megatron.core"), notes=notes)
+
+
+if __name__ == "__main__":
+    main()
