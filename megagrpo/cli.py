@@ -161,7 +161,8 @@ def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megagrpo.config import load_config
-    from megagrpo.evaluate import model_dir_for_eval, run_eval
+    from megagrpo.evaluate import run_eval
+    from megagrpo.trainers.checkpoints import model_dir_for_eval
 
     def evaluated(model: Path) -> list[str]:
         # The model evaluated is the config's model (its tokenizer reads the problems), whatever

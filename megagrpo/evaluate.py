@@ -155,24 +155,6 @@ def _loaded_engine_class():
     return LoadedEngine
 
 
-def model_dir_for_eval(path: Path, out_dir: Path) -> Path:
-    """The HF directory ``megagrpo eval --checkpoint`` loads: a run directory's HF export; else a
-    checkpoint (a run's latest verified one, or ``path`` itself when it is one, verified against its
-    manifest) exported to ``out_dir/hf``."""
-    from megagrpo.ckpt import manifest
-    from megagrpo.trainers.checkpoints import export_final, run_result
-
-    if (path / manifest.MANIFEST_NAME).is_file() or (path / "driver_state.json").is_file():
-        nbytes = manifest.verify(path)
-        print(f"verified {path}: {nbytes / 1e6:.1f} MB match {manifest.MANIFEST_NAME}")
-        ckpt = path
-    else:
-        hf_dir, ckpt = run_result(path, "--checkpoint")
-        if ckpt is None:
-            return hf_dir
-    return export_final(ckpt, out_dir / "hf")
-
-
 def run_eval(cfg, model_dir: str | Path, out_dir: str | Path, *, samples: int | None = None) -> EvalReport:
     """``megagrpo eval``: the problems of ``eval.path`` (default ``data.val_path``) sampled on vLLM engines
     loading ``model_dir``; writes ``out_dir/eval.json`` and ``out_dir/eval.md``."""

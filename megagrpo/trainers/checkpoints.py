@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from megagrpo.ckpt import manifest
 from megagrpo.ckpt import run as ckpt_io
 from megagrpo.ckpt.convert import megatron_to_hf
 from megagrpo.ckpt.durable import publish
@@ -204,3 +205,18 @@ def run_result(run: Path, key: str) -> tuple[Path, Path | None]:
         )
     print(f"{key}: {run} -> its latest checkpoint {found}", flush=True)
     return found / "hf", found
+
+
+def model_dir_for_eval(path: Path, out_dir: Path) -> Path:
+    """The HF directory ``megagrpo eval --checkpoint`` loads: a run directory's HF export; else a
+    checkpoint (a run's latest verified one, or ``path`` itself when it is one, verified against its
+    manifest) exported to ``out_dir/hf``."""
+    if (path / manifest.MANIFEST_NAME).is_file() or (path / "driver_state.json").is_file():
+        nbytes = manifest.verify(path)
+        print(f"verified {path}: {nbytes / 1e6:.1f} MB match {manifest.MANIFEST_NAME}")
+        ckpt = path
+    else:
+        hf_dir, ckpt = run_result(path, "--checkpoint")
+        if ckpt is None:
+            return hf_dir
+    return export_final(ckpt, out_dir / "hf")

@@ -323,13 +323,11 @@ def test_size_checks_count_lines_of_modules_and_of_every_def(tmp_path):
     assert _long_modules(pkg) == [f"megagrpo/big.py: {MAX_MODULE_LINES + 1} lines"]
 
 
-@pytest.mark.xfail(strict=False, reason="issue 29 in progress")
 def test_no_module_over_600_lines():
     long = _long_modules(ROOT)
     assert long == [], f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 29 in progress")
 def test_no_function_over_80_lines():
     long = _long_functions(ROOT)
     assert long == [], f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
