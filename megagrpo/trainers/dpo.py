@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from megagrpo.config import Config, ConfigError, save_config
+from megagrpo.config import Config, save_config
 from megagrpo.data.arithmetic import ArithmeticTask
 from megagrpo.data.prompts import arithmetic_val_problems
 from megagrpo.data.supervised import (
@@ -89,7 +89,6 @@ def run_dpo(cfg: Config) -> DPOResult | None:
     run_dir = Path(cfg.logging.dir) / cfg.run_name
     cfg = resolve_init_from(cfg)  # a staged recipe's previous stage, checked before anything starts
     check_checkpoint_dir(cfg)
-    check_layout(cfg)
     tok = load_tokenizer(cfg)
     # Datasets are read and checked before anything starts; synthetic pairs need the model first.
     source = build_preference_source(cfg, tok) if cfg.data.train_path is not None else None
@@ -106,27 +105,6 @@ def run_dpo(cfg: Config) -> DPOResult | None:
     if result is not None and result.interrupted:
         raise KeyboardInterrupt
     return result
-
-
-def check_layout(cfg: Config) -> None:
-    """What DPO needs of the layout, as ConfigErrors before anything starts."""
-    par, budget, seq = cfg.parallel, cfg.policy.micro_batch_max_tokens, cfg.model.seq_length
-    if par.context_parallel_size > 1:
-        raise ConfigError(
-            ("parallel.context_parallel_size",), "DPO does not support context parallelism yet (set 1)"
-        )
-    if budget < 2 * seq:
-        raise ConfigError(
-            ("policy.micro_batch_max_tokens", "model.seq_length"),
-            f"micro_batch_max_tokens {budget} cannot hold a pair (two sequences of up to seq_length {seq}) "
-            "in one micro-batch: it must be >= 2 * seq_length",
-        )
-    if cfg.dpo.batch_size < par.data_parallel_size:
-        raise ConfigError(
-            ("dpo.batch_size", "parallel.data_parallel_size"),
-            f"batch_size {cfg.dpo.batch_size} leaves some of the {par.data_parallel_size} data-parallel "
-            "ranks without pairs",
-        )
 
 
 def _dpo_rank(rank: int, world_size: int, cfg: Config, tok, source, task, run_dir: str):

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megagrpo.config import Config, ConfigError, save_config
+from megagrpo.config import Config, save_config
 from megagrpo.data.supervised import SFTSource, build_sft_source
 from megagrpo.data.tokenizer import load_tokenizer, save_tokenizer
 from megagrpo.runtime.groups import LocalGroup, RankCalls, end_rank, run_ranks
@@ -67,7 +67,6 @@ def run_sft(cfg: Config, *, run_dir: Path | None = None, final_model: Path | Non
     run_dir = Path(run_dir) if run_dir is not None else Path(cfg.logging.dir) / cfg.run_name
     cfg = resolve_init_from(cfg)  # a staged recipe's previous stage, checked before anything starts
     check_checkpoint_dir(cfg)
-    check_layout(cfg)
     source = build_sft_source(cfg, load_tokenizer(cfg))  # bad data and configs stop here, before any rank
     wandb_settings(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,15 +75,6 @@ def run_sft(cfg: Config, *, run_dir: Path | None = None, final_model: Path | Non
     if result is not None and result.interrupted:
         raise KeyboardInterrupt
     return result
-
-
-def check_layout(cfg: Config) -> None:
-    dp = cfg.parallel.data_parallel_size
-    if cfg.sft.batch_size < dp:
-        raise ConfigError(
-            ("sft.batch_size", "parallel.data_parallel_size"),
-            f"batch_size {cfg.sft.batch_size} leaves some of the {dp} data-parallel ranks without data",
-        )
 
 
 def _sft_rank(rank: int, world_size: int, cfg: Config, source: SFTSource, run_dir: str, final: str | None):
