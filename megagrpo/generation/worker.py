@@ -1,6 +1,6 @@
 """One vLLM engine: token ids in, token ids + sampling logprobs out; receives weights from the trainer.
 
-A plain class; ``megagrpo.cluster`` runs it as a Ray actor (``num_gpus`` = engine TP on GPU). The
+A plain class; ``megagrpo.runtime.engines`` runs it as a Ray actor (``num_gpus`` = engine TP on GPU). The
 engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the actor owns it outright.
 Prompts and responses are token ids end to end: no detokenize/re-tokenize between generator and
 trainer, so the trainer scores exactly the tokens that were sampled.

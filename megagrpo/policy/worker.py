@@ -1,6 +1,6 @@
 """One Megatron rank of the policy: logprobs, reference logprobs, GRPO training steps, save/load.
 
-A plain class; ``megagrpo.cluster`` runs one per rank as a Ray actor, and the tests run it on
+A plain class; ``megagrpo.runtime.groups`` runs one per rank as a Ray actor, and the tests run it on
 local ranks. Every method is collective: all ranks of the trainer job call it with the same
 batch (the controller puts the batch in the object store once), and each rank selects its
 data-parallel shard itself. Results are returned identically on every rank, so the controller

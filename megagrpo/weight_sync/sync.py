@@ -34,14 +34,14 @@ from megagrpo.weight_sync.trainer import WeightSyncEndpoints
 from megagrpo.weight_sync.transport import GroupAddress, LinkKey
 
 if TYPE_CHECKING:
-    from megagrpo.cluster import RankGroup
+    from megagrpo.runtime.groups import RankGroup
 
 
 class WeightSyncError(RuntimeError):
     """A sync did not complete in time, or the probe shows vLLM and the trainer disagree.
 
     ``engine``: the engine that died or did not answer in time, when that is the cause (one a
-    ``cluster.EnginePool`` can replace); None otherwise.
+    ``runtime.engines.EnginePool`` can replace); None otherwise.
     """
 
     def __init__(self, message: str, engine: int | None = None):

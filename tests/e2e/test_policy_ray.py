@@ -34,7 +34,8 @@ def ray_group(tmp_path_factory):
     ranks' set-up (the engines start meanwhile)."""
     import ray
 
-    from megagrpo.cluster import RankGroup, shutdown_ray, start_ray
+    from megagrpo.runtime.groups import RankGroup
+    from megagrpo.runtime.ray_session import shutdown_ray, start_ray
 
     cfg = policy_config(str(make_tiny_hf("qwen2", tmp_path_factory.mktemp("ray") / "qwen2")), tp=2)
     start_ray(cfg.cluster, num_cpus=2)
@@ -66,7 +67,7 @@ def test_a_dead_rank_is_named_with_its_node(ray_group):
     """Runs last in this module: it kills a rank of the group."""
     from ray._private.worker import get_dashboard_url
 
-    from megagrpo.cluster import RankFailure
+    from megagrpo.runtime.faults import RankFailure
 
     _, group, _ = ray_group
     assert get_dashboard_url() == ""  # a local Ray starts no dashboard

@@ -36,8 +36,8 @@ def two_nodes(tmp_path):
     """(address, env a client needs, node id by label resource); both nodes stopped afterwards."""
     from ray._private.services import get_node_ip_address
 
-    from megagrpo.local_ray import session_processes, stop_processes
     from megagrpo.parallel.local import free_port
+    from megagrpo.runtime.watchdog import session_processes, stop_processes
 
     token = tmp_path / "ray_token"
     token.write_text(secrets.token_hex(32))

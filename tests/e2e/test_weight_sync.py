@@ -29,7 +29,8 @@ def stack(tmp_path_factory):
     """Ray, a tiny Qwen2 (head size 32, as vLLM's CPU attention needs) and two vLLM engines."""
     from _damaging_engine import DamagingGenerationWorker
 
-    from megagrpo.cluster import start_engines, start_ray
+    from megagrpo.runtime.engines import start_engines
+    from megagrpo.runtime.ray_session import start_ray
 
     hf_dir = str(make_tiny_hf("qwen2", tmp_path_factory.mktemp("sync") / "qwen2", hidden_size=128))
     cfg = policy_config(hf_dir, extra=["generation.num_engines=2", "generation.sync_timeout_s=30"])
@@ -66,7 +67,7 @@ def _sampled_logprob_error(sync, group, engines, cfg) -> float:
     ids=["tp1", "tp2", "pp2", "tp2-torch-layers"],
 )
 def test_engines_match_trainer_after_real_updates(layout, stack):
-    from megagrpo.cluster import RankGroup
+    from megagrpo.runtime.groups import RankGroup
     from megagrpo.weight_sync.sync import WeightSync
 
     hf_dir, engines = stack
@@ -102,7 +103,7 @@ def test_engines_match_trainer_after_real_updates(layout, stack):
 
 
 def test_corrupted_bucket_is_caught_by_the_probe(stack):
-    from megagrpo.cluster import RankGroup
+    from megagrpo.runtime.groups import RankGroup
     from megagrpo.weight_sync.sync import WeightSync, WeightSyncError
 
     hf_dir, engines = stack
@@ -127,7 +128,7 @@ def test_corrupted_bucket_is_caught_by_the_probe(stack):
 
 
 def test_dead_engine_is_an_error_within_the_timeout(stack):
-    from megagrpo.cluster import RankGroup
+    from megagrpo.runtime.groups import RankGroup
     from megagrpo.weight_sync.sync import WeightSync, WeightSyncError
 
     hf_dir, engines = stack
@@ -199,7 +200,8 @@ def test_engine_with_tensor_parallel_workers(stack):
     both workers): the workers join their groups through the plugin, each receives exactly its shard
     (shard-wise) or the whole model (gathered), and after a real optimizer step the engine scores and
     samples exactly like the trainer."""
-    from megagrpo.cluster import RankGroup, start_engines
+    from megagrpo.runtime.engines import start_engines
+    from megagrpo.runtime.groups import RankGroup
     from megagrpo.weight_sync.shards import shard_bytes
     from megagrpo.weight_sync.sync import WeightSync
 

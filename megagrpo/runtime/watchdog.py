@@ -6,7 +6,7 @@ agents (``DashboardAgent``, ``RuntimeEnvAgent``) live on, and so may processes t
 (Megatron's checkpoint writers). So every local start:
 
 - writes ``megagrpo_driver.json`` (the driver's pid and start time) into its Ray session directory;
-- starts a watchdog (``python -m megagrpo.local_ray SESSION_DIR PID``, in a session of its own so
+- starts a watchdog (``python -m megagrpo.runtime.watchdog SESSION_DIR PID``, in a session of its own so
   that a signal to the driver's process group does not reach it) that waits for the driver to end
   and then stops every process of that Ray session still running;
 - sweeps (``sweep_orphans``) the sessions of earlier drivers that are gone, should their watchdog
@@ -103,7 +103,7 @@ def claim(session_dir: Path) -> subprocess.Popen:
     pid = os.getpid()
     atomic_write(session_dir / MARKER, json.dumps({"pid": pid, "start_time": start_time(pid)}) + "\n")
     return subprocess.Popen(
-        [sys.executable, "-m", "megagrpo.local_ray", str(session_dir), str(pid)],
+        [sys.executable, "-m", "megagrpo.runtime.watchdog", str(session_dir), str(pid)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

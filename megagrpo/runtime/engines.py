@@ -1,0 +1,351 @@
+"""vLLM engines as Ray actors, and the pool that keeps a run's engines answering.
+
+An engine is a single Ray actor of ``GenerationWorker`` (or a subclass), called as
+``engine.generate.remote(...)``. Colocated placement puts engine ``i`` in the policy's bundle ``i``
+(sharing that rank's GPU); disaggregated engines get devices of their own.
+
+``EnginePool`` holds a run's engines and their weight sync with the policy: it generates (a step's
+prompts split across the engines), sends the trainer's weights and probes them, and replaces an engine
+that dies or stops answering (restarted on its placement, weights re-synced, probe re-run, its requests
+re-run with the same seeds), up to ``generation.max_engine_restarts`` in a window of steps. What the
+run is doing is passed to every call (``step=``, ``restartable=``): the pool holds no run state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from megagrpo.config import Config
+from megagrpo.runtime.faults import EngineFailure, first_line
+from megagrpo.runtime.groups import COLOCATED_SHARE, NODE_LABEL_AMOUNT, RankGroup
+from megagrpo.weight_sync.sync import ProbeResult, WeightSync, WeightSyncError
+
+if TYPE_CHECKING:
+    from megagrpo.generation.worker import GenerationWorker
+    from megagrpo.weight_sync.shards import SyncPath
+
+
+def start_engines(
+    cfg: Config,
+    model_dir: str,
+    *,
+    policy: RankGroup | None = None,
+    engine_cls: type[GenerationWorker] | None = None,
+    timeout_s: float = 600.0,
+    indices: Sequence[int] | None = None,
+) -> list:
+    """``generation.num_engines`` vLLM engines as Ray actors (started in parallel, returned when ready).
+
+    Each is an ``engine_cls(cfg, model_dir, index)`` (default ``GenerationWorker``). Colocated
+    placement needs ``policy`` (its placement group). ``indices``: start only these engines (a
+    replacement starts where the engine it replaces was placed).
+    """
+    engines = launch_engines(cfg, model_dir, policy=policy, engine_cls=engine_cls, indices=indices)
+    return wait_for_engines(engines, timeout_s)
+
+
+def launch_engines(
+    cfg: Config,
+    model_dir: str,
+    *,
+    policy: RankGroup | None = None,
+    engine_cls: type[GenerationWorker] | None = None,
+    indices: Sequence[int] | None = None,
+) -> list:
+    """``start_engines`` without the wait: the actors, still starting (``wait_for_engines``)."""
+    if engine_cls is None:
+        from megagrpo.generation.worker import GenerationWorker
+
+        engine_cls = GenerationWorker
+    actor_cls = ray.remote(engine_cls)
+    colocated = cfg.generation.placement == "colocated"
+    if colocated and (policy is None or cfg.generation.num_engines > policy.world_size):
+        raise ValueError("colocated placement needs the policy group and at most one engine per trainer rank")
+    engines = []
+    for index in range(cfg.generation.num_engines) if indices is None else indices:
+        options: dict = {"num_cpus": cfg.cluster.cpus_per_worker}
+        if colocated:
+            options["num_gpus"] = 1 - COLOCATED_SHARE
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=policy.pg, placement_group_bundle_index=index
+            )
+        elif cfg.cluster.gpus_per_node > 0:
+            options["num_gpus"] = cfg.generation.engine_tensor_parallel_size
+        if cfg.cluster.engine_resource:
+            options["resources"] = {cfg.cluster.engine_resource: NODE_LABEL_AMOUNT}
+        engines.append(actor_cls.options(**options).remote(cfg, model_dir, index))
+    return engines
+
+
+def wait_for_engines(engines: list, timeout_s: float = 600.0) -> list:
+    """``engines`` once each has constructed (an engine that failed to start raises here)."""
+    ready = [e.__ray_ready__.remote() for e in engines]
+    done, pending = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
+    for ref in done:
+        ray.get(ref)
+    if pending:
+        raise TimeoutError(f"{len(pending)} vLLM engine(s) did not start within {timeout_s:.0f}s")
+    return engines
+
+
+def placement_summary(policy: RankGroup, engines: Sequence) -> str:
+    """Which Ray node each policy rank and each engine runs on (node ids shortened), one line."""
+    engine_nodes = ray.get([e.node_id.remote() for e in engines], timeout=policy.timeout_s)
+
+    def spans(label: str, node_ids: Sequence[str]) -> list[str]:
+        by_node: dict[str, list[int]] = {}
+        for index, node in enumerate(node_ids):
+            by_node.setdefault(node, []).append(index)
+        return [f"{label} {','.join(map(str, idx))} on node {node[:12]}" for node, idx in by_node.items()]
+
+    return "; ".join(spans("policy rank", policy.node_ids) + spans("engine", engine_nodes))
+
+
+class RestartBudget:
+    """At most ``max_restarts`` restarts within any ``window_steps`` consecutive GRPO steps (0: the
+    whole run)."""
+
+    def __init__(self, max_restarts: int, window_steps: int):
+        self.max_restarts, self.window_steps = max_restarts, window_steps
+        self.steps: deque[int] = deque()
+
+    def take(self, step: int) -> bool:
+        """Count a restart at ``step`` if one more is allowed; False (nothing counted) if not."""
+        while self.window_steps and self.steps and self.steps[0] <= step - self.window_steps:
+            self.steps.popleft()
+        if len(self.steps) >= self.max_restarts:
+            return False
+        self.steps.append(step)
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncOutcome:
+    """What a weight sync ended with."""
+
+    probe: ProbeResult
+    """How far the engines' probe logprobs are from the trainer's."""
+    probe_s: float
+    """Time the probe took (scored by every engine and the trainer; part of the sync's time)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncLayout:
+    """How the weights reach the engines (for the run's start-up report)."""
+
+    backend: str
+    """The collective backend of the sync groups (nccl, gloo)."""
+    path: SyncPath
+    """Shard-wise or gathered, and why."""
+    total_bytes: int
+    """What the senders broadcast per sync (each to every engine)."""
+    worker_bytes: tuple[int, ...]
+    """What each of an engine's vLLM workers receives, by engine TP rank."""
+
+
+class EnginePool:
+    """A run's vLLM engines and their weight sync with the policy; an engine that dies or does not
+    answer in time is replaced.
+
+    Replacing engine ``i``: its actor is killed, a new one started on its placement, the sync groups
+    re-formed, the trainer's current weights sent to every engine and probed; the calls engine ``i``
+    had not answered are then made again with the same arguments (rollouts carry their seeds, so the
+    step's samples are the ones the lost engine would have returned). A failure past the
+    ``RestartBudget`` raises ``EngineFailure``.
+
+    Without a policy (``megagrpo eval``) the engines load their weights from ``model_dir`` themselves:
+    nothing is sent or probed, and a replacement only restarts.
+
+    Build it with :meth:`start`; the constructor takes engines already started and ready.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        model_dir: str,
+        actors: Sequence,
+        *,
+        policy: RankGroup | None = None,
+        engine_cls: type[GenerationWorker] | None = None,
+        vocab_size: int | None = None,
+    ):
+        """``actors``: the engines, started and ready; with ``policy``, its weight-sync groups are formed
+        with them (``vocab_size``: the model's, for the probe)."""
+        if policy is not None and vocab_size is None:
+            raise TypeError("EnginePool with a policy needs the model's vocab_size (the probe's tokens)")
+        self.cfg, self.model_dir, self.policy, self.engine_cls = cfg, model_dir, policy, engine_cls
+        self.vocab_size = vocab_size
+        self.actors = list(actors)
+        self._weights: WeightSync | None = self._connect()
+        gen = cfg.generation
+        self.budget = RestartBudget(gen.max_engine_restarts, gen.engine_restart_window_steps)
+        self.restarts: list[tuple[int, float]] = []
+        """(engine, seconds from its failure to the probe of its replacement), one per restart."""
+
+    @classmethod
+    def start(
+        cls,
+        cfg: Config,
+        model_dir: str,
+        policy: RankGroup | None = None,
+        *,
+        launched: list | None = None,
+        engine_cls: type[GenerationWorker] | None = None,
+    ) -> EnginePool:
+        """The pool of ``generation.num_engines`` engines loading ``model_dir``: ``launched`` (started by
+        ``launch_engines``, still starting) once they are ready, or engines started now. With
+        ``policy`` (which may still be setting up: it is waited for once the engines are up), the
+        weight-sync groups are formed; replacements are always started anew."""
+        vocab_size = None
+        if policy is not None:
+            from megagrpo.models.description import describe_model
+
+            vocab_size = describe_model(cfg).shape.vocab_size
+        if launched is not None:
+            actors = wait_for_engines(launched)
+        else:
+            actors = start_engines(cfg, model_dir, policy=policy, engine_cls=engine_cls)
+        return cls(cfg, model_dir, actors, policy=policy, engine_cls=engine_cls, vocab_size=vocab_size)
+
+    @property
+    def sync(self) -> SyncLayout:
+        """How the weights reach the engines (a pool with a policy only)."""
+        weights = self._require_weights()
+        return SyncLayout(weights.backend, weights.path, weights.total_bytes, tuple(weights.worker_bytes))
+
+    def generate(
+        self, prompts: Sequence, settings, seeds: Sequence[int], *, step: int, restartable: bool = True
+    ) -> list:
+        """Completions (``Completion``) for ``prompts`` (objects with ``token_ids``; ``settings.n`` each,
+        in prompt order), split across the engines. An engine that fails is replaced and its share
+        generated again, with the same seeds; ``step``: the GRPO step asking (restart windows count
+        steps); ``restartable=False`` while the trainer changes the weights a replacement would be sent
+        (``grpo.max_staleness``): a failure then is an EngineFailure."""
+        per = math.ceil(len(prompts) / len(self.actors))
+        shares = {}
+        for i in range(len(self.actors)):
+            chunk = slice(i * per, (i + 1) * per)
+            if prompts[chunk]:
+                shares[i] = ([p.token_ids for p in prompts[chunk]], settings, seeds[chunk])
+        out = []
+        timeout_s = self.cfg.generation.timeout_s
+        for i, comps in self.call("generate", shares, timeout_s, step=step, restartable=restartable).items():
+            out += [dataclasses.replace(c, prompt_index=c.prompt_index + i * per) for c in comps]
+        return out
+
+    def call(
+        self,
+        method: str,
+        args_by_engine: dict[int, tuple],
+        timeout_s: float,
+        *,
+        step: int,
+        restartable: bool = True,
+    ) -> dict[int, Any]:
+        """``method(*args)`` on each engine of ``args_by_engine``; results by engine. An engine that
+        fails (dies, or has not answered within ``timeout_s``) is replaced and asked again (see
+        ``generate`` for ``step`` and ``restartable``)."""
+        refs = {i: getattr(self.actors[i], method).remote(*args) for i, args in args_by_engine.items()}
+        results = {}
+        for i, args in args_by_engine.items():
+            while i not in results:
+                try:
+                    results[i] = ray.get(refs[i], timeout=timeout_s)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                    self.replace(i, err, step=step, restartable=restartable)
+                    refs[i] = getattr(self.actors[i], method).remote(*args)
+        return results
+
+    def sync_weights(self, *, step: int) -> SyncOutcome:
+        """Send the trainer's weights to every engine and probe them; an engine that fails meanwhile is
+        replaced (counted at ``step``), which sends and probes again."""
+        weights = self._require_weights()
+        try:
+            weights.sync()
+            return self._probe(weights)
+        except WeightSyncError as err:
+            if err.engine is None:
+                raise
+            return self.replace(err.engine, err, step=step)
+
+    def replace(
+        self, index: int, err: BaseException, *, step: int, restartable: bool = True
+    ) -> SyncOutcome | None:
+        """Restart engine ``index`` on its placement, then (with a policy) re-form the sync groups,
+        re-sync and probe: that probe's outcome, None without a policy. An EngineFailure when
+        ``restartable`` is False or the restart budget is spent at ``step``."""
+        gen = self.cfg.generation
+        if not restartable:
+            raise EngineFailure(
+                f"vLLM engine {index} failed while generating the next step's rollouts during training "
+                f"(grpo.max_staleness = {self.cfg.grpo.max_staleness}): engines are not restarted while "
+                f"the trainer changes the weights; last error: {first_line(err)}",
+                index,
+            )
+        if not self.budget.take(step):
+            window = gen.engine_restart_window_steps
+            raise EngineFailure(
+                f"vLLM engine {index} failed after {len(self.budget.steps)} engine restart(s)"
+                + (f" within {window} steps" if window else "")
+                + f" (generation.max_engine_restarts = {gen.max_engine_restarts}); "
+                f"last error: {first_line(err)}",
+                index,
+            )
+        start = time.perf_counter()
+        print(f"vLLM engine {index} failed ({first_line(err)}); restarting it on its placement", flush=True)
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(self.actors[index], no_restart=True)
+        self.actors[index] = start_engines(
+            self.cfg, self.model_dir, policy=self.policy, engine_cls=self.engine_cls, indices=[index]
+        )[0]
+        self._weights = self._connect()
+        outcome = None
+        if self._weights is not None:
+            self._weights.sync()
+            outcome = self._probe(self._weights)
+        seconds = time.perf_counter() - start
+        self.restarts.append((index, seconds))
+        print(f"vLLM engine {index} restarted, weights re-synced and probed in {seconds:.1f}s", flush=True)
+        return outcome
+
+    def set_awake(self, awake: bool) -> None:
+        """Colocated placement: engines release their GPU memory while the trainer runs (``False``) and
+        take it back before receiving the new weights (``True``). Disaggregated engines stay up."""
+        if self.cfg.generation.placement != "colocated":
+            return
+        calls = [(e.wake_up if awake else e.sleep).remote() for e in self.actors]
+        ray.get(calls, timeout=self.cfg.generation.sync_timeout_s)
+
+    def close(self) -> None:
+        """Stop the engines (their actors are killed; ``shutdown_ray`` also does)."""
+        for actor in self.actors:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(actor, no_restart=True)
+
+    def _connect(self) -> WeightSync | None:
+        """The weight-sync groups between the policy (waited for) and the current engines."""
+        if self.policy is None:
+            return None
+        return WeightSync(self.cfg, self.policy.ready(), self.actors, vocab_size=self.vocab_size)
+
+    def _probe(self, weights: WeightSync) -> SyncOutcome:
+        start = time.perf_counter()
+        probe = weights.probe()
+        return SyncOutcome(probe, time.perf_counter() - start)
+
+    def _require_weights(self) -> WeightSync:
+        if self._weights is None:
+            raise RuntimeError(
+                "this pool's engines load their weights from disk (started without a policy): "
+                "it has no weight sync"
+            )
+        return self._weights

@@ -1,0 +1,74 @@
+"""This process's Ray: join ``cluster.ray_address`` or start a local one, and shut it down.
+
+A local Ray listens on 127.0.0.1 only (``compat.ray_loopback``; its workers form their process groups
+on the loopback interface) and does not outlive the driver that started it (``runtime.watchdog``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from megagrpo.compat.ray_loopback import local_ray_on_loopback
+from megagrpo.config import ClusterConfig, Config
+from megagrpo.runtime import watchdog
+
+# Environment of every Ray worker of a local run: process groups on the loopback interface.
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": "127.0.0.1"}
+
+_local_session: tuple[Path, Any] | None = None  # (session dir, watchdog) of the Ray this process started
+
+
+def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Config | None = None) -> None:
+    """Join ``cluster.ray_address`` or start a local Ray; idempotent.
+
+    A local Ray gets at least as many logical CPUs as the job's actors reserve (trainer ranks and
+    engines, ``cpus_per_worker`` each): on a small machine they share the cores, and a placement
+    group that cannot be satisfied would otherwise wait forever.
+    """
+    if ray.is_initialized():
+        return
+    if num_cpus is None and cfg is not None:
+        actors = cfg.parallel.world_size + cfg.generation.num_engines
+        num_cpus = max(os.cpu_count() or 1, int(actors * cluster.cpus_per_worker + 0.999))
+    env = {
+        # Our Megatron workers print their own progress; Ray's per-actor log prefixing is enough.
+        "RAY_DEDUP_LOGS": "0",
+    }
+    if "PYTHONWARNINGS" in os.environ:  # the program's filters (compat.upstream_warnings), on every node
+        env["PYTHONWARNINGS"] = os.environ["PYTHONWARNINGS"]
+    if cluster.ray_address:
+        ray.init(address=cluster.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
+        return
+    env |= {k: v for k, v in LOOPBACK_ENV.items() if k not in os.environ}
+    with local_ray_on_loopback():
+        context = ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            num_gpus=cluster.gpus_per_node or None,
+            include_dashboard=False,
+            runtime_env={"env_vars": env},
+            log_to_driver=True,
+        )
+    global _local_session
+    session = Path(context.address_info["session_dir"])
+    _local_session = (session, watchdog.claim(session))
+    for swept in watchdog.sweep_orphans(session.parent):
+        print(f"stopped the processes left by {swept}, the local Ray of a driver that was killed")
+
+
+def shutdown_ray() -> None:
+    """``ray.shutdown``; a local Ray's watchdog is dismissed (its session ended cleanly)."""
+    global _local_session
+    ray.shutdown()
+    if _local_session is not None:
+        watchdog.release(*_local_session)
+        _local_session = None
+
+
+def local_session_dir() -> Path | None:
+    """The session directory of the local Ray this process started and has not shut down, else None
+    (no Ray, or one joined at ``cluster.ray_address``)."""
+    return _local_session[0] if _local_session is not None else None
