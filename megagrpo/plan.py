@@ -13,7 +13,7 @@ worker: weights + KV cache for ``model.seq_length`` at the engine's concurrency;
 sender puts on each link and each vLLM worker receives per sync, on the path the runtime takes
 (shard-wise where trainer and engine TP nest: every TP rank sends its own shard; else gathered:
 TP rank 0 of each stage broadcasts its stage).
-These are estimates, calibrated in ``benchmarks/plan_calibration.py``.
+These are estimates; ``python -m benchmarks.train`` compares them with measured peaks.
 """
 
 from __future__ import annotations

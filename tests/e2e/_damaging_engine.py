@@ -2,7 +2,7 @@
 checksum mode) catch a sync that went wrong, with no such hook in the production receive path.
 
 ``DamagingGenerationWorker.damage_next_sync(k)`` wraps the broadcast groups of the engine's weight
-transfer engine (inside vLLM's worker, as ``benchmarks/sync_bench.py`` instruments them): the k-th
+transfer engine (inside vLLM's worker): the k-th
 bucket the next sync receives gets bytes flipped as soon as it has arrived, before it is digested
 and loaded. The wrapping undoes itself after that bucket. In-process engines only (engine TP = 1,
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``GenerationWorker`` sets it).
