@@ -3,7 +3,6 @@ is named with its node."""
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -74,8 +73,7 @@ def test_a_dead_rank_is_named_with_its_node(ray_group):
     node = group.nodes[1]
     assert node.startswith("127.0.0.1 (pid ")  # a local Ray is on the loopback interface
     os.kill(int(node.rsplit("pid ", 1)[1].rstrip(")")), signal.SIGKILL)
-    start = time.monotonic()
     with pytest.raises(RankFailure) as failure:
         group.call_all(PolicyWorker.logprobs, policy_batch())
-    assert time.monotonic() - start < group.timeout_s
+    # "died", not "did not answer within <timeout_s>": the death was seen, not waited out.
     assert f"policy rank 1 on {node} died: " in str(failure.value)

@@ -142,7 +142,9 @@ def test_dead_engine_is_an_error_within_the_timeout(stack):
         with pytest.raises(WeightSyncError, match=r"weight sync (failed on vLLM engine 1|did not finish)"):
             sync.sync()
         elapsed = time.monotonic() - start
-        assert math.isfinite(elapsed) and elapsed < 20 + 30  # the configured timeout, plus slack for teardown
+        # A generous deadline for two loaded cores, still short of the rank group's own 300 s: the sync's
+        # configured 20 s is what ended it, not the group's timeout nor a hang.
+        assert math.isfinite(elapsed) and elapsed < 20 + 200, f"a dead engine took {elapsed:.0f}s to report"
     finally:
         group.shutdown()
 
