@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,15 +22,14 @@ from megagrpo.ckpt import run as ckpt_io
 from megagrpo.ckpt.convert import megatron_to_hf
 from megagrpo.ckpt.durable import publish
 from megagrpo.config import Config, ConfigError, config_to_dict
-from megagrpo.runtime.groups import RankCalls
+from megagrpo.runtime.spmd import RankCalls
 
-try:  # an actor's error of a write is a write error too; Ray is absent in some tools' processes
-    from ray.exceptions import RayTaskError as _RayTaskError
-except ImportError:  # pragma: no cover
-    _RayTaskError = OSError
 
-WRITE_ERRORS = (OSError, _RayTaskError)
-"""What a failed checkpoint write raises: the disk's errors, here or inside a policy actor."""
+def write_errors() -> tuple[type[BaseException], ...]:
+    """What a failed checkpoint write raises: the disk's errors, here or inside a policy actor (Ray's
+    error, when this process uses Ray: a trainer-only rank does not import it)."""
+    ray_errors = sys.modules.get("ray.exceptions")
+    return (OSError, ray_errors.RayTaskError) if ray_errors else (OSError,)
 
 
 def error_summary(err: BaseException) -> str:
@@ -62,7 +62,7 @@ def save_checkpoint(
     if error is None:
         try:
             written = group.call_all(save, str(tmp))
-        except WRITE_ERRORS as err:
+        except write_errors() as err:
             error = error_summary(err)
     reports = group.gather_to_controller((written, error))
 
@@ -104,7 +104,7 @@ def _attempt(fn: Callable, *args):
     """(fn(*args), None), or (None, the error's summary) when the write failed."""
     try:
         return fn(*args), None
-    except WRITE_ERRORS as err:
+    except write_errors() as err:
         return None, error_summary(err)
 
 

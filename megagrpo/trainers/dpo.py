@@ -43,7 +43,7 @@ from megagrpo.data.supervised import (
 )
 from megagrpo.data.tokenizer import load_tokenizer
 from megagrpo.rewards.arithmetic import arithmetic_reward
-from megagrpo.runtime.groups import LocalGroup, RankCalls, end_rank, run_ranks
+from megagrpo.runtime.spmd import LocalGroup, RankCalls, end_rank, run_ranks
 from megagrpo.trainers.checkpoints import check_checkpoint_dir, resolve_init_from
 from megagrpo.trainers.run import Cadence, Due, Trained, prefixed, run_steps, wandb_settings
 from megagrpo.trainers.supervised import decode_answer, greedy_accuracy, restore_checkpoint

@@ -25,7 +25,7 @@ from typing import Protocol
 from megagrpo.config import Config, config_to_dict
 from megagrpo.metrics import MetricsLogger, WandbSettings, require_wandb
 from megagrpo.runtime.faults import EngineFailure
-from megagrpo.runtime.groups import RankCalls
+from megagrpo.runtime.spmd import RankCalls
 from megagrpo.trainers.checkpoints import export_final, save_checkpoint
 
 

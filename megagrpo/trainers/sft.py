@@ -24,7 +24,7 @@ from pathlib import Path
 from megagrpo.config import Config, save_config
 from megagrpo.data.supervised import SFTSource, build_sft_source
 from megagrpo.data.tokenizer import load_tokenizer, save_tokenizer
-from megagrpo.runtime.groups import LocalGroup, RankCalls, end_rank, run_ranks
+from megagrpo.runtime.spmd import LocalGroup, RankCalls, end_rank, run_ranks
 from megagrpo.trainers.checkpoints import check_checkpoint_dir, resolve_init_from, save_model
 from megagrpo.trainers.run import Cadence, Due, Trained, prefixed, run_steps, wandb_settings
 from megagrpo.trainers.supervised import greedy_accuracy, restore_checkpoint

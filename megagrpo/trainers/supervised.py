@@ -9,7 +9,7 @@ from megagrpo.ckpt import run as ckpt_io
 from megagrpo.config import Config
 from megagrpo.data.supervised import prompt_ids
 from megagrpo.rewards.arithmetic import arithmetic_reward
-from megagrpo.runtime.groups import RankCalls
+from megagrpo.runtime.spmd import RankCalls
 from megagrpo.trainers.checkpoints import verified_resume_point
 
 

@@ -457,7 +457,7 @@ def test_a_stuck_engine_is_killed_and_replaced(monkeypatch):
 class TrainedSoFar:
     """The trainer surface the skeleton's checkpoints read: what the policy holds."""
 
-    save_method = PolicyWorker.save
+    save_method = staticmethod(PolicyWorker.save)
 
     def __init__(self, step, position):
         self.now = Trained(step, position)
