@@ -4,16 +4,23 @@ staleness metrics, the rollouts saved ahead in a checkpoint, and the config chec
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megagrpo.config import ConfigError, load_config
-from megagrpo.data.prompts import Prompt
+from megagrpo.data.prompts import Prompt, build_source
+from megagrpo.policy.worker import PolicyWorker
+from megagrpo.rewards import RewardScorer
+from megagrpo.runtime.engines import SyncOutcome
+from megagrpo.trainers.grpo import GRPOSteps
 from megagrpo.trainers.overlap import RolloutSchedule
 from megagrpo.trainers.rollouts import Pending, Rollouts, staleness_metrics
-from megagrpo.types import Completion
+from megagrpo.trainers.run import Due, Trained
+from megagrpo.types import Completion, TrainMetrics
 
 pytestmark = pytest.mark.unit
 
@@ -126,3 +133,91 @@ def test_config_checks():
     assert "grpo.max_staleness" in str(info.value) and "generation.placement" in str(info.value)
     with pytest.raises(ConfigError):
         load_config(None, ["grpo.max_staleness=-1"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The order GRPOSteps.step itself runs: generate, train, (wait for the rollouts ahead), sync
+# ------------------------------------------------------------------------------------------------------------
+
+
+class StandInPool:
+    """The engine pool's surface ``GRPOSteps.step`` uses; it records the order of calls and which weights
+    (policy version) each generation came from."""
+
+    def __init__(self):
+        self.version, self.log = 0, []
+
+    def generate(self, prompts, settings, seeds, *, step, restartable=True):
+        self.log.append(("generate", step, self.version, restartable))
+        return [
+            Completion(i, [7, 7], [-0.5, -0.5], "stop")
+            for i, _ in enumerate(prompts)
+            for _ in range(settings.n)
+        ]
+
+    def sync_weights(self, *, step):
+        self.log.append(("sync", step))
+        self.version = step
+        return SyncOutcome(SimpleNamespace(error=1.0), 0.0)
+
+    def set_awake(self, awake):
+        self.log.append(("awake", awake))
+
+
+class StandInPolicy:
+    last_call_s = 0.0
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def call_first(self, method, batch):
+        assert method is PolicyWorker.train
+        self.pool.log.append(("train", batch.size))
+        fields = {f.name: 0.0 for f in dataclasses.fields(TrainMetrics)}
+        return [TrainMetrics(**{**fields, "token_mult_prob_error_mean": None, "tis_capped_frac": None})]
+
+
+def _grpo_steps(k: int, steps: int):
+    cfg = load_config(
+        None,
+        [
+            f"grpo.max_staleness={k}",
+            f"grpo.num_steps={steps}",
+            "grpo.num_prompts_per_step=4",
+            "grpo.num_generations=2",
+            "policy.mini_batch_size=8",
+            "logging.val_every=0",
+        ],
+    )
+    trainer = object.__new__(GRPOSteps)  # its parts, without starting Ray actors
+    trainer.cfg, trainer.source, trainer.scorer = cfg, build_source(cfg), RewardScorer(cfg.reward)
+    trainer.engines = StandInPool()
+    trainer.policy = StandInPolicy(trainer.engines)
+    trainer.position, trainer._trained = 0, Trained(0, 0)
+    trainer.schedule = RolloutSchedule(trainer.produce, max_staleness=k, num_steps=steps, engine_version=0)
+    return trainer
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_grpo_step_generates_trains_and_syncs_in_order(k):
+    steps = 3
+    trainer = _grpo_steps(k, steps)
+    try:
+        metrics = [trainer.step(step, Due(validate=False, save=False)) for step in range(1, steps + 1)]
+    finally:
+        trainer.close()
+    log = [e for e in trainer.engines.log if e[0] != "awake"]
+    if k == 0:  # generate from the last step's weights, train, sync: every step
+        assert log == [
+            e for s in range(1, 4) for e in (("generate", s, s - 1, True), ("train", 8), ("sync", s))
+        ]
+    else:  # step s + 1's rollouts come from the weights of s - 1, generated during step s's training
+        assert [e for e in log if e[0] == "generate"] == [
+            ("generate", 1, 0, True),
+            ("generate", 2, 0, False),
+            ("generate", 3, 1, False),
+        ]
+        assert [e for e in log if e[0] == "sync"] == [("sync", 1), ("sync", 2), ("sync", 3)]
+        assert log.index(("sync", 1)) > log.index(("generate", 2, 0, False))  # sync after the ahead batch
+    assert [m["staleness/generator_version"] for m in metrics] == ([0, 1, 2] if k == 0 else [0, 0, 1])
+    assert trainer.trained() == Trained(3, 12) and trainer.schedule.pending is None
