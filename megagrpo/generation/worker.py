@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megagrpo.compat.torch_store import stores_listen_on_their_host
+from megagrpo.compat.vllm_eager_cpu import eager_cpu_engine_env
 from megagrpo.config import Config
 from megagrpo.types import Completion, SamplingSettings
 from megagrpo.weight_sync.buckets import Bucket
@@ -62,12 +63,8 @@ def vllm_env(cfg: Config) -> dict[str, str]:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.generation.cpu_kvcache_space_gib)
     # vLLM logs every weight reload at INFO/WARNING; the driver reports what matters per step.
     env["VLLM_LOGGING_LEVEL"] = "ERROR"
-    if cfg.cluster.gpus_per_node == 0 and cfg.generation.enforce_eager:
-        # Eager on CPU: vLLM 0.32 still torch.compiles two sampler helpers (a token's rank among
-        # the logprobs, the unseeded random sample), compiled at their first call: 1.7-2.2 s of
-        # every engine's first logprobs (the first probe, on the run's critical path). With
-        # TorchDynamo off they run as the plain torch ops they are: same logprobs and ranks.
-        env["TORCH_COMPILE_DISABLE"] = "1"
+    # Eager without GPUs: TorchDynamo off, vLLM would still compile two sampler helpers (compat).
+    env |= eager_cpu_engine_env(gpus=cfg.cluster.gpus_per_node, enforce_eager=cfg.generation.enforce_eager)
     if cfg.generation.engine_tensor_parallel_size > 1:
         # vLLM's CPU build otherwise pins each TP worker's threads to a NUMA node of its own and
         # refuses machines with fewer nodes than workers (ignored by the CUDA build).

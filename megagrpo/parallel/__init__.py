@@ -2,7 +2,8 @@
 
 ``groups.py``: ``init_parallel`` (torch.distributed + Megatron's groups, returned explicitly);
 ``backends.py``: the one resolver of ``"auto"`` backends and layer implementations (config loading uses
-it without importing torch); ``cpu.py``: CUDA -> CPU redirection; ``local.py``: spawn N local ranks.
+it without importing torch); ``local.py``: spawn N local ranks. Without CUDA, ``init_parallel`` runs
+Megatron through ``megagrpo.compat.cuda_on_cpu`` (the CUDA -> CPU redirection).
 The names below are imported on first use, so ``import megagrpo.parallel.backends`` stays light.
 """
 

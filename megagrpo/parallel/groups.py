@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megagrpo.compat import cuda_on_cpu
 from megagrpo.compat.torch_store import stores_listen_on_their_host
-from megagrpo.parallel import cpu
 from megagrpo.parallel.backends import resolve_backend
 
 
@@ -114,7 +114,7 @@ def init_parallel(
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
-        cpu.activate()
+        cuda_on_cpu.activate()
         device = torch.device("cpu")
 
     if not dist.is_initialized():

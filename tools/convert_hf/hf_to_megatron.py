@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from megagrpo.cli import exit_without_teardown
+    from megagrpo.compat.process_exit import exit_without_teardown
+    from megagrpo.compat.upstream_warnings import silence_in_this_program
 
+    silence_in_this_program()
     exit_without_teardown(main())
