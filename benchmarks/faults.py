@@ -156,6 +156,8 @@ def checkpoint_costs(args) -> list[Measurement]:
         Measurement("raw write of the checkpoint's bytes (write + fsync)", r["raw"], "s", s),
         Measurement("save with manifest", r["save"], "s", s),
         Measurement("save without manifest", r["plain"], "s", s),
+        Measurement("verify, pages cached", r["warm"], "s", s),
+        Measurement("verify, pages dropped first", r["cold"], "s", s),
         ratio("manifest's cost at save / raw write", manifest, r["raw"], **kw),
         ratio("verify, pages cached / raw write", r["warm"], r["raw"], **kw),
         ratio("verify, pages dropped / raw write", r["cold"], r["raw"], **kw),

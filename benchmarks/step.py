@@ -183,27 +183,24 @@ def vllm_alone(cfg, model: Path, requests: dict, settings) -> list[float]:
 
 def bare_megatron(cfg, seq: int, repeat: int, out: Path) -> list[float]:
     """Seconds of ``train``'s bare step on the run's batch shape (its own process and ranks)."""
-    tiny = cfg.model.tiny
-    keys = (
-        "num_layers",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_attention_heads",
-        "num_query_groups",
-        "vocab_size",
+    from .common.megatron import PRESETS
+
+    batch, tp, budget = (
+        cfg.rollouts_per_step,
+        cfg.parallel.tensor_model_parallel_size,
+        cfg.policy.micro_batch_max_tokens,
     )
-    batch = cfg.rollouts_per_step
-    cmd = [sys.executable, "-m", "benchmarks.train", *(f"--shape={k}={getattr(tiny, k)}" for k in keys)]
-    cmd += [
-        f"--tp={cfg.parallel.tensor_model_parallel_size}",
-        f"--batch={batch}",
-        f"--seq={seq}",
-        "--min-len-frac=1.0",
-    ]
-    cmd += [
-        f"--budget={cfg.policy.micro_batch_max_tokens}",
-        "--steps",
-        "bare",
+    shape = [f"--shape={k}={getattr(cfg.model.tiny, k)}" for k in PRESETS["tiny"]]
+    # --threads 0: the node's cores shared among the ranks, as the run's
+    run = (
+        f"--tp={tp} --batch={batch} --seq={seq} --min-len-frac=1.0 --budget={budget} --steps bare --threads=0"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.train",
+        *shape,
+        *run.split(),
         f"--repeat={repeat}",
         f"--out={out}",
     ]

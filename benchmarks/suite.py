@@ -28,6 +28,8 @@ from .common.runs import SHARED_WARMUPS
 
 SUITES = ("cpu", "gpu")
 H200 = ["--preset", "qwen2-1.5b", "--dtype", "bfloat16", "--tp", "1", "--peak-tflops", "989"]
+SMOKE = ["--preset", "smoke", "--dtype", "bfloat16", "--peak-tflops", "989"]
+"""The gpu suite's ``--quick`` model: qwen2-1.5b's code path at toy size."""
 GPU_TRAIN = [
     *("--seq", "4096", "8192", "--batch", "8", "--budget", "16384", "--min-len-frac", "1.0"),
     *("--recompute", "core_attention", "--warmup", "2", "--sync-bucket-mb", "512"),
@@ -36,7 +38,7 @@ GPU_TRAIN = [
 
 @dataclass(frozen=True)
 class Bench:
-    """One benchmark of the suite: the module ``benchmarks.<name>``."""
+    """One benchmark of the suite: the module ``benchmarks.<module or name>``, its results ``<name>.json``."""
 
     name: str
     suites: tuple[str, ...]
@@ -47,6 +49,8 @@ class Bench:
     """Arguments of a ``--quick`` run per suite, besides the module's quick sizes."""
     repeat: dict[str, int] = field(default_factory=dict)
     """``--repeat`` of a full run per suite where it is not the module's default."""
+    module: str = ""
+    """The benchmark's module when it is not ``name`` (one module run twice with other settings)."""
 
     def command(self, suite: str, quick: bool, repeat: int | None, out: Path) -> list[str]:
         """The command line of this benchmark in ``suite``, writing ``out/<name>.json``."""
@@ -55,14 +59,8 @@ class Bench:
         n = repeat if repeat is not None else None if quick else self.repeat.get(suite)
         if n is not None:
             args += ["--repeat", str(n)]
-        return [
-            sys.executable,
-            "-m",
-            f"benchmarks.{self.name}",
-            *args,
-            "--out",
-            str(out / f"{self.name}.json"),
-        ]
+        module = f"benchmarks.{self.module or self.name}"
+        return [sys.executable, "-m", module, *args, "--out", str(out / f"{self.name}.json")]
 
 
 BENCHMARKS: tuple[Bench, ...] = (
@@ -80,8 +78,16 @@ BENCHMARKS: tuple[Bench, ...] = (
         # Qwen2-1.5B's shape, every sequence exactly 4096 or 8192 tokens, 32768 a step; the local
         # layers' unfused attention keeps fp32 [b, heads, s, s]: recomputed.
         args={"gpu": [*H200, *GPU_TRAIN]},
-        quick_args={"gpu": ["--preset", "smoke", "--dtype", "bfloat16", "--peak-tflops", "989"]},
+        quick_args={"gpu": SMOKE},
         repeat={"gpu": 5},
+    ),
+    Bench(  # PyTorch's SDPA / varlen attention on packed sequences: nothing to recompute
+        "train_torch",
+        ("gpu",),
+        args={"gpu": [*H200, "--impl", "torch", *GPU_TRAIN[:9], "--warmup", "2"]},
+        quick_args={"gpu": [*SMOKE, "--impl", "torch"]},
+        repeat={"gpu": 5},
+        module="train",
     ),
     Bench("sft_dpo", ("cpu",)),
     Bench("convert", ("cpu",)),

@@ -118,7 +118,11 @@ def test_suite_options():
     assert suite.parse_args(["--suite", "gpu", "--quick"]).out == suite.RESULTS / "suite_gpu_quick"
     args = suite.parse_args(["--suite", "cpu", "--only", "sync", "reward"])
     assert [b.name for b in args.benchmarks] == ["reward", "sync"]  # suite order
-    assert {b.name for b in suite.parse_args(["--suite", "gpu"]).benchmarks} == {"logprob_memory", "train"}
+    assert {b.name for b in suite.parse_args(["--suite", "gpu"]).benchmarks} == {
+        "logprob_memory",
+        "train",
+        "train_torch",
+    }
     with pytest.raises(SystemExit, match="rollout: not in the gpu suite"):
         suite.parse_args(["--suite", "gpu", "--only", "rollout"])
     with pytest.raises(SystemExit):
