@@ -229,7 +229,7 @@ def measure_run(args, tp: int, impl: str, seq: int, batch: int, settings: dict) 
             for what, per_token in flops.items():
                 mfu = [per_token * x / (args.peak_tflops * 1e12 * tp) for x in v]
                 add(f"{k} step MFU ({what})", mfu, "fraction", headline=k == "train" and what == "6N")
-        add("peak device memory", [peak / 2**30], "GiB")
+        add("peak memory of the steps", [peak / 2**30], "GiB")
     if "sync" in ranks[0]:
         sync = ranks[0]["sync"]
         s = {**settings, "bytes": sync["bytes"], "bucket_mb": args.sync_bucket_mb}
@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
     by_impl: dict[str, list[Measurement]] = {}
     for impl in args.impl:
         for seq in args.seq:
-            batch = max(1, args.batch * args.seq[0] // seq)
+            batch = max(2, args.batch * args.seq[0] // seq)  # a group needs two
             for tp in args.tp:
                 settings = {"tp": tp, "impl": impl, "seq": seq, "batch": batch}
                 run = measure_run(args, tp, impl, seq, batch, settings)
