@@ -323,10 +323,9 @@ def fake_engines(monkeypatch, log: list, started: list):
     return engines
 
 
-def test_a_failed_engine_is_replaced_resynced_and_asked_again(monkeypatch, capsys):
+def _engines_answer_until_they_die(monkeypatch):
+    """ray.get returns a stand-in engine's answer, or raises as for a dead actor once it ``dies``."""
     import ray
-
-    from megagrpo.runtime.faults import EngineFailure
 
     def get(ref, timeout):
         engine, answer = ref
@@ -336,6 +335,13 @@ def test_a_failed_engine_is_replaced_resynced_and_asked_again(monkeypatch, capsy
 
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(ray, "kill", lambda actor, no_restart: None)
+
+
+def test_a_failed_engine_is_replaced_resynced_and_asked_again(monkeypatch, capsys):
+
+    from megagrpo.runtime.faults import EngineFailure
+
+    _engines_answer_until_they_die(monkeypatch)
     cfg = load_config(None, ["generation.num_engines=2", "generation.max_engine_restarts=1"])
     log, started = [], []
     engines = fake_engines(monkeypatch, log, started)
@@ -372,16 +378,8 @@ def test_a_failed_engine_is_replaced_resynced_and_asked_again(monkeypatch, capsy
 
 
 def test_restarts_count_in_the_steps_the_caller_names(monkeypatch):
-    import ray
 
-    def get(ref, timeout):
-        engine, answer = ref
-        if engine.dies:
-            raise ray.exceptions.ActorDiedError()
-        return answer
-
-    monkeypatch.setattr(ray, "get", get)
-    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: None)
+    _engines_answer_until_they_die(monkeypatch)
     overrides = ["generation.max_engine_restarts=1", "generation.engine_restart_window_steps=10"]
     cfg = load_config(None, overrides)
     log, started = [], []
