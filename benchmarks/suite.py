@@ -63,6 +63,7 @@ class Bench:
         return [sys.executable, "-m", module, *args, "--out", str(out / f"{self.name}.json")]
 
 
+LOSS_STEPS = ["--steps", "train", "gspo", "gspo_token", "cispo"]
 BENCHMARKS: tuple[Bench, ...] = (
     Bench("reward", ("cpu",)),
     Bench(
@@ -87,6 +88,13 @@ BENCHMARKS: tuple[Bench, ...] = (
         args={"gpu": [*H200, "--impl", "torch", *GPU_TRAIN[:9], "--warmup", "2"]},
         quick_args={"gpu": [*SMOKE, "--impl", "torch"]},
         repeat={"gpu": 5},
+        module="train",
+    ),
+    Bench(  # each grpo.loss beside GRPO's on the same batch, in the same rounds
+        "losses",
+        ("cpu",),
+        args={"cpu": LOSS_STEPS},
+        quick_args={"cpu": LOSS_STEPS},
         module="train",
     ),
     Bench("sft_dpo", ("cpu",)),

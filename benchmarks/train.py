@@ -19,7 +19,10 @@ the reference policy left out; target: within 15%). On CUDA, MFU = 6 N tokens/s 
 parameters, the tied embedding once) and with attention's 12 L h s per token; with
 ``--sync-bucket-mb``, the weight-sync sender (HF conversion + double-buffered buckets, a group
 without receivers) against one flat device copy of the same bytes. Several ``--seq`` keep the
-first one's tokens per step; several ``--impl`` add their ratio to the first's.
+first one's tokens per step; several ``--impl`` add their ratio to the first's. ``--steps`` may add
+the other losses of ``grpo.loss`` (``gspo``, ``gspo_token``, ``cispo``): the same ``train`` call with
+the worker's loss swapped, each against ``train`` (GRPO's loss) in the same rounds; target: the same
+cost within noise (0.85..1.15).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ from .common.record import Measurement, ratio
 from .common.timing import interleave, other_load, seconds, slowest_rank
 
 QUICK = {"tp": [1], "batch": 2, "seq": [64]}
+# grpo.loss's other values and what each needs (GSPO: sequence aggregation, no token TIS weight).
+LOSSES = {
+    "gspo": {"loss": "gspo", "loss_agg": "sequence", "tis_cap": None},
+    "gspo_token": {"loss": "gspo_token", "loss_agg": "sequence", "tis_cap": None},
+    "cispo": {"loss": "cispo"},
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_args(p, tp=[1, 2], seq=256, budget=1024, seqs=True)
     p.add_argument("--batch", type=int, default=8, help="sequences per step (at the first --seq)")
     p.add_argument("--impl", nargs="+", default=["local"], choices=["local", "torch", "transformer_engine"])
-    p.add_argument("--steps", nargs="+", default=["train", "bare"], choices=["train", "bare"])
+    p.add_argument("--steps", nargs="+", default=["train", "bare"], choices=["train", "bare", *LOSSES])
     p.add_argument("--recompute", default="none", choices=["none", "core_attention", "full"])
     p.add_argument("--compile", action="store_true", help="Megatron's torch.compile'd fusions on")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (H200 bf16: 989)")
@@ -116,7 +125,8 @@ def rank_main(rank: int, world_size: int, args, impl: str, seq: int, batch: int)
         data = data.replace(old_logprobs=old, gen_logprobs=gen)
         shard = balanced_shards(data.lengths.tolist(), worker.ctx.dp_size)[worker.ctx.dp_rank]
         micro = [m for _, m in worker.micro_batches(data, shard)]
-        steps = {"train": lambda: worker.train(data), "bare": lambda: bare_step(engine, micro)}
+        steps = {"train": with_loss(worker, data, {}), "bare": lambda: bare_step(engine, micro)}
+        steps |= {name: with_loss(worker, data, knobs) for name, knobs in LOSSES.items()}
         steps = {k: steps[k] for k in args.steps}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -142,6 +152,23 @@ def rank_main(rank: int, world_size: int, args, impl: str, seq: int, batch: int)
         return out
     finally:
         destroy_parallel()
+
+
+def with_loss(worker, data, knobs: dict):
+    """``worker.train(data)`` with the worker's loss knobs replaced by ``knobs`` for the call."""
+    from dataclasses import replace
+
+    grpo_loss = worker.loss_cfg
+    changed = replace(grpo_loss, **knobs)
+
+    def step():
+        worker.loss_cfg = changed
+        try:
+            return worker.train(data)
+        finally:
+            worker.loss_cfg = grpo_loss
+
+    return step
 
 
 def time_sender(worker, args) -> dict:
@@ -199,7 +226,10 @@ def measure_run(args, tp: int, impl: str, seq: int, batch: int, settings: dict) 
     def add(name: str, samples, unit: str, s=settings, **kw) -> None:
         out.append(Measurement(name, samples, unit, s, **kw))
 
-    if len(steps) == 2:
+    for loss in (k for k in steps if k in LOSSES and "train" in steps):
+        per_round = ratio("", rates[loss], rates["train"]).samples
+        add(f"{loss} step / grpo step", per_round, "x", target="0.85..1.15", headline=True)
+    if "train" in steps and "bare" in steps:
         per_round = ratio("", rates["train"], rates["bare"]).samples
         add("train / bare Megatron step", per_round, "x", target=">= 0.85", headline=True)
         cpu = [[t.cpu_s for t in steps[k]] for k in ("bare", "train")]

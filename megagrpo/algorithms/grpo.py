@@ -16,6 +16,13 @@ Choices made here, and where they depart from the papers:
   ``leave_one_out`` is RLOO's baseline, A_i = r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean r),
   optionally divided by the same std. The std is the group's *unbiased* reward std (``torch.std``, as
   GRPO implementations do). Groups whose rewards are all equal get exactly zero advantages.
+  ``reinforce_pp`` is REINFORCE++'s global normalisation (Hu et al. 2025, arXiv 2501.03262):
+  A_i = (r_i - mean_batch r) / (std_batch r + eps); ``reinforce_pp_baseline`` is its group variant,
+  A~_i = r_i - mean_group r, then A_i = A~_i / (std_batch A~ + eps) (mean_batch A~ is 0 by construction, so a
+  group of equal rewards keeps advantage 0). "Batch" is the step's whole rollout batch, each response once;
+  the paper's reference code weights each response by its token count instead, and folds the KL penalty into
+  the reward where megagrpo keeps it a loss term (``grpo.kl_coef``). Without std normalisation only the
+  means are subtracted.
 - DAPO's overlong filtering is a loss mask: the caller leaves truncated responses out of ``mask``
   (``TrainBatch.in_loss``), which removes them from the loss sum, its token count and the KL term alike.
 - ``tis_mode="mask"`` drops a token's policy-gradient term but keeps the token in ``count``: the normalizer
@@ -32,6 +39,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from megagrpo.algorithms import surrogates
+
 __all__ = [
     "METRIC_REDUCTIONS",
     "LossConfig",
@@ -45,9 +54,7 @@ __all__ = [
     "zero_variance_groups",
 ]
 
-# exp(20) ~ 4.9e8: far beyond any useful ratio or KL clamp, still finite in fp32 (an inf in a forward pass
-# makes the backward of a later clamp/where 0 * inf = NaN).
-_MAX_LOG_RATIO = 20.0
+_MAX_LOG_RATIO = surrogates.MAX_LOG_RATIO
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -72,7 +79,9 @@ def zero_variance_groups(rewards: Tensor, num_generations: int) -> Tensor:
     return rewards_PG.amax(dim=1) == rewards_PG.amin(dim=1)
 
 
-Baseline = Literal["mean", "leave_one_out"]
+Baseline = Literal["mean", "leave_one_out", "reinforce_pp", "reinforce_pp_baseline"]
+GROUP_BASELINES = ("mean", "leave_one_out", "reinforce_pp_baseline")
+"""Baselines under which a group of equal rewards has zero advantages (``reinforce_pp`` is not one)."""
 
 
 def group_advantages(
@@ -87,21 +96,33 @@ def group_advantages(
 
     ``mean`` (GRPO): A_i = r_i - mean r; ``leave_one_out`` (RLOO): A_i = r_i - mean_{j != i} r_j, which is
     G/(G-1) times the former. Divided by (unbiased std of the group's rewards + eps) when
-    ``normalize_std``; ``mean`` without it is Dr. GRPO. Zero-variance groups give exactly 0.
+    ``normalize_std``; ``mean`` without it is Dr. GRPO. ``reinforce_pp`` (REINFORCE++): r_i - mean of the
+    whole batch; ``reinforce_pp_baseline``: r_i - mean r of the group; both divided by the unbiased std of
+    those centred values over the whole batch (+ eps) when ``normalize_std``. Under the group baselines a
+    zero-variance group gives exactly 0.
     """
     G = num_generations
     rewards_PG = _grouped(rewards, G).to(torch.promote_types(rewards.dtype, torch.float32))
-    if baseline == "mean":
+    if baseline == "reinforce_pp":
+        adv_PG = rewards_PG - rewards_PG.mean()
+        if normalize_std:
+            adv_PG = adv_PG / (adv_PG.std() + eps)
+        # A batch of equal rewards carries no signal: 0, not its rounding residue over eps.
+        return torch.where(rewards_PG.amax() == rewards_PG.amin(), 0.0, adv_PG).reshape(-1)
+    if baseline in ("mean", "reinforce_pp_baseline"):
         adv_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
     elif baseline == "leave_one_out":
         # r_i - (S - r_i) / (G - 1) == (G r_i - S) / (G - 1)
         adv_PG = (G * rewards_PG - rewards_PG.sum(dim=1, keepdim=True)) / (G - 1)
     else:
-        raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
-    if normalize_std:
-        adv_PG = adv_PG / (rewards_PG.std(dim=1, keepdim=True) + eps)
-    # Equal rewards must give 0, not the rounding residue of G r - S amplified by 1 / eps.
+        raise ValueError(f"baseline must be one of {Baseline.__args__}, got {baseline!r}")
     flat_P1 = zero_variance_groups(rewards, G)[:, None]
+    # Equal rewards must give 0, not the rounding residue of G r - S amplified by 1 / eps.
+    adv_PG = torch.where(flat_P1, torch.zeros_like(adv_PG), adv_PG)
+    if normalize_std and baseline == "reinforce_pp_baseline":
+        adv_PG = adv_PG / (adv_PG.std() + eps)
+    elif normalize_std:
+        adv_PG = adv_PG / (rewards_PG.std(dim=1, keepdim=True) + eps)
     return torch.where(flat_P1, torch.zeros_like(adv_PG), adv_PG).reshape(-1)
 
 
@@ -119,16 +140,25 @@ def overlong_penalty(response_lengths: Tensor, max_tokens: int, buffer_tokens: i
 # ----------------------------------------------------------------------------------------------------------
 
 
+Loss = Literal["grpo", "gspo", "gspo_token", "cispo"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """Knobs of the clipped surrogate loss; each is a ``grpo.*`` key, checked at load."""
+    """Knobs of the policy loss; each is a ``grpo.*`` key, checked at load (which combinations are allowed
+    is decided there, in ``megagrpo.config``)."""
 
+    loss: Loss = "grpo"
+    """The policy-gradient term, see :mod:`megagrpo.algorithms.surrogates`: grpo (PPO's clipped token
+    ratio), gspo / gspo_token (GSPO's sequence ratio), cispo (clipped, stop-gradient token weights)."""
     clip_eps_low: float = 0.2
-    """Negative-advantage tokens with ratio < 1 - clip_eps_low are clipped (no gradient); in (0, 1)."""
+    """Ratios below 1 - clip_eps_low are clipped (PPO, GSPO: negative-advantage terms lose their gradient;
+    CISPO: the weight is raised to the bound)."""
     clip_eps_high: float = 0.2
-    """Positive-advantage tokens with ratio > 1 + clip_eps_high are clipped; > clip_eps_low is clip-higher."""
+    """Ratios above 1 + clip_eps_high are clipped; > clip_eps_low is clip-higher."""
     dual_clip: float | None = None
-    """Dual-clip PPO bound c > 1: a negative-advantage token's loss is at most -c * A; None disables it."""
+    """Dual-clip PPO bound c > 1 (loss grpo): a negative-advantage token's loss is at most -c * A; None
+    disables it."""
     kl_coef: float = 0.0
     """Weight of the per-token KL(policy || reference) penalty; > 0 requires ref_logprobs."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -147,6 +177,8 @@ class LossConfig:
         # kl_clamp is also checked here: a non-finite clamp would let an infinite KL through to the loss.
         if not (math.isfinite(self.kl_clamp) and self.kl_clamp > 0):
             raise ValueError(f"LossConfig.kl_clamp must be finite and > 0, got {self.kl_clamp!r}")
+        assert self.loss in _SURROGATES, self.loss
+        assert self.dual_clip is None or self.loss == "grpo", (self.loss, self.dual_clip)
         assert self.kl_estimator in ("k1", "k2", "k3"), self.kl_estimator
         assert self.tis_mode in ("truncate", "mask"), self.tis_mode
         assert self.loss_agg in ("token", "sequence"), self.loss_agg
@@ -195,13 +227,14 @@ def grpo_loss(
     gen_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
 ) -> LossOutput:
-    """Clipped surrogate loss of one micro-batch (see the module docstring for the normalization contract).
+    """Policy loss of one micro-batch (see the module docstring for the normalization contract).
 
     logprobs [B, T] (with grad), old_logprobs / ref_logprobs / gen_logprobs [B, T] (trainer before the update,
     reference model, generator), advantages [B], mask [B, T] (1: a response token that counts), entropy [B, T]
-    (metric only). Per token: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) with r = exp(logprobs - old),
-    capped at -c A for A < 0 by the dual clip, times the TIS weight, plus kl_coef * KL. Masked positions may
-    hold anything (-inf, NaN): they contribute exactly 0 to the loss and its gradient.
+    (metric only). Per token: the policy-gradient term of ``cfg.loss`` (for grpo, max(-A r, -A clip(r,
+    1 - eps_low, 1 + eps_high)) with r = exp(logprobs - old), capped at -c A for A < 0 by the dual clip; see
+    :mod:`megagrpo.algorithms.surrogates` for the others), times the TIS weight, plus kl_coef * KL. Masked
+    positions may hold anything (-inf, NaN): they contribute exactly 0 to the loss and its gradient.
     """
     _check_inputs(logprobs, old_logprobs, advantages, mask, cfg, ref_logprobs, gen_logprobs, entropy)
     valid_BT = mask.bool()
@@ -214,14 +247,8 @@ def grpo_loss(
 
     logprobs_BT, old_BT = clean(logprobs), clean(old_logprobs).detach()
     adv_B1 = advantages.detach().to(dtype)[:, None]
-
-    ratio_BT = torch.exp((logprobs_BT - old_BT).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    clipped_BT = ratio_BT.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
-    pg_BT = torch.maximum(-adv_B1 * ratio_BT, -adv_B1 * clipped_BT)
-    dual_BT = torch.zeros_like(valid_BT)
-    if cfg.dual_clip is not None:
-        dual_BT = (adv_B1 < 0) & (pg_BT > -cfg.dual_clip * adv_B1)
-        pg_BT = torch.where(dual_BT, -cfg.dual_clip * adv_B1, pg_BT)
+    surrogate = _surrogate(logprobs_BT, old_BT, adv_B1, valid_BT, cfg)
+    pg_BT, ratio_BT = surrogate.pg_BT, surrogate.ratio_BT
 
     metrics: dict[str, Tensor] = {}
     if gen_logprobs is not None:
@@ -245,14 +272,13 @@ def grpo_loss(
 
     tokens_B = valid_BT.sum(dim=1)
     loss_sum, count = aggregate(loss_BT, tokens_B, cfg.loss_agg)
-    adv_BT = adv_B1.expand_as(ratio_BT)
     metrics |= {
         "tokens": _sum(valid_BT, valid_BT),
         "sequences": (tokens_B > 0).sum().double(),
         "pg_loss_sum": _sum(pg_BT, valid_BT),
-        "clip_low_count": _sum((adv_BT < 0) & (ratio_BT < 1 - cfg.clip_eps_low), valid_BT),
-        "clip_high_count": _sum((adv_BT > 0) & (ratio_BT > 1 + cfg.clip_eps_high), valid_BT),
-        "dual_clip_count": _sum(dual_BT, valid_BT),
+        "clip_low_count": _sum(surrogate.clip_low_BT, valid_BT),
+        "clip_high_count": _sum(surrogate.clip_high_BT, valid_BT),
+        "dual_clip_count": _sum(surrogate.dual_clip_BT, valid_BT),
         "ratio_sum": _sum(ratio_BT, valid_BT),
         "ratio_min": torch.where(valid_BT, ratio_BT.detach(), math.inf).amin().double(),
         "ratio_max": torch.where(valid_BT, ratio_BT.detach(), -math.inf).amax().double(),
@@ -270,6 +296,23 @@ def aggregate(loss_BT: Tensor, tokens_B: Tensor, loss_agg: str) -> tuple[Tensor,
         return loss_BT.sum(), tokens_B.sum()
     # A sequence without valid tokens has a zero sum; clamping its divisor keeps it at 0 and out of count.
     return (loss_BT.sum(dim=1) / tokens_B.clamp(min=1)).sum(), (tokens_B > 0).sum()
+
+
+_SURROGATES = {
+    "grpo": surrogates.ppo_clip,
+    "gspo": surrogates.gspo,
+    "gspo_token": surrogates.gspo_token,
+    "cispo": surrogates.cispo,
+}
+
+
+def _surrogate(
+    logprobs_BT: Tensor, old_BT: Tensor, adv_B1: Tensor, valid_BT: Tensor, cfg: LossConfig
+) -> surrogates.Surrogate:
+    clip = {"clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high}
+    if cfg.loss == "grpo":
+        return surrogates.ppo_clip(logprobs_BT, old_BT, adv_B1, valid_BT, **clip, dual_clip=cfg.dual_clip)
+    return _SURROGATES[cfg.loss](logprobs_BT, old_BT, adv_B1, valid_BT, **clip)
 
 
 def _sum(x_BT: Tensor, valid_BT: Tensor) -> Tensor:

@@ -81,12 +81,18 @@ class GRPOConfig:
     """Responses per prompt (the group size); >= 2 so that a group has a baseline."""
     num_steps: int = 100
     """Rollout-and-update steps in the run."""
+    loss: Literal["grpo", "gspo", "gspo_token", "cispo"] = "grpo"
+    """Policy-gradient term: grpo = PPO's clipped token ratio; gspo / gspo_token = GSPO's clipped sequence
+    ratio (needs loss_agg sequence; the paper clips at 3e-4 / 4e-4); cispo = CISPO's clipped,
+    stop-gradient token weight times the token's logprob (MiniMax-M1)."""
     clip_eps_low: float = 0.2
-    """PPO clip below: ratios under 1 - clip_eps_low are clipped; in (0, 1)."""
+    """Clip below: ratios under 1 - clip_eps_low are clipped; in (0, 1), and for cispo in (0, 1] (1: no
+    lower bound on the weight)."""
     clip_eps_high: float = 0.2
-    """PPO clip above: ratios over 1 + clip_eps_high are clipped (DAPO's clip-higher sets 0.28); in (0, 1)."""
+    """Clip above: ratios over 1 + clip_eps_high are clipped (DAPO's clip-higher sets 0.28); in (0, 1), and
+    for cispo > 0 (.inf: no upper bound)."""
     dual_clip: float | None = None
-    """Dual-clip bound c > 1 on the loss of negative-advantage tokens; null disables it."""
+    """Dual-clip bound c > 1 on the loss of negative-advantage tokens (loss grpo); null disables it."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy; 0 needs no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -95,11 +101,14 @@ class GRPOConfig:
     """The per-token KL estimate is clamped to [-kl_clamp, kl_clamp] (k2/k3 are >= 0); finite, > 0."""
     loss_agg: Literal["token", "sequence"] = "token"
     """Average the loss over all tokens of the mini-batch (DAPO), or per sequence then over sequences."""
-    baseline: Literal["mean", "leave_one_out"] = "mean"
+    baseline: Literal["mean", "leave_one_out", "reinforce_pp", "reinforce_pp_baseline"] = "mean"
     """Advantage baseline: mean = the group's mean reward (GRPO; Dr. GRPO without std normalization);
-    leave_one_out = the mean of the other G - 1 rewards (RLOO: G/(G-1) x the group-mean advantage)."""
+    leave_one_out = the mean of the other G - 1 rewards (RLOO: G/(G-1) x the group-mean advantage);
+    reinforce_pp = the whole batch's mean reward (REINFORCE++); reinforce_pp_baseline = the group's mean,
+    then normalised over the whole batch (REINFORCE++ with baseline)."""
     normalize_adv_std: bool = True
-    """Divide advantages by the group's reward std (GRPO); false with baseline mean: Dr. GRPO's advantage."""
+    """Divide advantages by the std of their population: the group's rewards (mean, leave_one_out; false
+    with mean: Dr. GRPO's advantage), or the whole batch's centred rewards (reinforce_pp*, as published)."""
     filter_zero_variance_groups: bool = False
     """Drop groups whose rewards are all equal (their advantages are zero) before the update."""
     overlong_policy: Literal["none", "mask", "soft_penalty"] = "none"
@@ -124,9 +133,7 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         positive(self, "num_prompts_per_step", "num_steps")
         check(self, "num_generations", self.num_generations >= 2, ">= 2 (a group needs a baseline)")
-        for name in ("clip_eps_low", "clip_eps_high"):
-            check(self, name, 0 < getattr(self, name) < 1, "in (0, 1)")
-        check(self, "dual_clip", self.dual_clip is None or self.dual_clip > 1, "> 1 or null")
+        self._check_loss()
         check(self, "kl_coef", math.isfinite(self.kl_coef) and self.kl_coef >= 0, "finite and >= 0")
         check(self, "kl_clamp", math.isfinite(self.kl_clamp) and self.kl_clamp > 0, "finite and > 0")
         check(self, "overlong_buffer_tokens", self.overlong_buffer_tokens >= 0, ">= 0")
@@ -139,10 +146,43 @@ class GRPOConfig:
         check(self, "tis_cap", self.tis_cap is None or self.tis_cap >= 1, ">= 1 or null")
         check(self, "max_staleness", self.max_staleness >= 0, ">= 0")
         require(
+            self.baseline != "reinforce_pp" or not self.filter_zero_variance_groups,
+            ("filter_zero_variance_groups", "baseline"),
+            "baseline 'reinforce_pp' has no group baseline, so a group of equal rewards still has nonzero "
+            "advantages: filtering those groups would drop signal (use reinforce_pp_baseline)",
+        )
+        require(
             self.max_staleness <= self.num_steps,
             ("max_staleness", "num_steps"),
             f"max_staleness {self.max_staleness} is larger than the run's {self.num_steps} steps",
         )
+
+    def _check_loss(self) -> None:
+        """The clip range each loss allows, and the knobs a loss does not define."""
+        if self.loss == "cispo":
+            check(self, "clip_eps_low", 0 < self.clip_eps_low <= 1, "in (0, 1] with loss cispo")
+            check(self, "clip_eps_high", self.clip_eps_high > 0, "> 0 with loss cispo")
+        else:
+            for name in ("clip_eps_low", "clip_eps_high"):
+                check(self, name, 0 < getattr(self, name) < 1, "in (0, 1)")
+        check(self, "dual_clip", self.dual_clip is None or self.dual_clip > 1, "> 1 or null")
+        require(
+            self.dual_clip is None or self.loss == "grpo",
+            ("dual_clip", "loss"),
+            f"dual_clip bounds PPO's token surrogate (loss grpo); loss {self.loss!r} does not define it",
+        )
+        if self.loss in ("gspo", "gspo_token"):
+            require(
+                self.loss_agg == "sequence",
+                ("loss_agg", "loss"),
+                f"loss {self.loss!r} is defined as a mean over sequences (GSPO); set loss_agg: sequence",
+            )
+            require(
+                self.tis_cap is None,
+                ("tis_cap", "loss"),
+                f"tis_cap weights single tokens; loss {self.loss!r} clips a sequence-level ratio, and "
+                "a token weight inside it is not defined",
+            )
 
 
 @dataclass(kw_only=True, frozen=True)

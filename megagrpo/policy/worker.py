@@ -48,6 +48,7 @@ class PolicyWorker(MegatronRank, WeightSyncEndpoints):
             temperature=cfg.generation.temperature,
         )
         self.loss_cfg = LossConfig(
+            loss=cfg.grpo.loss,
             clip_eps_low=cfg.grpo.clip_eps_low,
             clip_eps_high=cfg.grpo.clip_eps_high,
             dual_clip=cfg.grpo.dual_clip,

@@ -119,7 +119,9 @@ def test_one_optimizer_step_needs_no_old_logprob_pass(layout, hf_dir, reference)
     """The driver skips the old-logprob forward when a batch gets one optimizer step: the training
     forward's detached logprobs are then the old ones, so the step equals the one given them."""
     world = 2 if layout else 1
-    results = run_local_ranks(_one_step_without_old_logprobs, world, policy_config(hf_dir, **layout), timeout_s=300)
+    results = run_local_ranks(
+        _one_step_without_old_logprobs, world, policy_config(hf_dir, **layout), timeout_s=300
+    )
     (want,) = reference["metrics"]
     mask = policy_batch().response_mask()
     for res in results:
@@ -267,3 +269,71 @@ def test_packed_micro_batch_gives_the_padded_logprobs(hf_dir):
     for res in results:
         assert res["total"] == int(policy_batch().lengths.sum())  # no padding at all
         torch.testing.assert_close(res["got"][mask], res["want"][mask], atol=1e-5, rtol=1e-5)
+
+
+# Each loss of the family with the options it needs; the batch's old logprobs are pushed off the policy's
+# so that ratios differ from 1 and some tokens (or sequences) clip.
+LOSSES = {
+    "grpo": (),
+    # GSPO's sequence ratios spread less than token ratios: a range of the paper's order clips some.
+    "gspo": ("grpo.loss=gspo", "grpo.loss_agg=sequence", "grpo.clip_eps_low=0.02", "grpo.clip_eps_high=0.02"),
+    "gspo_token": (
+        "grpo.loss=gspo_token",
+        "grpo.loss_agg=sequence",
+        "grpo.clip_eps_low=0.02",
+        "grpo.clip_eps_high=0.02",
+    ),
+    "cispo": ("grpo.loss=cispo", "grpo.clip_eps_low=1.0", "grpo.clip_eps_high=0.1"),
+}
+
+
+def _one_off_policy_step_per_loss(rank: int, world_size: int, hf_dir: str, layout: dict) -> dict:
+    from megagrpo.policy.worker import PolicyWorker
+
+    results = {}
+    for name, extra in LOSSES.items():
+        cfg = policy_config(hf_dir, **layout, extra=(*layout.get("extra", ()), *extra))
+        worker = PolicyWorker(cfg)
+        try:
+            batch = policy_batch()
+            shift = 0.15 * torch.randn(
+                batch.input_ids.shape[0],
+                batch.input_ids.shape[1] - 1,
+                generator=torch.Generator().manual_seed(3),
+            )
+            results[name] = worker.train(batch.replace(old_logprobs=worker.logprobs(batch) + shift))
+        finally:
+            destroy_parallel(keep_world=True)
+    return results
+
+
+@pytest.fixture(scope="module")
+def per_loss_reference(hf_dir) -> dict:
+    (res,) = run_local_ranks(_one_off_policy_step_per_loss, 1, hf_dir, {}, timeout_s=300)
+    return res
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tp=2, budget=SMALL_BUDGET), dict(pp=2, budget=SMALL_BUDGET), dict(dp=2, budget=SMALL_BUDGET)],
+    ids=["tp2-small", "pp2-small", "dp2-small"],
+)
+def test_every_loss_is_layout_invariant(layout, hf_dir, per_loss_reference):
+    """GSPO, GSPO-token and CISPO (and GRPO beside them) give the same loss and grad norm at TP 2, PP 2 and
+    DP 2 with many micro-batches as on one rank with one, off-policy (ratios != 1, some clipped)."""
+    results = run_local_ranks(_one_off_policy_step_per_loss, 2, hf_dir, layout, timeout_s=300)
+    ref = {name: m for name, (m,) in per_loss_reference.items()}
+    assert len({ref[name].loss for name in ("grpo", "gspo", "cispo")}) == 3, ref  # three different losses
+    # GSPO-token with one advantage per sequence: GSPO's value and gradient, on the real model too
+    assert _rel(ref["gspo_token"].loss, ref["gspo"].loss) <= 1e-6
+    assert _rel(ref["gspo_token"].grad_norm, ref["gspo"].grad_norm) <= 1e-5
+    for name, (want,) in per_loss_reference.items():
+        assert want.ratio_max - want.ratio_min > 0.1, name
+        assert want.clip_low_frac + want.clip_high_frac > 0, name
+        for res in results:
+            (got,) = res[name]
+            assert _rel(got.loss, want.loss) <= 1e-5, (name, got.loss, want.loss)
+            assert _rel(got.grad_norm, want.grad_norm) <= 1e-5, (name, got.grad_norm, want.grad_norm)
+            assert (
+                _rel(got.clip_high_frac + got.clip_low_frac, want.clip_high_frac + want.clip_low_frac) <= 1e-9
+            )

@@ -257,6 +257,30 @@ def test_yaml_syntax_error_and_non_mapping_top_level(tmp_path):
         (["grpo.clip_eps_low=0"], ["grpo.clip_eps_low"], "in (0, 1)"),
         (["grpo.clip_eps_high=1.0"], ["grpo.clip_eps_high"], "in (0, 1)"),
         (["grpo.dual_clip=1.0"], ["grpo.dual_clip"], "> 1"),
+        (["grpo.loss=gspo"], ["grpo.loss_agg", "grpo.loss"], "set loss_agg: sequence"),
+        (
+            ["grpo.loss=gspo_token", "grpo.loss_agg=token"],
+            ["grpo.loss_agg", "grpo.loss"],
+            "mean over sequences",
+        ),
+        (
+            ["grpo.loss=gspo", "grpo.loss_agg=sequence", "grpo.tis_cap=2"],
+            ["grpo.tis_cap", "grpo.loss"],
+            "sequence-level ratio",
+        ),
+        (
+            ["grpo.loss=cispo", "grpo.dual_clip=3", "grpo.tis_cap=null"],
+            ["grpo.dual_clip", "grpo.loss"],
+            "does not define it",
+        ),
+        (["grpo.loss=cispo", "grpo.clip_eps_low=1.5"], ["grpo.clip_eps_low"], "in (0, 1] with loss cispo"),
+        (["grpo.loss=cispo", "grpo.clip_eps_high=0"], ["grpo.clip_eps_high"], "> 0 with loss cispo"),
+        (["grpo.loss=ppo"], ["grpo.loss"], "grpo"),
+        (
+            ["grpo.baseline=reinforce_pp", "grpo.filter_zero_variance_groups=true"],
+            ["grpo.filter_zero_variance_groups", "grpo.baseline"],
+            "use reinforce_pp_baseline",
+        ),
         (["grpo.num_generations=1"], ["grpo.num_generations"], ">= 2"),
         (
             ["policy.mini_batch_size=5", "grpo.num_prompts_per_step=4", "grpo.num_generations=4"],
