@@ -9,7 +9,7 @@ STAMP := $(VENV)/.megagrpo-$(EXTRAS)-installed
 PYTEST_ARGS ?=
 SUITE ?= cpu
 
-.PHONY: setup demo sft-demo dpo-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-deps bench-readme bench-check clean
+.PHONY: setup demo sft-demo dpo-demo distill-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-deps bench-readme bench-check clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,15 @@ sft-demo: setup
 dpo-demo: setup
 	rm -rf runs/tiny-dpo/checkpoints
 	$(VENV)/bin/megagrpo dpo --config tiny_dpo
+
+# On-policy distillation of the tiny model from the GRPO demo's final model (runs make demo first when its
+# export is missing), then its greedy accuracy beside the GRPO run that trained the teacher, from the same
+# warm-up: steps to reach 90% of the teacher's final accuracy.
+distill-demo: setup
+	test -f runs/tiny-cpu/hf_export/config.json || $(MAKE) demo
+	rm -rf runs/tiny-distill/checkpoints
+	$(VENV)/bin/megagrpo distill --config tiny_distill
+	$(PY) tools/compare_runs.py runs/tiny-distill runs/tiny-cpu --metric val/accuracy --reach-fraction 0.9
 
 # CPU twin of the DeepScaleR recipe (configs/deepscaler/cpu_twin_*.yaml): make the model (BPE tokenizer +
 # SFT warm-up; rebuilt only when its config changes) and the data, evaluate the made model, run the three

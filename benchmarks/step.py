@@ -12,6 +12,9 @@ the driver writes to metrics.jsonl every step:
 - ``tiny_async``: ``tiny_tp1`` with generation overlapped with training (``grpo.max_staleness`` 1,
   one thread each side): its step against max(generation, logprobs + train + sync), the step if
   the two sides overlapped perfectly (target <= 1.15);
+- ``tiny_distill``: ``tiny_tp1`` as ``megagrpo distill`` from a random teacher of twice the layers (on
+  a Megatron rank of its own): the teacher's forward passes per step against the trainer's
+  (logprobs + train);
 - ``m25_tp1`` / ``m25_tp2``: a ~25M model of the same family (8 layers, hidden 512) from random
   weights, 16 prompts x 8, 128 new tokens (``ignore_eos``: every step does the same work), one
   optimizer step per batch.
@@ -50,11 +53,12 @@ SETUPS: dict[str, list[str]] = {
     "tiny_tp1": ["parallel.tensor_model_parallel_size=1"],
     "tiny_tp2": ["parallel.tensor_model_parallel_size=2"],
     "tiny_async": ["parallel.tensor_model_parallel_size=1", "grpo.max_staleness=1", "cluster.cpu_threads=1"],
+    "tiny_distill": ["parallel.tensor_model_parallel_size=1"],
     "m25_tp1": [*M25, "parallel.tensor_model_parallel_size=1"],
     "m25_tp2": [*M25, "parallel.tensor_model_parallel_size=2"],
 }
-STAGES = ("generation_s", "logprobs_s", "train_s", "sync_s", "validation_s")
-"""A step's stages (reward_s is inside generation_s, probe_s inside sync_s)."""
+STAGES = ("generation_s", "logprobs_s", "train_s", "sync_s", "validation_s", "teacher_s")
+"""A step's stages (reward_s is inside generation_s, probe_s inside sync_s; teacher_s: distillation)."""
 QUICK_RUN = (
     "warmup.steps=10",
     "policy.micro_batch_max_tokens=8192",
@@ -72,7 +76,10 @@ TARGET = 1.1
 def parse_args(argv=None):
     p = record.parser("step", __doc__, repeat=None)
     p.add_argument(
-        "--setups", nargs="+", default=["tiny_tp1", "tiny_tp2", "tiny_async", "m25_tp1"], choices=SETUPS
+        "--setups",
+        nargs="+",
+        default=["tiny_tp1", "tiny_tp2", "tiny_async", "tiny_distill", "m25_tp1"],
+        choices=SETUPS,
     )
     p.add_argument(
         "--repeat", nargs="+", default=["tiny=8", "m25=1"], help="FAMILY=N or N: measured steps a run"
@@ -87,6 +94,31 @@ def parse_args(argv=None):
     if args.bound is None:
         args.bound = [s for s in args.setups if s.startswith("m25")]
     return args
+
+
+def random_teacher(out: Path) -> Path:
+    """A random teacher for the tiny student: its shape with twice the layers, its character tokenizer."""
+    from transformers import Qwen2Config
+
+    from megagrpo.data.tokenizer import char_tokenizer, save_tokenizer
+
+    from .common.models import save_random_model
+
+    config = Qwen2Config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+    save_random_model(out, config)
+    save_tokenizer(char_tokenizer(), out)
+    return out
 
 
 def family(name: str) -> str:
@@ -125,6 +157,12 @@ def stage_measurements(rows: list[dict], s: dict) -> list[Measurement]:
         ratio("Ray calls + driver between the stages / step", overhead, step, settings=s, headline=True)
     )
     out.append(Measurement("tokens per second", [r["throughput/tokens_per_s"] for r in rows], "tokens/s", s))
+    if s["setup"] == "tiny_distill":
+        trainer = [r["timing/logprobs_s"] + r["timing/train_s"] for r in rows]
+        out.append(Measurement("stage: teacher", col("teacher_s"), "s", s))
+        out.append(
+            ratio("teacher / (logprobs + train)", col("teacher_s"), trainer, settings=s, headline=True)
+        )
     if "grpo.max_staleness=1" in SETUPS[s["setup"]]:
         bound = [max(g, t) for g, t in zip(generation, train_side, strict=True)]
         name = "step / max(generation, logprobs + train + sync)"
@@ -249,7 +287,13 @@ def main(argv=None) -> dict:
     out = []
     for name in args.setups:
         steps = SKIP[family(name)] + args.measured[family(name)]
-        run_dir = train_run(root, name, steps, setup_overrides(name, args.extra))
+        if name == "tiny_distill":
+            teacher = [f"distill.teacher_hf_dir={random_teacher(root / 'teacher')}"]
+            run_dir = train_run(
+                root, name, steps, setup_overrides(name, [*args.extra, *teacher]), command="distill"
+            )
+        else:
+            run_dir = train_run(root, name, steps, setup_overrides(name, args.extra))
         out += stage_measurements(measured_rows(run_dir, name), {"setup": name})
         if name in args.bound:
             out += bound_measurements(name, steps, run_dir, args.extra, args, root / name)

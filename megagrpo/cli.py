@@ -54,19 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("train", help="run GRPO: vLLM rollouts, rewards, Megatron updates, weight sync")
-    _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
-
-    p = sub.add_parser(
-        "sft", help="supervised fine-tuning on chat/instruction data (loss on assistant tokens only)"
-    )
-    _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
-
-    p = sub.add_parser("dpo", help="preference optimisation (DPO / IPO) against the frozen initial policy")
-    _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    # The trainers: a config, overrides and --resume each.
+    for name, what in (
+        ("train", "run GRPO: vLLM rollouts, rewards, Megatron updates, weight sync"),
+        ("distill", "on-policy distillation: the student samples, a teacher scores its tokens (reverse KL)"),
+        ("sft", "supervised fine-tuning on chat/instruction data (loss on assistant tokens only)"),
+        ("dpo", "preference optimisation (DPO / IPO) against the frozen initial policy"),
+    ):
+        p = sub.add_parser(name, help=what)
+        _add_config_args(p)
+        p.add_argument("--resume", action="store_true", help=RESUME_HELP)
 
     p = sub.add_parser(
         "eval",
@@ -262,10 +259,10 @@ def _train(args: argparse.Namespace) -> int:
         return 130
     except RunFault as err:
         # A supervisor (launch/supervise.sh) relaunches with --resume on this status.
-        print(f"megagrpo train: stopped: {err}", file=sys.stderr)
+        print(f"megagrpo {args.command}: stopped: {err}", file=sys.stderr)
         return FAULT_EXIT
     except CheckpointWriteError as err:
-        print(f"megagrpo train: stopped: {err}", file=sys.stderr)
+        print(f"megagrpo {args.command}: stopped: {err}", file=sys.stderr)
         return 1
     return 0
 
@@ -325,7 +322,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     from megagrpo.config import ConfigError
 
     try:
-        commands = {"plan": _plan, "warmup": _warmup, "export": _export, "train": _train}
+        commands = {"plan": _plan, "warmup": _warmup, "export": _export, "train": _train, "distill": _train}
         return (commands | {"sft": _sft, "dpo": _dpo, "eval": _eval})[args.command](args)
     except ConfigError as err:
         print(f"megagrpo {args.command}: config error: {err}", file=sys.stderr)

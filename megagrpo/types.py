@@ -38,7 +38,8 @@ class TrainBatch:
     prompt_lengths: torch.Tensor
     """[B] int64: prompt tokens of each sequence (>= 1)."""
     advantages: torch.Tensor | None = None
-    """[B] float32: one advantage per sequence (GRPO)."""
+    """[B] float32: one advantage per sequence (GRPO), or [B, S - 1]: one per position (distillation),
+    laid out as the logprobs."""
     old_logprobs: torch.Tensor | None = None
     """[B, S - 1] float32: trainer logprobs before this step's updates (PPO ratio denominator)."""
     ref_logprobs: torch.Tensor | None = None
@@ -61,8 +62,9 @@ class TrainBatch:
             value = getattr(self, name)
             if value is not None and value.shape != (batch, seq - 1):
                 raise ValueError(f"{name} must be [{batch}, {seq - 1}], got {list(value.shape)}")
-        if self.advantages is not None and self.advantages.shape != (batch,):
-            raise ValueError(f"advantages must be [{batch}], got {list(self.advantages.shape)}")
+        if self.advantages is not None and self.advantages.shape not in ((batch,), (batch, seq - 1)):
+            shape = list(self.advantages.shape)
+            raise ValueError(f"advantages must be [{batch}] or [{batch}, {seq - 1}], got {shape}")
         if self.in_loss is not None and (self.in_loss.shape != (batch,) or self.in_loss.dtype != torch.bool):
             shape, dtype = list(self.in_loss.shape), self.in_loss.dtype
             raise ValueError(f"in_loss must be [{batch}] bool, got {shape} {dtype}")
@@ -70,6 +72,11 @@ class TrainBatch:
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def token_advantages(self) -> bool:
+        """Whether the advantages are per position ([B, S - 1]) rather than per sequence."""
+        return self.advantages is not None and self.advantages.dim() == 2
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +103,7 @@ class TrainBatch:
             input_ids=take(self.input_ids, seq),
             lengths=self.lengths[idx],
             prompt_lengths=self.prompt_lengths[idx],
-            advantages=take(self.advantages, None),
+            advantages=take(self.advantages, seq - 1 if self.token_advantages else None),
             old_logprobs=take(self.old_logprobs, seq - 1),
             ref_logprobs=take(self.ref_logprobs, seq - 1),
             gen_logprobs=take(self.gen_logprobs, seq - 1),
@@ -202,6 +209,11 @@ class SequenceBatch:
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def token_advantages(self) -> bool:
+        """Whether the advantages are per position ([B, S - 1]) rather than per sequence."""
+        return self.advantages is not None and self.advantages.dim() == 2
 
     @property
     def num_tokens(self) -> int:

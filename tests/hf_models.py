@@ -70,3 +70,23 @@ def make_tiny_hf(
                 param.normal_(0.0, 0.1)
     model.save_pretrained(out)
     return out
+
+
+def make_tiny_teacher(out: Path, *, num_layers: int = 3, seed: int = 7, tokenizer=None) -> Path:
+    """A random qwen2 teacher for the tiny config's student (``configs/tiny_cpu.yaml``: its vocabulary and
+    head size, one layer more), saved with the student's built-in character tokenizer (or ``tokenizer``)."""
+    from megagrpo.data.tokenizer import char_tokenizer, save_tokenizer
+
+    make_tiny_hf(
+        "qwen2",
+        out,
+        seed=seed,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        vocab_size=512,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    save_tokenizer(tokenizer if tokenizer is not None else char_tokenizer(), out)
+    return out

@@ -61,15 +61,21 @@ def _publish(src: Path, shared: Path) -> None:
 
 
 def train_run(
-    root: Path, name: str, steps: int, overrides: list[str], warmup: Path | None = None, shared: bool = True
+    root: Path,
+    name: str,
+    steps: int,
+    overrides: list[str],
+    warmup: Path | None = None,
+    shared: bool = True,
+    command: str = "train",
 ) -> Path:
     """Run ``name`` under ``root/runs`` for ``steps`` GRPO steps with ``overrides`` (no TensorBoard,
     progress bar, checkpoints or export), starting from the copy of ``warmup`` when given, else from
     the suite's shared warm-up of the same config when there is one (the run's own is shared after
     it); returns its run directory. In a suite, a run of the same config and steps that another
     benchmark made is not made again: its directory is copied (hard links) to ``name``'s;
-    ``shared=False`` makes a run of its own (another round of the same config). A failed run stops
-    the benchmark with the run's output."""
+    ``shared=False`` makes a run of its own (another round of the same config); ``command`` is the
+    trainer (``train``, ``distill``). A failed run stops the benchmark with the run's output."""
     run_dir = root / "runs" / name
     args = [
         f"logging.dir={root / 'runs'}",
@@ -96,7 +102,7 @@ def train_run(
         shutil.copytree(warmup, run_dir / "warmup")
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "megagrpo.cli", "train", *args], capture_output=True, text=True
+        [sys.executable, "-m", "megagrpo.cli", command, *args], capture_output=True, text=True
     )
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

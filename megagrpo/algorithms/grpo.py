@@ -230,7 +230,8 @@ def grpo_loss(
     """Policy loss of one micro-batch (see the module docstring for the normalization contract).
 
     logprobs [B, T] (with grad), old_logprobs / ref_logprobs / gen_logprobs [B, T] (trainer before the update,
-    reference model, generator), advantages [B], mask [B, T] (1: a response token that counts), entropy [B, T]
+    reference model, generator), advantages [B] or [B, T] (per token; not for gspo), mask [B, T] (1: a
+    response token that counts), entropy [B, T]
     (metric only). Per token: the policy-gradient term of ``cfg.loss`` (for grpo, max(-A r, -A clip(r,
     1 - eps_low, 1 + eps_high)) with r = exp(logprobs - old), capped at -c A for A < 0 by the dual clip; see
     :mod:`megagrpo.algorithms.surrogates` for the others), times the TIS weight, plus kl_coef * KL. Masked
@@ -246,8 +247,9 @@ def grpo_loss(
         return torch.where(valid_BT, x_BT.to(dtype), zero_BT)
 
     logprobs_BT, old_BT = clean(logprobs), clean(old_logprobs).detach()
-    adv_B1 = advantages.detach().to(dtype)[:, None]
-    surrogate = _surrogate(logprobs_BT, old_BT, adv_B1, valid_BT, cfg)
+    # [B, 1] one per sequence, or [B, T] one per token (distillation)
+    adv = advantages.detach().to(dtype)[:, None] if advantages.dim() == 1 else clean(advantages).detach()
+    surrogate = _surrogate(logprobs_BT, old_BT, adv, valid_BT, cfg)
     pg_BT, ratio_BT = surrogate.pg_BT, surrogate.ratio_BT
 
     metrics: dict[str, Tensor] = {}
@@ -336,10 +338,13 @@ def _check_inputs(
     for name, x in same_shape.items():
         if x is not None and x.shape != logprobs.shape:
             raise ValueError(f"{name} must match logprobs {tuple(logprobs.shape)}, got {tuple(x.shape)}")
-    if advantages.shape != logprobs.shape[:1]:
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
         raise ValueError(
-            f"advantages must be [B] = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}"
+            f"advantages must be [B] = {tuple(logprobs.shape[:1])} or [B, T] = {tuple(logprobs.shape)}, "
+            f"got {tuple(advantages.shape)}"
         )
+    if cfg.loss == "gspo" and advantages.dim() == 2:
+        raise ValueError("loss 'gspo' takes one advantage per sequence, got per-token advantages")
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("LossConfig.kl_coef > 0 needs ref_logprobs")
     if cfg.tis_cap is not None and gen_logprobs is None:

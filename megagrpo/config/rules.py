@@ -31,12 +31,12 @@ __all__ = [
     "validate",
 ]
 
-Trainer = Literal["grpo", "sft", "dpo", "eval", "warmup"]
-"""The commands a config is validated for: ``megagrpo train`` (and ``plan``), ``sft``, ``dpo``, ``eval``,
-``warmup``."""
+Trainer = Literal["grpo", "distill", "sft", "dpo", "eval", "warmup"]
+"""The commands a config is validated for: ``megagrpo train`` (and ``plan``), ``distill``, ``sft``, ``dpo``,
+``eval``, ``warmup``."""
 TRAINERS: tuple[str, ...] = get_args(Trainer)
 
-_WARMS_UP = ("grpo", "dpo")
+_WARMS_UP = ("grpo", "distill", "dpo")
 """Trainers that first warm a tiny model up (``megagrpo.trainers.warmup.warmed_up_model``)."""
 
 
@@ -55,9 +55,11 @@ def validate(cfg: Config, trainer: Trainer = "grpo") -> None:
         _check_reward(cfg)
         return
     check_features(cfg, cfg.resolved.transformer_impl)
-    _check_model_split(cfg, engines=trainer == "grpo")
+    rollouts = trainer in ("grpo", "distill")
+    _check_model_split(cfg, engines=rollouts)
     _check_micro_batch(cfg)
-    if trainer == "grpo":
+    if rollouts:
+        _check_distill(cfg, trainer)
         _check_grpo(cfg)
         _check_generation_lengths(cfg)
         _check_cluster(cfg, trainer=True)
@@ -181,6 +183,47 @@ def _check_batch_over_dp(cfg: Config, key: str, size: int, what: str) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Per trainer
 # ----------------------------------------------------------------------------------------------------------
+
+
+def _check_distill(cfg: Config, trainer: str) -> None:
+    """``megagrpo distill`` needs a teacher that matches the student; ``megagrpo train`` refuses one."""
+    if trainer == "grpo":
+        require(
+            cfg.distill.teacher_hf_dir is None,
+            "distill.teacher_hf_dir",
+            "is set: distillation runs with `megagrpo distill` (megagrpo train would ignore the teacher)",
+        )
+        return
+    # Per-token advantages: GSPO's one ratio per sequence has no place for them (gspo_token has).
+    require(
+        cfg.grpo.loss != "gspo",
+        ("grpo.loss", "distill.teacher_hf_dir"),
+        "distillation gives every token its own advantage; loss 'gspo' takes one per sequence (use "
+        "gspo_token, grpo or cispo)",
+    )
+    _check_teacher(cfg)
+
+
+def _check_teacher(cfg: Config) -> None:
+    """The teacher's config.json: a supported architecture, and a shape its own TP / PP divide. (Its
+    tokenizer is compared with the student's where the trainer reads its data:
+    ``megagrpo.data.tokenizer.check_same_tokenizer``.)"""
+    import json
+    from pathlib import Path
+
+    from megagrpo.config.teacher import teacher_config
+    from megagrpo.models.registry import shape_from_hf_config
+
+    teacher_dir = cfg.distill.teacher_hf_dir
+    if teacher_dir is None:
+        raise ConfigError("distill.teacher_hf_dir", "is required by megagrpo distill (an HF directory)")
+    config_json = Path(teacher_dir) / "config.json"
+    try:
+        data = json.loads(config_json.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError("distill.teacher_hf_dir", f"cannot read {config_json}: {err}") from None
+    _, shape = shape_from_hf_config(data, str(config_json))
+    check_shape(teacher_config(cfg), shape, str(config_json), engines=False)
 
 
 def _check_grpo(cfg: Config) -> None:

@@ -22,7 +22,14 @@ from typing import Any, Literal
 from megagrpo.config.errors import check, positive, require
 from megagrpo.config.model import ModelConfig, ParallelConfig, TinyModelConfig
 from megagrpo.config.rollout import DataConfig, EvalConfig, GenerationConfig, RewardConfig
-from megagrpo.config.training import DPOConfig, GRPOConfig, PolicyConfig, SFTConfig, WarmupConfig
+from megagrpo.config.training import (
+    DistillConfig,
+    DPOConfig,
+    GRPOConfig,
+    PolicyConfig,
+    SFTConfig,
+    WarmupConfig,
+)
 
 __all__ = [
     "CheckpointConfig",
@@ -30,6 +37,7 @@ __all__ = [
     "Config",
     "DPOConfig",
     "DataConfig",
+    "DistillConfig",
     "EvalConfig",
     "GRPOConfig",
     "GenerationConfig",
@@ -196,6 +204,8 @@ class Config:
     """Rollout engines and weight sync."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """GRPO (``megagrpo train``)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher (``megagrpo distill``)."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised fine-tuning (``megagrpo sft``)."""
     dpo: DPOConfig = field(default_factory=DPOConfig)

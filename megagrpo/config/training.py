@@ -10,6 +10,7 @@ from megagrpo.config.errors import check, positive, require
 
 __all__ = [
     "DPOConfig",
+    "DistillConfig",
     "GRPOConfig",
     "PolicyConfig",
     "SFTConfig",
@@ -183,6 +184,38 @@ class GRPOConfig:
                 f"tis_cap weights single tokens; loss {self.loss!r} clips a sequence-level ratio, and "
                 "a token weight inside it is not defined",
             )
+
+
+@dataclass(kw_only=True, frozen=True)
+class DistillConfig:
+    """On-policy distillation (``megagrpo distill``): the GRPO loop, whose per-token advantage is the
+    teacher's logprob minus the sampling policy's on each sampled token (the negative per-token reverse KL),
+    optionally plus the task reward's group advantage."""
+
+    teacher_hf_dir: str | None = None
+    """HF directory of the teacher (any supported architecture, any size); it must use the student's
+    tokenizer. Required by ``megagrpo distill``, refused by ``megagrpo train``."""
+    teacher_tensor_parallel_size: int = 1
+    """TP of the teacher's own Megatron ranks (forward passes only: no gradients, no optimizer)."""
+    teacher_pipeline_parallel_size: int = 1
+    """PP of the teacher's ranks."""
+    teacher_data_parallel_size: int = 1
+    """DP of the teacher's ranks: each scores its share of a step's sequences."""
+    reverse_kl_coef: float = 1.0
+    """Weight of the per-token advantage teacher logprob - student logprob (> 0)."""
+    task_reward_weight: float = 0.0
+    """Weight of the task reward's advantage (grpo.baseline over reward.*) added on every token; 0: pure
+    distillation (rewards are still computed and logged)."""
+
+    def __post_init__(self) -> None:
+        for name in ("teacher_tensor_parallel_size", "teacher_pipeline_parallel_size"):
+            positive(self, name)
+        positive(self, "teacher_data_parallel_size")
+        check(
+            self, "reverse_kl_coef", math.isfinite(self.reverse_kl_coef) and self.reverse_kl_coef > 0, "> 0"
+        )
+        ok = math.isfinite(self.task_reward_weight) and self.task_reward_weight >= 0
+        check(self, "task_reward_weight", ok, "finite and >= 0")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -137,3 +137,55 @@ def load_tokenizer(cfg: Config):
 def save_tokenizer(tokenizer, out: Path) -> None:
     """Write the tokenizer files into an existing directory (an HF export, a checkpoint's hf/)."""
     tokenizer.save_pretrained(str(out))
+
+
+def check_same_tokenizer(cfg: Config) -> None:
+    """``megagrpo distill``: token ids mean the same to student and teacher (``distill.teacher_hf_dir``):
+    every student token has the same id in the teacher, the same EOS, and the teacher's embedding covers
+    the ids. ConfigError naming both tokenizers; the trainer calls it before any process starts."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    teacher_dir = Path(cfg.distill.teacher_hf_dir)
+    teacher_json = json.loads((teacher_dir / "config.json").read_text())  # read by the config check already
+    student = load_tokenizer(cfg)
+    student_where = cfg.model.hf_dir or "the built-in tokenizer of model.tiny"
+    try:
+        teacher = AutoTokenizer.from_pretrained(str(teacher_dir))
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            "distill.teacher_hf_dir", f"cannot load the tokenizer of {teacher_dir}: {err}"
+        ) from None
+    keys = ("distill.teacher_hf_dir", "model.hf_dir" if cfg.model.hf_dir else "model.tiny")
+    s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
+    # Every token the student knows has the same id in the teacher (a saved tokenizer may list special
+    # tokens the in-memory one keeps apart: extra teacher tokens on ids of their own are harmless).
+    differ = sorted(
+        ((tok, i, t_vocab.get(tok)) for tok, i in s_vocab.items() if t_vocab.get(tok) != i), key=str
+    )
+    if differ:
+        raise ConfigError(
+            keys,
+            f"the teacher's tokenizer ({teacher_dir}) and the student's ({student_where}) differ: "
+            f"{len(differ)} of the student's {len(s_vocab)} tokens have another id in the teacher, e.g. "
+            f"(token, student id, teacher id) {differ[:3]}; distillation compares their logprobs of the "
+            "same token ids",
+        )
+    _require(
+        student.eos_token_id == teacher.eos_token_id,
+        keys,
+        f"EOS differs: id {teacher.eos_token_id} in {teacher_dir}, {student.eos_token_id} in {student_where}",
+    )
+    vocab_size = int(teacher_json.get("vocab_size", 0))
+    _require(
+        vocab_size >= len(s_vocab),
+        keys,
+        f"{teacher_dir}/config.json vocab_size {vocab_size} is smaller than the tokenizer's "
+        f"{len(s_vocab)} ids",
+    )
+
+
+def _require(ok: bool, keys, message: str) -> None:
+    if not ok:
+        raise ConfigError(keys, message)

@@ -38,19 +38,21 @@ class OptimizerSettings:
 
 @dataclass
 class TrainEngine:
-    """This rank's model chunk(s), DDP wrapper and optimizer."""
+    """This rank's model chunk(s), DDP wrapper and optimizer (frozen: the bare chunk, no optimizer)."""
 
     ctx: ParallelContext
     shape: GPTShape
     config: object  # megatron.core.transformer.TransformerConfig shared by model and schedule
-    model: list  # [DistributedDataParallel]: one chunk (no virtual pipeline stages yet)
-    optimizer: object  # megatron.core.optimizer.MegatronOptimizer
+    model: (
+        list  # [DistributedDataParallel] or, frozen, [GPTModel]: one chunk (no virtual pipeline stages yet)
+    )
+    optimizer: object | None  # megatron.core.optimizer.MegatronOptimizer; None for a frozen model
     transformer_impl: str  # the layers built ("auto" resolved): local, torch or transformer_engine
 
     @property
     def module(self) -> torch.nn.Module:
-        """The bare GPTModel of this stage (inside DDP)."""
-        return self.model[0].module
+        """The bare GPTModel of this stage (inside DDP when it trains)."""
+        return self.model[0] if self.optimizer is None else self.model[0].module
 
 
 def build_engine(
@@ -64,9 +66,11 @@ def build_engine(
     initialize: bool = True,
     recompute: str = "none",
     recompute_num_layers: int = 1,
+    trainable: bool = True,
 ) -> TrainEngine:
     """``initialize=False`` skips random initialisation when weights are loaded right after;
-    ``recompute`` is ``policy.recompute``."""
+    ``recompute`` is ``policy.recompute``. ``trainable=False`` builds a frozen model for forward passes
+    only (a distillation teacher): no DDP gradient buffers, no optimizer, no parameter needing grad."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -98,6 +102,11 @@ def build_engine(
         pre_process=ctx.is_first_stage,
         post_process=ctx.is_last_stage,
     )
+    if not trainable:
+        for p in module.parameters():
+            p.requires_grad_(False)
+        module.eval()
+        return TrainEngine(ctx, shape, config, [module], None, transformer_impl)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,

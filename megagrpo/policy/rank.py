@@ -74,10 +74,21 @@ class MegatronRank:
 
     ``seed`` seeds Megatron's initialisation (and anything random on the rank); ``total_steps`` is the
     number of optimizer steps of the run (the LR schedule's length); ``keep_reference`` parks a copy of
-    the initial weights in host memory; ``temperature`` is the default of :meth:`logprobs`.
+    the initial weights in host memory; ``temperature`` is the default of :meth:`logprobs`;
+    ``trainable=False`` builds a frozen model (no gradient buffers, optimizer or LR schedule) for
+    :meth:`logprobs` only.
     """
 
-    def __init__(self, cfg: Config, *, seed: int, total_steps: int, keep_reference: bool, temperature: float):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        seed: int,
+        total_steps: int,
+        keep_reference: bool,
+        temperature: float,
+        trainable: bool = True,
+    ):
         self.cfg = cfg
         self.model_info = describe_model(cfg)
         self.temperature = temperature
@@ -107,15 +118,20 @@ class MegatronRank:
             initialize=not loads_weights,
             recompute=pol.recompute,
             recompute_num_layers=pol.recompute_num_layers,
+            trainable=trainable,
         )
-        self.scheduler = build_lr_scheduler(
-            self.engine,
-            lr=pol.lr,
-            min_lr=pol.min_lr,
-            warmup_steps=pol.lr_warmup_steps,
-            total_steps=max(1, total_steps),
-            style=pol.lr_schedule,
-            weight_decay=pol.weight_decay,
+        self.scheduler = (
+            None
+            if not trainable
+            else build_lr_scheduler(
+                self.engine,
+                lr=pol.lr,
+                min_lr=pol.min_lr,
+                warmup_steps=pol.lr_warmup_steps,
+                total_steps=max(1, total_steps),
+                style=pol.lr_schedule,
+                weight_decay=pol.weight_decay,
+            )
         )
         if loads_weights:
             self._load_initial_weights()
@@ -132,7 +148,8 @@ class MegatronRank:
         else:
             hf = HFCheckpoint(info.hf_dir)
             load_hf_into_stage(self.engine.module, self.ctx, hf, info.shape, info.arch.rules(info.shape))
-        self.engine.optimizer.reload_model_params()
+        if self.engine.optimizer is not None:  # its fp32 main copy (distributed optimizer) follows
+            self.engine.optimizer.reload_model_params()
 
     # ------------------------------------------------------------------------------- micro-batches
 
@@ -260,12 +277,14 @@ class MegatronRank:
             return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), {}
 
         micro = [{**m, "rows": rows} for rows, m in self.micro_batches(batch, mine)]
-        self.engine.model[0].eval()
+        chunk = self.engine.model[0]
+        training = chunk.training
+        chunk.eval()
         try:
             with torch.no_grad():
                 forward_backward(self.engine, micro, record, forward_only=True)
         finally:
-            self.engine.model[0].train()
+            chunk.train(training)
         for rows, lp in collected:
             result[rows, : lp.shape[1]] = lp
         return self._share_rows(result, mine)

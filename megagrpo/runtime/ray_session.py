@@ -25,14 +25,21 @@ _local_session: tuple[Path, Any] | None = None  # (session dir, watchdog) of the
 def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Config | None = None) -> None:
     """Join ``cluster.ray_address`` or start a local Ray; idempotent.
 
-    A local Ray gets at least as many logical CPUs as the job's actors reserve (trainer ranks and
-    engines, ``cpus_per_worker`` each): on a small machine they share the cores, and a placement
-    group that cannot be satisfied would otherwise wait forever.
+    A local Ray gets at least as many logical CPUs as the job's actors reserve (trainer ranks, engines
+    and a distillation teacher's ranks, ``cpus_per_worker`` each): on a small machine they share the
+    cores, and a placement group that cannot be satisfied would otherwise wait forever.
     """
     if ray.is_initialized():
         return
     if num_cpus is None and cfg is not None:
         actors = cfg.parallel.world_size + cfg.generation.num_engines
+        d = cfg.distill
+        if d.teacher_hf_dir is not None:  # megagrpo distill: the teacher's ranks
+            actors += (
+                d.teacher_tensor_parallel_size
+                * d.teacher_pipeline_parallel_size
+                * d.teacher_data_parallel_size
+            )
         num_cpus = max(os.cpu_count() or 1, int(actors * cluster.cpus_per_worker + 0.999))
     env = {
         # Our Megatron workers print their own progress; Ray's per-actor log prefixing is enough.

@@ -23,10 +23,13 @@ from pathlib import Path
 
 import ray
 
+from megagrpo.algorithms.distill import reverse_kl_advantages
 from megagrpo.ckpt import run as ckpt_io
 from megagrpo.config import Config, save_config
 from megagrpo.data.prompts import PromptSource, build_source
+from megagrpo.data.tokenizer import check_same_tokenizer
 from megagrpo.evaluate import evaluate
+from megagrpo.policy.teacher import TeacherWorker
 from megagrpo.policy.worker import PolicyWorker
 from megagrpo.rewards import RewardScorer
 from megagrpo.runtime.engines import EnginePool, launch_engines, placement_summary
@@ -54,6 +57,8 @@ def train(cfg: Config) -> Path:
     cfg = resolve_init_from(cfg)  # a staged recipe's previous stage, checked before anything starts
     check_checkpoint_dir(cfg)
     resume_from = verified_resume_point(cfg)  # checked before any worker starts
+    if cfg.distill.teacher_hf_dir is not None:
+        check_same_tokenizer(cfg)  # student and teacher: the same token ids, before any actor starts
     source, scorer = build_source(cfg), RewardScorer(cfg.reward)  # validates data before any actor starts
     try:
         wandb_settings(cfg)  # logging.wandb without the package: a config error now, not after the actors
@@ -91,10 +96,11 @@ class GRPOSteps:
         """Start the policy ranks and the engines, restore ``resume_from`` (if any) and send the policy's
         weights to the engines. Whatever started is stopped by ``close`` (also when this fails)."""
         self.cfg, self.source, self.scorer = cfg, source, scorer
-        self.policy, self.engines, self.schedule = None, None, None
+        self.policy, self.engines, self.schedule, self.teacher = None, None, None, None
         try:
             self.policy, self.engines = start_workers(cfg, model_dir)
             print_layout(self.policy, self.engines)
+            self.teacher = start_teacher(cfg)
             step, position, pending = restore(self.policy, resume_from)
             self.start_step, self._trained, self.position = step, Trained(step, position), position
             self.initial_timings: dict = {}
@@ -126,9 +132,10 @@ class GRPOSteps:
         self.schedule.start_ahead(step, self.position)  # overlapped: the next step's rollouts, meanwhile
         batch = to_train_batch(cfg, current.rollouts)
         self.engines.set_awake(False)  # colocated: hand the GPUs to the trainer
+        batch, distill_metrics = distill(cfg, self.teacher, batch, timings)
         batch, train_metrics = train_on(cfg, self.policy, batch, timings)
         self._trained = Trained(step, self.position)
-        trainer_busy = timings["logprobs_s"] + timings["train_s"]
+        trainer_busy = timings["logprobs_s"] + timings["train_s"] + timings.get("teacher_s", 0.0)
         engine_busy = timings.get("generation_s", 0.0)
         with timed(timings, "wait_generation_s"):
             ahead = self.schedule.wait_ahead()
@@ -145,6 +152,7 @@ class GRPOSteps:
             probe_error = synced.probe.error
             self.schedule.synced(step)
         metrics = step_metrics(cfg, current.rollouts, batch, train_metrics, probe_error, current.filtered)
+        metrics |= distill_metrics
         metrics |= staleness_metrics(current.rollouts, current.version, trained_version=step - 1)
         metrics |= self.source.counts
         if due.validate:
@@ -196,6 +204,19 @@ def start_workers(cfg: Config, model_dir: str) -> tuple[RankGroup, EnginePool]:
     early = launch_engines(cfg, model_dir) if starts_engines_first(cfg) else None
     policy = RankGroup(cfg, PolicyWorker, wait=cfg.generation.placement == "colocated")
     return policy, EnginePool.start(cfg, model_dir, policy, launched=early)
+
+
+def start_teacher(cfg: Config) -> RankGroup | None:
+    """The distillation teacher's ranks (``megagrpo distill``), or None."""
+    if cfg.distill.teacher_hf_dir is None:
+        return None
+    from megagrpo.config.teacher import teacher_config
+
+    teacher = RankGroup(teacher_config(cfg), TeacherWorker, name="teacher")
+    print(
+        f"teacher: {cfg.distill.teacher_hf_dir} on {teacher.world_size} rank(s): {', '.join(teacher.nodes)}"
+    )
+    return teacher
 
 
 def starts_engines_first(cfg: Config) -> bool:
@@ -250,6 +271,31 @@ def train_on(cfg: Config, policy: RankGroup, batch: TrainBatch, timings: dict) -
         metrics = mean_metrics(policy.call_first(PolicyWorker.train, batch))
     timings["train_rank_s"] = policy.last_call_s  # inside the ranks: the rest is Ray
     return batch, metrics
+
+
+def distill(
+    cfg: Config, teacher: RankGroup | None, batch: TrainBatch, timings: dict
+) -> tuple[TrainBatch, dict]:
+    """With a teacher: the batch with per-token advantages (teacher - student logprob, plus the task's
+    advantage times ``distill.task_reward_weight``) and the ``distill/*`` metrics; else as given."""
+    if teacher is None:
+        return batch, {}
+    with timed(timings, "teacher_s"):
+        teacher_lp = teacher.call_first(TeacherWorker.logprobs, batch)
+    d = cfg.distill
+    signal = reverse_kl_advantages(
+        batch.gen_logprobs,
+        teacher_lp,
+        batch.response_mask(),
+        reverse_kl_coef=d.reverse_kl_coef,
+        task_advantages_B=batch.advantages,
+        task_reward_weight=d.task_reward_weight,
+    )
+    metrics = {
+        "distill/reverse_kl": signal.reverse_kl_mean,
+        "distill/teacher_logprob": signal.teacher_logprob_mean,
+    }
+    return batch.replace(advantages=signal.advantages_BT), metrics
 
 
 def with_idle_times(timings: dict, engine_busy: float, trainer_busy: float) -> dict:

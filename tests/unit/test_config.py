@@ -684,7 +684,7 @@ def test_eval_does_not_check_the_trainer_layout():
     overrides = ["model.tiny=null", "model.hf_dir=/m", "policy.mini_batch_size=7"]
     overrides += ["policy.micro_batch_max_tokens=8"]
     assert load_config(None, overrides, trainer="eval").policy.mini_batch_size == 7
-    with pytest.raises(ValueError, match="trainer must be one of grpo, sft, dpo, eval, warmup"):
+    with pytest.raises(ValueError, match="trainer must be one of grpo, distill, sft, dpo, eval, warmup"):
         load_config(None, trainer="train")
 
 

@@ -112,7 +112,12 @@ def test_load_config_takes_a_packaged_name(tmp_path, monkeypatch):
     assert info.value.source == str(PACKAGED_CONFIG_DIR / "tiny_cpu.yaml")
 
 
-COMMAND_OF = {"tiny_sft": "sft", "tiny_dpo": "dpo", "deepscaler/cpu_twin_model": "sft"}
+COMMAND_OF = {
+    "tiny_sft": "sft",
+    "tiny_dpo": "dpo",
+    "tiny_distill": "distill",
+    "deepscaler/cpu_twin_model": "sft",
+}
 """The packaged configs that are not GRPO runs (``megagrpo train``), and the command each one is for."""
 
 
@@ -123,6 +128,10 @@ def test_every_packaged_config_loads_for_its_command(name, tmp_path, monkeypatch
     if command is not None:  # its header says which command runs it
         header = (PACKAGED_CONFIG_DIR / f"{name}.yaml").read_text().splitlines()[0]
         assert f"megagrpo {command} --config {name}" in header
+    if command == "distill":  # its teacher is the GRPO demo's export, made here as make demo would
+        from hf_models import make_tiny_teacher
+
+        make_tiny_teacher(tmp_path / "runs" / "tiny-cpu" / "hf_export", num_layers=2)
     cfg = load_config(name, trainer=command or "grpo")
     assert cfg.resolved.backend in ("gloo", "nccl")
 

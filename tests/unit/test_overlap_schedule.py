@@ -191,7 +191,7 @@ def _grpo_steps(k: int, steps: int):
     )
     trainer = object.__new__(GRPOSteps)  # its parts, without starting Ray actors
     trainer.cfg, trainer.source, trainer.scorer = cfg, build_source(cfg), RewardScorer(cfg.reward)
-    trainer.engines = StandInPool()
+    trainer.engines, trainer.teacher = StandInPool(), None
     trainer.policy = StandInPolicy(trainer.engines)
     trainer.position, trainer._trained = 0, Trained(0, 0)
     trainer.schedule = RolloutSchedule(trainer.produce, max_staleness=k, num_steps=steps, engine_version=0)

@@ -1,0 +1,47 @@
+"""tools/compare_runs.py: the table of one metric by step, and the step each run reached a level."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "compare_runs.py"
+
+
+def _run(tmp_path: Path, name: str, rows: list[dict]) -> Path:
+    run = tmp_path / name
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_table_and_steps_to_reach_a_fraction_of_the_last_runs_final_value(tmp_path):
+    fast = _run(tmp_path, "fast", [{"step": 0, "val/accuracy": 0.2}, {"step": 10, "val/accuracy": 0.6}])
+    slow = _run(
+        tmp_path,
+        "slow",
+        [
+            {"step": 0, "val/accuracy": 0.2},
+            {"step": 1, "reward/mean": 0.1},
+            {"step": 25, "val/accuracy": 0.5},
+            {"step": 50, "val/accuracy": 0.6},
+        ],
+    )
+    out = subprocess.run(
+        [sys.executable, str(TOOL), str(fast), str(slow), "--reach-fraction", "0.9"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "| 10 | 0.600 |  |" in out and "| 25 |  | 0.500 |" in out and "| 1 |" not in out
+    # 0.9 x 0.6 = 0.54: fast at step 10, slow at step 50
+    assert "fast: val/accuracy >= 0.540 at step 10" in out and "slow: val/accuracy >= 0.540 at step 50" in out
+
+
+def test_a_missing_run_is_named(tmp_path):
+    res = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "nope")], capture_output=True, text=True)
+    assert res.returncode != 0 and "nope/metrics.jsonl: not found" in res.stderr

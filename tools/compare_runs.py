@@ -1,0 +1,75 @@
+"""One metric of several runs side by side, by step, from their ``metrics.jsonl``.
+
+    python tools/compare_runs.py RUN_DIR [RUN_DIR ...] [--metric M] [--reach X | --reach-fraction F]
+
+Prints a Markdown table (a row per step that any run logged the metric at; blank where a run did not) and,
+with ``--reach``, the first step at which each run's metric was >= X (``--reach-fraction F``: X = F times
+the last run's final value). ``make distill-demo`` uses it to set the
+distilled student beside the GRPO demo that trained its teacher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def read_metric(run_dir: Path, metric: str) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path}: not found (has the run been made?)")
+    out = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"{path}:{n}: not JSON: {err}") from None
+        value = row.get(metric)
+        if isinstance(value, int | float) and math.isfinite(value):
+            out[int(row["step"])] = float(value)
+    return out
+
+
+def table(runs: dict[str, dict[int, float]], metric: str) -> str:
+    steps = sorted({s for values in runs.values() for s in values})
+    lines = [f"| step | {' | '.join(f'{name} {metric}' for name in runs)} |", "|---" * (len(runs) + 1) + "|"]
+    for step in steps:
+        cells = [f"{v[step]:.3f}" if step in v else "" for v in runs.values()]
+        lines.append(f"| {step} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def first_reaching(values: dict[int, float], level: float) -> int | None:
+    return next((step for step in sorted(values) if values[step] >= level), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="run directories (each holding metrics.jsonl)")
+    p.add_argument("--metric", default="val/accuracy")
+    p.add_argument("--reach", type=float, help="also print the first step at which each run reached this")
+    p.add_argument("--reach-fraction", type=float, help="--reach this fraction of the last run's final value")
+    args = p.parse_args(argv)
+    runs = {run.name: read_metric(run, args.metric) for run in args.runs}
+    print(table(runs, args.metric))
+    if args.reach_fraction is not None:
+        last = runs[args.runs[-1].name]
+        if not last:
+            raise SystemExit(f"{args.runs[-1]}: no {args.metric} logged")
+        final = last[max(last)]
+        args.reach = args.reach_fraction * final
+        print(f"\n{args.reach_fraction:g} x {args.runs[-1].name}'s final {args.metric} ({final:.3f})")
+    if args.reach is not None:
+        print()
+        for name, values in runs.items():
+            step = first_reaching(values, args.reach)
+            where = f"step {step}" if step is not None else f"not within its {max(values, default=0)} steps"
+            print(f"{name}: {args.metric} >= {args.reach:.3f} at {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
