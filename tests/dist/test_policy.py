@@ -340,43 +340,27 @@ def test_every_loss_is_layout_invariant(layout, hf_dir, per_loss_reference):
             )
 
 
-def _teacher_and_policy_logprobs(rank: int, world_size: int, hf_dir: str) -> dict:
+def _teacher_logprobs(rank: int, world_size: int, hf_dir: str) -> dict:
     from megagrpo.config import DistillConfig
     from megagrpo.config.teacher import teacher_config
     from megagrpo.policy.teacher import TeacherWorker
-    from megagrpo.policy.worker import PolicyWorker
 
-    batch = policy_batch()
-    out = {}
-    # the teacher at TP 1 (DP over the ranks there are), the trainer at TP world_size
-    student = policy_config(hf_dir, tp=world_size)
-    distill = DistillConfig(teacher_hf_dir=hf_dir, teacher_data_parallel_size=world_size)
-    teacher = TeacherWorker(teacher_config(dataclasses.replace(student, distill=distill)))
+    # the student at TP 1, its teacher at TP 2 (its own layout)
+    distill = DistillConfig(teacher_hf_dir=hf_dir, teacher_tensor_parallel_size=world_size)
+    teacher = TeacherWorker(teacher_config(dataclasses.replace(policy_config(hf_dir), distill=distill)))
     try:
-        out["teacher"] = teacher.logprobs(batch)
-        out["frozen"] = teacher.engine.optimizer is None and not any(
-            p.requires_grad for p in teacher.engine.module.parameters()
-        )
-        out["layout"] = (teacher.ctx.sizes.tp, teacher.ctx.sizes.pp)
-    finally:
-        destroy_parallel(keep_world=True)
-    policy = PolicyWorker(policy_config(hf_dir, tp=world_size))
-    try:
-        out["policy"] = policy.logprobs(batch)
+        frozen = teacher.engine.optimizer is None and teacher.scheduler is None
+        frozen &= not any(p.requires_grad for p in teacher.engine.module.parameters())
+        return {"logprobs": teacher.logprobs(policy_batch()), "frozen": frozen, "tp": teacher.ctx.sizes.tp}
     finally:
         destroy_parallel()
-    return out
 
 
-def test_teacher_scores_the_tokens_as_the_trainer_would(hf_dir):
-    """The teacher's frozen ranks (no gradients, no optimizer) at their own TP 1 give the logprobs a TP 2
-    trainer gives for the same model and tokens."""
-    (res,) = run_local_ranks(_teacher_and_policy_logprobs, 1, hf_dir, timeout_s=300)
-    results = run_local_ranks(_teacher_and_policy_logprobs, 2, hf_dir, timeout_s=300)
+def test_teacher_scores_the_tokens_as_the_trainer_would(hf_dir, reference):
+    """The teacher's frozen ranks (no gradients, no optimizer) at their own TP 2 give the logprobs the
+    TP 1 trainer gives for the same model and tokens."""
+    results = run_local_ranks(_teacher_logprobs, 2, hf_dir, timeout_s=300)
     mask = policy_batch().response_mask()
-    assert res["frozen"] and res["layout"] == (1, 1)
-    assert all(got["layout"] == (1, 1) for got in results)
     for got in results:
-        assert got["frozen"]
-        torch.testing.assert_close(got["teacher"][mask], res["policy"][mask], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got["policy"][mask], res["teacher"][mask], atol=1e-5, rtol=1e-5)
+        assert got["frozen"] and got["tp"] == 2
+        torch.testing.assert_close(got["logprobs"][mask], reference["old"][mask], atol=1e-5, rtol=1e-5)
