@@ -26,7 +26,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_LOG_RATIO", "Surrogate", "cispo", "gspo", "gspo_token", "ppo_clip", "sequence_log_ratio"]
+__all__ = [
+    "MAX_LOG_RATIO",
+    "Surrogate",
+    "cispo",
+    "gspo",
+    "gspo_token",
+    "ppo_clip",
+    "sequence_log_ratio",
+    "sequence_ratio",
+]
 
 # exp(20) ~ 4.9e8: far beyond any useful ratio, still finite in fp32 (an inf in a forward pass makes the
 # backward of a later clamp/where 0 * inf = NaN). The log-ratio is clamped before exp, as verl does.
@@ -77,6 +86,11 @@ def sequence_log_ratio(logprobs_BT: Tensor, old_BT: Tensor, valid_BT: Tensor) ->
     return torch.where(valid_BT, logprobs_BT - old_BT, 0.0).sum(dim=1) / tokens_B
 
 
+def sequence_ratio(logprobs_BT: Tensor, old_BT: Tensor, valid_BT: Tensor) -> Tensor:
+    """[B] GSPO's s_i = exp(mean log-ratio over the sequence's valid tokens), clamped as a token's."""
+    return torch.exp(sequence_log_ratio(logprobs_BT, old_BT, valid_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
 def gspo(
     logprobs_BT: Tensor,
     old_BT: Tensor,
@@ -91,8 +105,7 @@ def gspo(
     ``adv_BT`` must hold one advantage per sequence (GSPO's objective is sequence-level); the value on the
     sequence's first position is used.
     """
-    log_s_B = sequence_log_ratio(logprobs_BT, old_BT, valid_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    s_B1 = torch.exp(log_s_B)[:, None]
+    s_B1 = sequence_ratio(logprobs_BT, old_BT, valid_BT)[:, None]
     adv_B1 = adv_BT.expand_as(logprobs_BT)[:, :1]
     pg_B1 = _clipped(s_B1, adv_B1, clip_eps_low, clip_eps_high)
     shape = logprobs_BT.shape
@@ -112,8 +125,9 @@ def gspo_token(
 ) -> Surrogate:
     """GSPO-token: s_i,t = sg[s_i] * exp(log pi_t - sg[log pi_t]), clipped like PPO's per token, so that each
     token may carry its own advantage while the clipping decision stays the sequence's."""
-    log_s_B = sequence_log_ratio(logprobs_BT, old_BT, valid_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    s_BT = torch.exp(log_s_B).detach()[:, None] * torch.exp(logprobs_BT - logprobs_BT.detach())
+    s_BT = sequence_ratio(logprobs_BT, old_BT, valid_BT).detach()[:, None] * torch.exp(
+        logprobs_BT - logprobs_BT.detach()
+    )
     adv_BT = adv_BT.expand_as(logprobs_BT)
     pg_BT = _clipped(s_BT, adv_BT, clip_eps_low, clip_eps_high)
     return _surrogate(pg_BT, s_BT, adv_BT, clip_eps_low, clip_eps_high, None)
