@@ -4,7 +4,7 @@
 
 Prints a Markdown table (a row per step that any run logged the metric at; blank where a run did not) and,
 with ``--reach``, the first step at which each run's metric was >= X (``--reach-fraction F``: X = F times
-the last run's final value). ``make distill-demo`` uses it to set the
+the last run's final value); both take several values. ``make distill-demo`` uses it to set the
 distilled student beside the GRPO demo that trained its teacher.
 """
 
@@ -50,24 +50,33 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories (each holding metrics.jsonl)")
     p.add_argument("--metric", default="val/accuracy")
-    p.add_argument("--reach", type=float, help="also print the first step at which each run reached this")
-    p.add_argument("--reach-fraction", type=float, help="--reach this fraction of the last run's final value")
+    p.add_argument(
+        "--reach", type=float, nargs="+", default=[], help="print the first step each run reached these"
+    )
+    p.add_argument(
+        "--reach-fraction",
+        type=float,
+        nargs="+",
+        default=[],
+        help="--reach these fractions of the last run's final value",
+    )
     args = p.parse_args(argv)
     runs = {run.name: read_metric(run, args.metric) for run in args.runs}
     print(table(runs, args.metric))
-    if args.reach_fraction is not None:
+    levels = [(f"{x:.3f}", x) for x in args.reach]
+    if args.reach_fraction:
         last = runs[args.runs[-1].name]
         if not last:
             raise SystemExit(f"{args.runs[-1]}: no {args.metric} logged")
         final = last[max(last)]
-        args.reach = args.reach_fraction * final
-        print(f"\n{args.reach_fraction:g} x {args.runs[-1].name}'s final {args.metric} ({final:.3f})")
-    if args.reach is not None:
-        print()
+        levels += [(f"{f:g} x {final:.3f} = {f * final:.3f}", f * final) for f in args.reach_fraction]
+        print(f"\nlevels: fractions of {args.runs[-1].name}'s final {args.metric} ({final:.3f})")
+    for label, level in levels:
+        print(f"\n{args.metric} >= {label}:")
         for name, values in runs.items():
-            step = first_reaching(values, args.reach)
-            where = f"step {step}" if step is not None else f"not within its {max(values, default=0)} steps"
-            print(f"{name}: {args.metric} >= {args.reach:.3f} at {where}")
+            step = first_reaching(values, level)
+            reached = f"step {step}" if step is not None else f"not within its {max(values, default=0)} steps"
+            print(f"  {name}: {reached}")
     return 0
 
 

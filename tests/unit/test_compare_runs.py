@@ -32,14 +32,15 @@ def test_table_and_steps_to_reach_a_fraction_of_the_last_runs_final_value(tmp_pa
         ],
     )
     out = subprocess.run(
-        [sys.executable, str(TOOL), str(fast), str(slow), "--reach-fraction", "0.9"],
+        [sys.executable, str(TOOL), str(fast), str(slow), "--reach-fraction", "0.9", "--reach", "0.7"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     assert "| 10 | 0.600 |  |" in out and "| 25 |  | 0.500 |" in out and "| 1 |" not in out
     # 0.9 x 0.6 = 0.54: fast at step 10, slow at step 50
-    assert "fast: val/accuracy >= 0.540 at step 10" in out and "slow: val/accuracy >= 0.540 at step 50" in out
+    assert "val/accuracy >= 0.700:\n  fast: not within its 10 steps\n  slow: not within its 50 steps" in out
+    assert "val/accuracy >= 0.9 x 0.600 = 0.540:\n  fast: step 10\n  slow: step 50" in out
 
 
 def test_a_missing_run_is_named(tmp_path):
