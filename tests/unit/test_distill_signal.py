@@ -114,3 +114,17 @@ def test_teacher_layout_is_checked_against_its_own_shape(tmp_path):
     overrides = [f"distill.teacher_hf_dir={teacher}", "distill.teacher_pipeline_parallel_size=2"]
     with pytest.raises(ConfigError, match="pipeline_model_parallel_size 2 must divide num_layers 3"):
         load_config(None, overrides, trainer="distill")
+
+
+def test_teacher_vocabulary_must_cover_the_students_token_ids(tmp_path):
+    from hf_models import make_tiny_hf
+
+    from megagrpo.data.tokenizer import char_tokenizer, check_same_tokenizer, save_tokenizer
+
+    small = make_tiny_hf(
+        "qwen2", tmp_path / "small", vocab_size=16, hidden_size=128, max_position_embeddings=256
+    )
+    save_tokenizer(char_tokenizer(), small)
+    cfg = load_config(None, [f"distill.teacher_hf_dir={small}"], trainer="distill")
+    with pytest.raises(ConfigError, match=r"config.json vocab_size 16 is smaller than the tokenizer's"):
+        check_same_tokenizer(cfg)
