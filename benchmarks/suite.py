@@ -3,6 +3,9 @@ Megatron keep process-wide state), and one summary of what they measured.
 
     python -m benchmarks run --suite cpu|gpu [--only NAME ...] [--quick] [--repeat N] [--out DIR]
 
+``--only`` into a folder holding the same suite's results replaces those benchmarks' entries of its
+suite.json (the suite's time is then the sum of its benchmarks').
+
 A benchmark's full run is its module's defaults (plus the suite's ``args``), its ``--quick`` run
 the module's smallest sizes; every benchmark writes ``<out>/<name>.json`` (``common.record``) and
 its ``.md``. The suite adds ``suite.json`` (the machine, each command, its wall time and exit
@@ -182,6 +185,24 @@ def summary_markdown(suite: dict, out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def earlier_entries(args) -> dict:
+    """With ``--only``, the entries of the same suite's suite.json already in ``--out`` (the others keep
+    theirs: a failed or changed benchmark is re-run alone); else none."""
+    path = args.out / "suite.json"
+    if not args.only or not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    if (old.get("suite"), old.get("quick")) != (args.suite, args.quick):
+        return {}
+    return old.get("benchmarks", {})
+
+
+def merged(earlier: dict, ran: dict) -> dict:
+    """suite.json's entries: those just ``ran`` replacing the ``earlier`` ones, in suite order."""
+    order = [b.name for b in BENCHMARKS if b.name in earlier or b.name in ran]
+    return {name: ran[name] if name in ran else earlier[name] for name in order}
+
+
 def run(argv: list[str] | None = None) -> dict:
     """``python -m benchmarks run``: every selected benchmark, then suite.json and suite.md."""
     from megagrpo.ckpt.durable import atomic_write
@@ -189,6 +210,7 @@ def run(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     suite = {"suite": args.suite, "quick": args.quick, "machine": machine_info("torch"), "benchmarks": {}}
+    earlier = earlier_entries(args)
     start = time.perf_counter()
     TMP.mkdir(parents=True, exist_ok=True)
     # The whole-run benchmarks (step, scaling, peer) make each warm-up and each run config once.
@@ -200,6 +222,9 @@ def run(argv: list[str] | None = None) -> dict:
         finally:
             del os.environ[SHARED_WARMUPS]
     suite["wall_s"] = time.perf_counter() - start
+    if earlier:  # --only into a suite's folder: the re-run benchmarks replace their entries
+        suite["benchmarks"] = merged(earlier, suite["benchmarks"])
+        suite["wall_s"] = sum(b["wall_s"] for b in suite["benchmarks"].values())
     atomic_write(args.out / "suite.json", json.dumps(suite, indent=1) + "\n")
     atomic_write(args.out / "suite.md", summary_markdown(suite, args.out))
     failed = [n for n, b in suite["benchmarks"].items() if "error" in b]

@@ -35,17 +35,18 @@ def shared_warmup(overrides: list[str]) -> Path | None:
     return Path(os.environ[SHARED_WARMUPS]) / key
 
 
-def shared_run(args: list[str]) -> Path | None:
-    """Where a suite keeps the run of ``megagrpo train`` with ``args`` (on the default config) for
-    the other benchmarks that ask for the same run, or None outside a suite. Its key is the whole
-    config but the run's name and directory."""
+def shared_run(args: list[str], command: str = "train") -> Path | None:
+    """Where a suite keeps the run of ``megagrpo COMMAND`` with ``args`` (on the default config) for
+    the other benchmarks that ask for the same run, or None outside a suite. Its key is the command and
+    the whole config but the run's name and directory."""
     if not os.environ.get(SHARED_WARMUPS):
         return None
     import yaml
 
     from megagrpo.config import config_to_dict, load_config
 
-    config = config_to_dict(load_config(None, args))
+    config = config_to_dict(load_config(None, args, trainer="distill" if command == "distill" else "grpo"))
+    config["command"] = command
     config.pop("run_name")
     config["logging"].pop("dir")
     key = hashlib.sha256(yaml.safe_dump(config, sort_keys=True).encode()).hexdigest()[:16]
@@ -88,7 +89,7 @@ def train_run(
         "checkpoint.save_every=0",
         *overrides,
     ]
-    made = shared_run(args) if shared else None
+    made = shared_run(args, command) if shared else None
     if made is not None and made.is_dir():
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.copytree(made, run_dir, copy_function=os.link)

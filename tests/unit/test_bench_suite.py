@@ -252,3 +252,24 @@ def test_readme_block_is_replaced_between_the_markers_and_checked(tmp_path, monk
     assert readme.main(["--check", "--readme", str(copy)]) == 1 and copy.read_text() == text
     assert readme.main(["--readme", str(copy)]) == 0 and "rows" in copy.read_text()
     assert readme.main(["--check", "--readme", str(copy)]) == 0
+
+
+def test_only_replaces_its_entries_of_an_earlier_suite(tmp_path):
+    earlier = {
+        "reward": {"wall_s": 1.0},
+        "step": {"wall_s": 2.0, "error": "exited with 1"},
+        "peer": {"wall_s": 3.0},
+    }
+    (tmp_path / "suite.json").write_text(json.dumps({"suite": "cpu", "quick": False, "benchmarks": earlier}))
+    args = suite.parse_args(["--suite", "cpu", "--only", "step", "--out", str(tmp_path)])
+    assert suite.earlier_entries(args) == earlier
+    got = suite.merged(earlier, {"step": {"wall_s": 5.0}})
+    assert list(got) == ["reward", "step", "peer"] and got["step"] == {"wall_s": 5.0}
+    # another suite's (or a quick run's) results are not merged into
+    assert (
+        suite.earlier_entries(
+            suite.parse_args(["--suite", "cpu", "--quick", "--only", "step", "--out", str(tmp_path)])
+        )
+        == {}
+    )
+    assert suite.earlier_entries(suite.parse_args(["--suite", "cpu", "--out", str(tmp_path)])) == {}
