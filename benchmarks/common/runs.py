@@ -20,15 +20,21 @@ once rather than once each, and a run that two benchmarks ask for (the same conf
 is made once."""
 
 
-def shared_warmup(overrides: list[str]) -> Path | None:
-    """Where the warm-up of a run with ``overrides`` (on the default config) is kept for other runs
-    of this suite, or None outside a suite and for a model that is not warmed up (an HF one)."""
+def _trainer(command: str) -> str:
+    """The trainer a ``megagrpo COMMAND`` run's config is loaded (validated) for."""
+    return "distill" if command == "distill" else "grpo"
+
+
+def shared_warmup(overrides: list[str], command: str = "train") -> Path | None:
+    """Where the warm-up of a ``megagrpo COMMAND`` run with ``overrides`` (on the default config) is kept
+    for other runs of this suite, or None outside a suite and for a model that is not warmed up (an HF
+    one)."""
     if not os.environ.get(SHARED_WARMUPS):
         return None
     from megagrpo.config import load_config
     from megagrpo.trainers.warmup import warmup_stamp
 
-    cfg = load_config(None, overrides)
+    cfg = load_config(None, overrides, trainer=_trainer(command))
     if cfg.model.tiny is None:
         return None
     key = hashlib.sha256(warmup_stamp(cfg).encode()).hexdigest()[:16]
@@ -45,7 +51,7 @@ def shared_run(args: list[str], command: str = "train") -> Path | None:
 
     from megagrpo.config import config_to_dict, load_config
 
-    config = config_to_dict(load_config(None, args, trainer="distill" if command == "distill" else "grpo"))
+    config = config_to_dict(load_config(None, args, trainer=_trainer(command)))
     config["command"] = command
     config.pop("run_name")
     config["logging"].pop("dir")
@@ -95,7 +101,7 @@ def train_run(
         shutil.copytree(made, run_dir, copy_function=os.link)
         print(f"[runs] {name}: the suite's earlier run of this config", flush=True)
         return run_dir
-    shared_warm = shared_warmup(overrides) if warmup is None else None
+    shared_warm = shared_warmup(overrides, command) if warmup is None else None
     if shared_warm is not None and shared_warm.is_dir():
         warmup = shared_warm
     if warmup is not None:
