@@ -207,6 +207,12 @@ class DistillConfig:
     """Weight of the task reward's advantage (grpo.baseline over reward.*) added on every token; 0: pure
     distillation (rewards are still computed and logged)."""
 
+    @property
+    def teacher_world_size(self) -> int:
+        """The teacher's ranks: TP x PP x DP."""
+        tp, pp = self.teacher_tensor_parallel_size, self.teacher_pipeline_parallel_size
+        return tp * pp * self.teacher_data_parallel_size
+
     def __post_init__(self) -> None:
         for name in ("teacher_tensor_parallel_size", "teacher_pipeline_parallel_size"):
             positive(self, name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megagrpo.config import Config, ConfigError
+from megagrpo.config.errors import require
 from megagrpo.data.arithmetic import _CHARS, _FIRST_CHAR_ID, BOS_ID, EOS_ID, PAD_ID
 
 CHAR_CHAT_TEMPLATE = (
@@ -172,20 +173,15 @@ def check_same_tokenizer(cfg: Config) -> None:
             f"(token, student id, teacher id) {differ[:3]}; distillation compares their logprobs of the "
             "same token ids",
         )
-    _require(
+    require(
         student.eos_token_id == teacher.eos_token_id,
         keys,
         f"EOS differs: id {teacher.eos_token_id} in {teacher_dir}, {student.eos_token_id} in {student_where}",
     )
     vocab_size = int(teacher_json.get("vocab_size", 0))
-    _require(
+    require(
         vocab_size >= len(s_vocab),
         keys,
         f"{teacher_dir}/config.json vocab_size {vocab_size} is smaller than the tokenizer's "
         f"{len(s_vocab)} ids",
     )
-
-
-def _require(ok: bool, keys, message: str) -> None:
-    if not ok:
-        raise ConfigError(keys, message)

@@ -33,13 +33,8 @@ def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Confi
         return
     if num_cpus is None and cfg is not None:
         actors = cfg.parallel.world_size + cfg.generation.num_engines
-        d = cfg.distill
-        if d.teacher_hf_dir is not None:  # megagrpo distill: the teacher's ranks
-            actors += (
-                d.teacher_tensor_parallel_size
-                * d.teacher_pipeline_parallel_size
-                * d.teacher_data_parallel_size
-            )
+        if cfg.distill.teacher_hf_dir is not None:  # megagrpo distill: the teacher's ranks
+            actors += cfg.distill.teacher_world_size
         num_cpus = max(os.cpu_count() or 1, int(actors * cluster.cpus_per_worker + 0.999))
     env = {
         # Our Megatron workers print their own progress; Ray's per-actor log prefixing is enough.
