@@ -18,6 +18,7 @@ through Megatron instead.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 import math
 import mmap
@@ -25,17 +26,34 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from megagrpo.ckpt import CheckpointError
 from megagrpo.ckpt.files import FileMaps
+from megagrpo.compat.dcp_metadata import restricted_metadata
 
 # A key's chunks: their first-axis starts, the longest first-axis size, (offsets, sizes) in order.
 _ChunkIndex = tuple[list[int], int, list[tuple[tuple[int, ...], tuple[int, ...]]]]
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, 30 bytes
 _LOCAL_HEADER_SIGNATURE = 0x04034B50
+
+
+@contextlib.contextmanager
+def trusted_metadata_only() -> Iterator[None]:
+    """Checkpoint metadata read in the block goes through the allow-list of
+    ``compat.dcp_metadata``; a refusal ends the block as a ``CheckpointError`` naming the file, however
+    torch or Megatron wrapped it on the way out."""
+    with restricted_metadata() as refused:
+        try:
+            yield
+        except BaseException:  # torch's CheckpointException is a BaseException
+            if refused:
+                raise CheckpointError(refused[0]) from None
+            raise
 
 
 class _Window(io.RawIOBase):
@@ -144,7 +162,8 @@ class MappedDistCheckpoint:
         from torch.distributed.checkpoint import FileSystemReader
 
         self.path = Path(path)
-        self.metadata = FileSystemReader(str(self.path)).read_metadata()
+        with trusted_metadata_only():
+            self.metadata = FileSystemReader(str(self.path)).read_metadata()
         self._storage = {
             (index.fqn, tuple(index.offset)): info
             for index, info in self.metadata.storage_data.items()

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from megagrpo.ckpt import CheckpointError
-from megagrpo.ckpt.dist_files import MappedDistCheckpoint
+from megagrpo.ckpt.dist_files import MappedDistCheckpoint, trusted_metadata_only
 from megagrpo.ckpt.durable import writeback_as_written
 from megagrpo.ckpt.files import CopyingFile, FileCopies, FileMaps, Piece
 from megagrpo.ckpt.hf_files import copy_aux_files
@@ -220,7 +220,8 @@ def load_megatron(model: torch.nn.Module, path: Path, keys: set[str] | None = No
     for key in _gated_factories(state):
         fused[key] = state[key].data
         state[key] = state[key].build()  # ShardedTensors over views of the parameter
-    state = dist_checkpointing.load(state, str(path))
+    with trusted_metadata_only():
+        state = dist_checkpointing.load(state, str(path))
     for key, param in fused.items():
         with torch.no_grad():
             for loaded, half in zip(state[key], torch.chunk(param, 2, dim=0), strict=True):

@@ -13,6 +13,8 @@ reads its private state or works around it through the environment.
 - ``megatron_writer`` (megatron-core): checkpoint writers open their files as ``CopyingFile``s;
   a synchronous save's results go through an in-process queue;
 - ``torch_save`` (torch): ``torch.save`` without its unchecked CRC32;
+- ``dcp_metadata`` (torch): a distributed checkpoint's ``.metadata`` unpickled through an allow-list
+  while megagrpo loads a checkpoint;
 - ``startup`` (torch, megatron-core): ``torch.compile`` decorations deferred to first call while a
   converter rank imports Megatron; the cyclic garbage collector paused during a conversion;
 - ``megatron_optimizer`` (megatron-core): the distributed optimizer's reshardable load keeps torch
@@ -71,6 +73,12 @@ PATCHES = (
         "checkpoint writers copy mapped weights file to file; a synchronous save needs no spawned Manager",
     ),
     Patch("torch_save", "torch", ("2.13.0",), "torch.save computes a CRC32 that torch.load never checks"),
+    Patch(
+        "dcp_metadata",
+        "torch",
+        ("2.13.0",),
+        "FileSystemReader.read_metadata unpickles a checkpoint's .metadata with plain pickle.load",
+    ),
     Patch(
         "startup",
         "megatron-core",

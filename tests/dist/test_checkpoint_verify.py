@@ -4,6 +4,8 @@ back to the previous checkpoint) and by ``megagrpo export`` (which refuses it)."
 
 from __future__ import annotations
 
+import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import pytest
 from hf_models import make_tiny_hf
 from policy_cases import policy_batch, policy_config
 
-from megagrpo.ckpt import manifest
+from megagrpo.ckpt import CheckpointError, manifest
 from megagrpo.ckpt import run as ckpt
 from megagrpo.parallel import destroy_parallel
 from megagrpo.parallel.local import run_local_ranks
@@ -108,3 +110,58 @@ def test_export_verifies_a_sound_checkpoint(saved, tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"verified {step}: " in done.stdout and "match manifest.json" in done.stdout
     assert (Path(tmp_path / "hf") / "model.safetensors").is_file()
+
+
+class _Payload:
+    """A crafted pickle: loading it would create ``marker``."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def _craft(step: Path, rel: str, root: Path) -> tuple[Path, Path]:
+    """A copy of ``step`` whose ``rel`` is a crafted pickle, with a manifest that matches it."""
+    crafted = root / "step_1"
+    shutil.copytree(step, crafted)
+    marker = root / "ran"
+    (crafted / rel).write_bytes(pickle.dumps(_Payload(str(marker))))
+    manifest.write(crafted, manifest.build(crafted))
+    return crafted, marker
+
+
+def test_a_crafted_metadata_pickle_is_refused_by_export_even_with_a_matching_manifest(
+    saved, tmp_path, capsys
+):
+    """The manifest proves integrity, not authorship: someone handing over a checkpoint can rewrite
+    it too. The metadata's unpickler still refuses what it names, before anything runs."""
+    from megagrpo import cli
+
+    crafted, marker = _craft(saved[1], "megatron/.metadata", tmp_path)
+    assert cli.main(["export", "--ckpt", str(crafted), "--out", str(tmp_path / "hf")]) == 1
+    assert f"{crafted / 'megatron/.metadata'}: refusing to load os.makedirs" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def _load(rank: int, world_size: int, cfg, path: str) -> str:
+    from megagrpo.policy.worker import PolicyWorker
+
+    worker = PolicyWorker(cfg)
+    try:
+        worker.load(path)
+    except CheckpointError as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        destroy_parallel()
+    return "loaded"
+
+
+def test_a_crafted_optimizer_metadata_is_refused_on_resume(saved, tmp_path):
+    _, step, _ = saved
+    crafted, marker = _craft(step, "optimizer/.metadata", tmp_path)
+    cfg = policy_config(str(step.parent.parent / "qwen2"), tp=2)
+    for said in run_local_ranks(_load, 2, cfg, str(crafted), timeout_s=300):
+        assert f"{crafted / 'optimizer/.metadata'}: refusing to load os.makedirs" in said, said
+    assert not marker.exists()
