@@ -328,10 +328,10 @@ def _check_cluster(cfg: Config, *, trainer: bool) -> None:
         "backend 'nccl' needs GPUs (gpus_per_node > 0)",
     )
     require(
-        gen.placement != "colocated" or cluster.gpus_per_node > 0,
-        ("generation.placement", "cluster.gpus_per_node"),
-        "colocated placement needs GPUs (engines sleep during training with vLLM's CUDA-only sleep "
-        "mode); use 'disaggregated' on CPU",
+        not trainer or gen.placement != "colocated" or gen.num_engines <= cfg.parallel.world_size,
+        ("generation.placement", "generation.num_engines", "parallel.world_size"),
+        f"colocated placement puts engine i on trainer rank i's device: at most {cfg.parallel.world_size} "
+        f"engines for {cfg.parallel.world_size} ranks, got {gen.num_engines}",
     )
     require(
         not trainer or gen.placement != "colocated" or cfg.grpo.max_staleness == 0,

@@ -121,8 +121,9 @@ class GenerationWorker:
                 # Weights arrive with the first sync; loading them from disk would be wasted work.
                 load_format="dummy" if dummy_weights else "auto",
                 weight_transfer_config=WeightTransferConfig(backend=BACKEND),
-                # Colocated engines give their memory back while the trainer runs (CUDA only).
-                enable_sleep_mode=gen.placement == "colocated",
+                # Colocated engines give their memory back while the trainer runs (vLLM: CUDA only;
+                # on CPU they share the host's memory and stay up).
+                enable_sleep_mode=gen.placement == "colocated" and cfg.cluster.gpus_per_node > 0,
                 **scheduler_args(cfg),
             )
 

@@ -150,6 +150,8 @@ class SyncLayout:
     """What the senders broadcast per sync (each to every engine)."""
     worker_bytes: tuple[int, ...]
     """What each of an engine's vLLM workers receives, by engine TP rank."""
+    transport: str = ""
+    """How the engines receive: broadcast, or shared slots for an engine on its sender's device."""
 
 
 class EnginePool:
@@ -220,7 +222,9 @@ class EnginePool:
     def sync(self) -> SyncLayout:
         """How the weights reach the engines (a pool with a policy only)."""
         weights = self._require_weights()
-        return SyncLayout(weights.backend, weights.path, weights.total_bytes, tuple(weights.worker_bytes))
+        return SyncLayout(
+            weights.backend, weights.path, weights.total_bytes, tuple(weights.worker_bytes), weights.transport
+        )
 
     def generate(
         self, prompts: Sequence, settings, seeds: Sequence[int], *, step: int, restartable: bool = True
@@ -319,8 +323,9 @@ class EnginePool:
 
     def set_awake(self, awake: bool) -> None:
         """Colocated placement: engines release their GPU memory while the trainer runs (``False``) and
-        take it back before receiving the new weights (``True``). Disaggregated engines stay up."""
-        if self.cfg.generation.placement != "colocated":
+        take it back before receiving the new weights (``True``). Disaggregated engines stay up, and so
+        do colocated ones without GPUs (vLLM's sleep mode is CUDA's; host memory is not handed back)."""
+        if self.cfg.generation.placement != "colocated" or self.cfg.cluster.gpus_per_node == 0:
             return
         calls = [(e.wake_up if awake else e.sleep).remote() for e in self.actors]
         ray.get(calls, timeout=self.cfg.generation.sync_timeout_s)

@@ -241,6 +241,7 @@ def print_layout(policy: RankGroup, engines: EnginePool) -> None:
         f"weight sync: {sync.backend}, {sync.path.kind} ({sync.path.reason}); {count} engine(s), "
         f"{sync.total_bytes / 2**20:.1f} MiB sent, {max(sync.worker_bytes) / 2**20:.1f} MiB per vLLM worker"
     )
+    print(f"weight sync transport: {sync.transport}")
 
 
 def restore(policy: RankGroup, checkpoint: Path | None) -> tuple[int, int, Pending | None]:

@@ -29,9 +29,10 @@ from megagrpo.config import Config
 from megagrpo.parallel.backends import weight_sync_backend
 from megagrpo.types import TrainBatch
 from megagrpo.weight_sync.buckets import Bucket, interleave
+from megagrpo.weight_sync.ipc import IpcAddress
 from megagrpo.weight_sync.shards import SyncPath
 from megagrpo.weight_sync.trainer import WeightSyncEndpoints
-from megagrpo.weight_sync.transport import GroupAddress, LinkKey
+from megagrpo.weight_sync.transport import GroupAddress, Link, LinkKey
 
 if TYPE_CHECKING:
     from megagrpo.runtime.groups import RankGroup
@@ -68,6 +69,49 @@ def probe_sequences(
     return torch.randint(0, vocab_size, (count, length), generator=gen).tolist()
 
 
+def link_addresses(
+    links: list[Link], engines: int, engine_tp: int, *, shard_wise: bool, colocated: bool
+) -> list[GroupAddress]:
+    """How each link reaches the engines. Colocated placement puts engine ``i`` on trainer rank
+    ``i``'s device: a link whose sender has an engine on its device hands it the buckets through
+    shared slots (NCCL cannot hold two ranks of one device in a communicator); every other engine
+    is in the link's broadcast group. Disaggregated engines all receive by broadcast."""
+    out = []
+    for link in links:
+        ipc = link.rank if colocated and link.rank < engines else None
+        receivers = tuple(e for e in range(engines) if e != ipc)
+        out.append(
+            GroupAddress(
+                link.address,
+                link.port,
+                1 + len(receivers) * (1 if shard_wise else engine_tp),
+                link.key[2] if shard_wise else None,
+                receivers,
+                None if ipc is None else IpcAddress(link.address, link.ipc_port, ipc),
+            )
+        )
+    return out
+
+
+def describe_transport(groups: list[GroupAddress], backend: str, device_backend: str) -> str:
+    """One line: how the engines receive (logged with the path when the sync is set up)."""
+    by_ipc = sorted({g.ipc.engine for g in groups if g.ipc is not None})
+    if not by_ipc:
+        return f"{backend} broadcast to every engine"
+    memory = (
+        "CUDA IPC handles" if device_backend == "nccl" else "shared memory (/dev/shm, as CUDA IPC on GPU)"
+    )
+    rest = (
+        f"the other links by {backend} broadcast"
+        if any(g.world_size > 1 for g in groups)
+        else "nothing is broadcast"
+    )
+    return (
+        f"colocated: engine(s) {','.join(map(str, by_ipc))} take the buckets of the trainer rank on their "
+        f"device through {memory}, as one communicator cannot hold two ranks of one device; {rest}"
+    )
+
+
 class WeightSync:
     """Broadcast groups from the trainer's senders to the vLLM workers, over the trainer's backend.
 
@@ -84,6 +128,7 @@ class WeightSync:
         self.timeout_s = cfg.generation.sync_timeout_s
         gen = cfg.generation
         etp = gen.engine_tensor_parallel_size
+        colocated = gen.placement == "colocated"
         self.path: SyncPath = policy.call_first(
             WeightSyncEndpoints.weight_sync_path, etp, gen.weight_sync_path
         )
@@ -98,12 +143,10 @@ class WeightSync:
         self.worker_bytes = [
             sum(b.nbytes for b in self.plan if self.keys[b.source][2] in (-1, j)) for j in range(etp)
         ]
-        shard_wise = self.path.kind == "shard"
-        world = 1 + len(engines) * (1 if shard_wise else etp)
-        groups = [
-            GroupAddress(link.address, link.port, world, link.key[2] if shard_wise else None)
-            for link in links
-        ]
+        groups = link_addresses(
+            links, len(engines), etp, shard_wise=self.path.kind == "shard", colocated=colocated
+        )
+        self.transport = describe_transport(groups, backend, cfg.resolved.backend)
         # Both sides block in the rendezvous until everyone has joined: start them together.
         engine_refs = [
             e.init_weight_sync.remote(groups, engine_index=i, backend=backend, timeout_s=self.timeout_s)

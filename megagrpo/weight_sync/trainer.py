@@ -13,7 +13,9 @@ Within a stage, the ranks of data-parallel replica 0 (and CP rank 0) take part. 
 
 Either way tensors are packed into fixed-size buckets; packing bucket k+1 overlaps the broadcast of
 bucket k (two buffers, on CPU kept from one sync to the next). No rank ever holds more than one
-parameter gathered plus two buckets; no rank funnels another stage's weights.
+parameter gathered plus two buckets; no rank funnels another stage's weights. An engine on the
+sender's own device (colocated) takes the link's buckets from two shared slots instead
+(``weight_sync.ipc``), which are then also the buffers the link broadcasts from.
 
 :class:`WeightSyncEndpoints` is what the controller (``sync.WeightSync``) calls on every trainer
 rank; the policy worker inherits it, so the controller names these methods without importing the
@@ -33,6 +35,7 @@ from megagrpo.models.layout import is_gated_fc1, stage_param_names, tp_merge, tp
 from megagrpo.models.mapping import hf_tensor_shapes, to_hf
 from megagrpo.parallel.local import free_port, node_ip
 from megagrpo.weight_sync.buckets import Bucket, SentBuckets, Slot, checksum, dtype_name, pack, plan_buckets
+from megagrpo.weight_sync.ipc import IpcSender
 from megagrpo.weight_sync.shards import SyncPath, choose_path, local_hf_tensors, piece_tensor, rank_pieces
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress, Link, LinkKey
 
@@ -48,6 +51,8 @@ class WeightSender:
         self.path: SyncPath | None = None
         self.engine_tp = 1
         self.groups: dict[int, BroadcastGroup] = {}  # plan source (link index) -> its group
+        self.ipc: dict[int, IpcSender] = {}  # plan source -> the handoff to the engine on this device
+        self.sources: list[int] = []  # the plan sources (links) this rank sends
         self._mine: dict[LinkKey, Link] = {}  # this rank's links, as offered
         self._keys: list[LinkKey] = []  # every link of the sync, in plan-source order
         self._buffers: list[torch.Tensor] | None = None  # the two packing buffers (senders only)
@@ -110,21 +115,37 @@ class WeightSender:
         return (x for j in range(self.engine_tp) for x in self._link_pieces(j))
 
     def _link(self, key: LinkKey, buckets: list[Bucket]) -> Link:
-        link = Link(key, node_ip(), free_port(), tuple(buckets))
+        link = Link(key, node_ip(), free_port(), tuple(buckets), rank=self.ctx.rank, ipc_port=free_port())
         self._mine[key] = link
         return link
 
     def open(
         self, groups: Sequence[GroupAddress], keys: Sequence[LinkKey], *, backend: str, timeout_s: float
     ):
-        """Become rank 0 of each of this rank's groups, in plan order (blocks until every receiver joined)."""
+        """Become rank 0 of each of this rank's groups and the sender of its handoffs, in plan order
+        (blocks until every receiver joined)."""
         self.close()
         self._keys = list(keys)
         for index, key in enumerate(keys):
-            if key in self._mine:
+            if key not in self._mine:
+                continue
+            self.sources.append(index)
+            addr = groups[index]
+            if addr.world_size > 1:
                 self.groups[index] = BroadcastGroup(
-                    groups[index], 0, backend=backend, timeout_s=timeout_s, device=self.ctx.device
+                    addr, 0, backend=backend, timeout_s=timeout_s, device=self.ctx.device
                 )
+            if addr.ipc is not None:
+                slot_bytes = max(b.nbytes for b in self._mine[key].buckets)
+                name = f"weight sync link {key} (trainer rank {self.ctx.rank}) -> engine {addr.ipc.engine}"
+                self.ipc[index] = IpcSender(
+                    addr.ipc, slot_bytes, device=self.ctx.device, timeout_s=timeout_s, name=name
+                )
+        if self.ipc and len(self.sources) > 1:
+            raise RuntimeError(
+                "weight sync: a rank hands buckets to the engine on its device on one link only, "
+                f"rank {self.ctx.rank} has {len(self.sources)}"
+            )
 
     # ------------------------------------------------------------------------------------ sending
 
@@ -157,15 +178,15 @@ class WeightSender:
         if not self.takes_part:
             return None
         if self.shard_wise:
-            streams = {index: self.shard_tensors(self._keys[index][2]) for index in self.groups}
+            streams = {index: self.shard_tensors(self._keys[index][2]) for index in self.sources}
             return self._broadcast(plan, streams, with_checksums)
         stream = self.hf_tensors()
-        if not self.groups:
+        if not self.sources:
             for _ in stream:  # TP peers: take part in the gathers only
                 pass
             return None
         try:
-            return self._broadcast(plan, dict.fromkeys(self.groups, stream), with_checksums)
+            return self._broadcast(plan, dict.fromkeys(self.sources, stream), with_checksums)
         except Exception:
             # A receiver died mid-sync: still take part in the rest of the TP gathers, so that the
             # TP peers, which cannot know, are not left waiting in one.
@@ -175,24 +196,30 @@ class WeightSender:
             raise
 
     def _broadcast(self, plan: Sequence[Bucket], streams: dict, with_checksums: bool) -> SentBuckets:
-        """Pack and broadcast the buckets of ``plan`` on this rank's groups, tensors from ``streams``
-        (by plan source), two buckets in flight."""
-        if not self.groups:
+        """Pack the buckets of ``plan`` this rank sends, tensors from ``streams`` (by plan source), and
+        broadcast them on its groups / hand them to the engine on its device; two buckets in flight."""
+        if not self.sources:
             raise RuntimeError("weight sync: send() before open()")
-        mine = [(i, b) for i, b in enumerate(plan) if b.source in self.groups]
-        size = max((b.nbytes for _, b in mine), default=0)
-        if self._buffers is None or self._buffers[0].numel() < size:
-            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.ctx.device) for _ in range(2)]
-        buffers = [b[:size] for b in self._buffers]
-        if self.ctx.device.type != "cpu":
-            # On CPU they are kept (fresh multi-MB buffers cost a page fault per 4 KiB on every
-            # sync); a GPU's caching allocator reuses the memory, which colocated engines may need.
-            self._buffers = None
+        mine = [(i, b) for i, b in enumerate(plan) if b.source in self.sources]
+        ipc = next(iter(self.ipc.values()), None)  # at most one link: then the slots are the buffers
+        if ipc is None:
+            size = max((b.nbytes for _, b in mine), default=0)
+            if self._buffers is None or self._buffers[0].numel() < size:
+                self._buffers = [
+                    torch.empty(size, dtype=torch.uint8, device=self.ctx.device) for _ in range(2)
+                ]
+            buffers = [b[:size] for b in self._buffers]
+            if self.ctx.device.type != "cpu":
+                # On CPU they are kept (fresh multi-MB buffers cost a page fault per 4 KiB on every
+                # sync); a GPU's caching allocator reuses the memory, which colocated engines may need.
+                self._buffers = None
         in_flight, digests = [None, None], []
         for n, (index, bucket) in enumerate(mine):
             slot = n % 2
             if in_flight[slot] is not None:
                 in_flight[slot].wait()  # this buffer's previous broadcast must be done before reuse
+            # A slot is free once its previous bucket's broadcast is done and the engine took it.
+            buffer = ipc.slot(n) if ipc is not None else buffers[slot]
             tensors = []
             for expected in bucket.slots:
                 name, tensor = next(streams[bucket.source])
@@ -201,13 +228,18 @@ class WeightSender:
                         f"weight sync plan expected {expected.name}, the model produced {name}"
                     )
                 tensors.append(tensor)
-            buf = pack(bucket, tensors, buffers[slot])
+            buf = pack(bucket, tensors, buffer)
             if with_checksums:
                 digests.append((index, checksum(buf)))
-            in_flight[slot] = self.groups[bucket.source].broadcast(buf, root=0)
+            if ipc is not None:
+                ipc.post(n, index)
+            group = self.groups.get(bucket.source)
+            in_flight[slot] = group.broadcast(buf, root=0) if group is not None else None
         for work in in_flight:
             if work is not None:
                 work.wait()
+        if ipc is not None:
+            ipc.finish()
         for stream in streams.values():
             leftover = next(stream, None)
             if leftover is not None:
@@ -216,9 +248,9 @@ class WeightSender:
 
     def close(self) -> None:
         self._buffers = None
-        for group in self.groups.values():
-            group.close()
-        self.groups = {}
+        for channel in [*self.groups.values(), *self.ipc.values()]:
+            channel.close()
+        self.groups, self.ipc, self.sources = {}, {}, []
 
 
 class WeightSyncEndpoints:

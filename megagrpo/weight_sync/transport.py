@@ -5,6 +5,9 @@ TCPStore and is rank 0 of its group. On the gathered path there is one group per
 every vLLM worker joins every group; on the shard-wise path one group per link (stage, trainer TP
 rank, engine TP rank: ``weight_sync.shards``), joined by that engine rank's worker of every engine.
 Each group has its own timeout, so a dead peer turns into an exception, not a hang.
+
+An engine on the sender's own device (colocated placement) is not in the link's group: it receives
+the link's buckets through shared slots (``weight_sync.ipc``), and the group holds the others.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.distributed as dist
 
 from megagrpo.compat.torch_store import bound_tcp_store
 from megagrpo.weight_sync.buckets import Bucket
+from megagrpo.weight_sync.ipc import IpcAddress
 
 LinkKey = tuple[int, int, int]
 """(pipeline stage, trainer TP rank, engine TP rank or -1 for every worker of every engine)."""
@@ -24,15 +28,37 @@ LinkKey = tuple[int, int, int]
 
 @dataclass(frozen=True)
 class GroupAddress:
-    """Where one broadcast group meets (the sender's TCPStore); sent to the sender and every engine."""
+    """How one link reaches the engines: its broadcast group (where the sender's TCPStore meets, who
+    joins) and, for an engine on the sender's device, its shared-slot handoff; sent to the sender
+    and every engine."""
 
     address: str
     port: int
     world_size: int
-    """1 sender + every receiving vLLM worker."""
+    """1 sender + every vLLM worker that receives by broadcast (1: nobody; no group is formed)."""
     engine_rank: int | None = None
-    """Shard-wise: the engine TP rank whose workers join (one per engine, at rank 1 + engine index);
-    None: every worker of every engine joins."""
+    """Shard-wise: the engine TP rank whose workers join (one per engine); None: every worker of every
+    engine joins."""
+    engines: tuple[int, ...] = ()
+    """The engines (by index in the sync) that receive by broadcast, in rank order."""
+    ipc: IpcAddress | None = None
+    """The engine on the sender's device, which receives through shared slots instead; None: none."""
+
+    def broadcast_rank(self, engine_index: int, worker_rank: int, workers: int) -> int | None:
+        """The group rank of worker ``worker_rank`` (of ``workers``) of engine ``engine_index``; None
+        when that worker is not in the group."""
+        if self.world_size == 1 or engine_index not in self.engines:
+            return None
+        at = self.engines.index(engine_index)
+        if self.engine_rank is None:  # gathered: every worker of every engine
+            return 1 + at * workers + worker_rank
+        return 1 + at if self.engine_rank == worker_rank else None
+
+    def ipc_for(self, engine_index: int, worker_rank: int) -> IpcAddress | None:
+        """The handoff worker ``worker_rank`` of engine ``engine_index`` receives this link by, if any."""
+        if self.ipc is None or self.ipc.engine != engine_index:
+            return None
+        return self.ipc if self.engine_rank in (None, worker_rank) else None
 
 
 @dataclass(frozen=True)
@@ -46,6 +72,10 @@ class Link:
     port: int
     buckets: tuple[Bucket, ...]
     """Its buckets in send order (``source`` not yet set: the controller sets it to the link's number)."""
+    rank: int = 0
+    """The sender's global trainer rank (colocated placement: engine ``rank`` shares its device)."""
+    ipc_port: int = 0
+    """Where the sender's store for a shared-slot handoff would listen."""
 
 
 class BroadcastGroup:

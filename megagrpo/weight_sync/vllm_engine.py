@@ -8,12 +8,13 @@ worker methods ``init_weight_transfer_engine`` / ``start_weight_update`` / ``upd
 ``finish_weight_update`` (``LLM.collective_rpc``).
 
 Each worker joins the groups of its engine TP rank (all of them on the gathered path) and receives
-the plan's buckets of those groups. Receiving overlaps loading: the broadcast of bucket k+1 is
-posted before bucket k is loaded. Gathered buckets hold whole HF tensors and go through
-``model.load_weights`` (vLLM's loaders cut out the worker's shard); shard-wise buckets hold blocks of
-this worker's own parameters, copied in place at their offset (:func:`load_block`), inside vLLM's
-layerwise reload like any other load, so vLLM re-processes each layer (on CPU: repacks its GEMM
-weights) once all of it has arrived.
+the plan's buckets of those groups; a link whose sender shares this worker's device hands its buckets
+over through shared slots instead (``weight_sync.ipc``), copied out into the same receive buffers.
+Receiving overlaps loading: the broadcast of bucket k+1 is posted before bucket k is loaded.
+Gathered buckets hold whole HF tensors and go through ``model.load_weights`` (vLLM's loaders cut
+out the worker's shard); shard-wise buckets hold blocks of this worker's own parameters, copied in
+place at their offset (:func:`load_block`), inside vLLM's layerwise reload like any other load, so
+vLLM re-processes each layer (on CPU: repacks its GEMM weights) once all of it has arrived.
 """
 
 from __future__ import annotations
@@ -28,7 +29,18 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from megagrpo.weight_sync.buckets import Bucket, Slot, checksum, unpack
+from megagrpo.weight_sync.ipc import IpcReceiver
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
+
+
+class _Handoff:
+    """A bucket taken from a shared slot, shaped like a broadcast's work handle: ``wait()`` receives."""
+
+    def __init__(self, receiver: IpcReceiver, index: int, out: torch.Tensor):
+        self.receiver, self.index, self.out = receiver, index, out
+
+    def wait(self) -> None:
+        self.receiver.receive(self.index, self.out)
 
 
 # vLLM builds these from the dicts ``GenerationWorker`` passes to ``collective_rpc`` (``cls(**info)``);
@@ -58,6 +70,7 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.groups: dict[int, BroadcastGroup] = {}  # plan source -> group, the groups this worker is in
+        self.ipc: dict[int, IpcReceiver] = {}  # plan source -> handoff from a sender on this device
         self.last_digests: dict[int, str] = {}  # plan index -> digest of the buckets it received
         self.received_bytes = 0  # bucket bytes this worker received in the last sync
         self._loaders: dict[int, tuple[torch.Tensor, dict]] = {}  # parameters given _copy_block, by id
@@ -65,17 +78,23 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
 
     def init_transfer_engine(self, init_info: MegagrpoInitInfo) -> None:
         self.shutdown()
-        par = self.parallel_config
+        par, engine = self.parallel_config, init_info.engine_index
         for index, address in enumerate(init_info.groups):  # in plan-source order, as the senders open them
-            if address.engine_rank is None:  # gathered: every worker of every engine
-                rank = 1 + init_info.engine_index * par.world_size + par.rank
-            elif address.engine_rank == par.rank:  # shard-wise: this engine rank's worker of every engine
-                rank = 1 + init_info.engine_index
-            else:
-                continue
-            self.groups[index] = BroadcastGroup(
-                address, rank, backend=init_info.backend, timeout_s=init_info.timeout_s, device=self.device
-            )
+            rank = address.broadcast_rank(engine, par.rank, par.world_size)
+            if rank is not None:
+                self.groups[index] = BroadcastGroup(
+                    address,
+                    rank,
+                    backend=init_info.backend,
+                    timeout_s=init_info.timeout_s,
+                    device=self.device,
+                )
+            handoff = address.ipc_for(engine, par.rank)
+            if handoff is not None:
+                name = f"weight sync link {index} -> engine {engine} worker {par.rank}"
+                self.ipc[index] = IpcReceiver(
+                    handoff, device=torch.device(self.device), timeout_s=init_info.timeout_s, name=name
+                )
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -116,10 +135,14 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
             method.process_weights_after_loading(lm_head)
 
     def receive_weights(self, update_info: MegagrpoUpdateInfo) -> None:
-        if not self.groups:
+        if not self.groups and not self.ipc:
             raise RuntimeError("megagrpo weight transfer: init_weight_transfer_engine was not called")
-        buckets = [b for b in update_info.buckets if b.source in self.groups]
-        indices = [i for i, b in enumerate(update_info.buckets) if b.source in self.groups]
+        mine = [
+            (i, b)
+            for i, b in enumerate(update_info.buckets)
+            if b.source in self.groups or b.source in self.ipc
+        ]
+        indices, buckets = [i for i, _ in mine], [b for _, b in mine]
         self.received_bytes = sum(b.nbytes for b in buckets)
         if not buckets:
             return
@@ -136,7 +159,10 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
             self._kept = buffers
 
         def post(i: int):
-            return buffers[i], self.groups[buckets[i].source].broadcast(buffers[i], root=0)
+            source = buckets[i].source
+            if source in self.ipc:  # taken from the slot when waited for
+                return buffers[i], _Handoff(self.ipc[source], indices[i], buffers[i])
+            return buffers[i], self.groups[source].broadcast(buffers[i], root=0)
 
         self.last_digests = {}
         pending = post(0)
@@ -155,9 +181,9 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
 
     def shutdown(self) -> None:
         self._kept = []
-        for group in self.groups.values():
-            group.close()
-        self.groups = {}
+        for channel in [*self.groups.values(), *self.ipc.values()]:
+            channel.close()
+        self.groups, self.ipc = {}, {}
 
 
 def _copy_block(param: torch.Tensor, loaded_weight: torch.Tensor, dim: int, start: int, pad: bool) -> None:

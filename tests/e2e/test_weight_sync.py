@@ -63,8 +63,15 @@ def _sampled_logprob_error(sync, group, engines, cfg) -> float:
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(), dict(tp=2), dict(pp=2), dict(tp=2, layers="torch")],
-    ids=["tp1", "tp2", "pp2", "tp2-torch-layers"],
+    [
+        dict(),
+        dict(tp=2),
+        dict(pp=2),
+        dict(tp=2, layers="torch"),
+        dict(tp=2, colocated=True),
+        dict(path="gathered", colocated=True),
+    ],
+    ids=["tp1", "tp2", "pp2", "tp2-torch-layers", "tp2-colocated", "gathered-colocated"],
 )
 def test_engines_match_trainer_after_real_updates(layout, stack):
     from megagrpo.runtime.groups import RankGroup
@@ -75,13 +82,16 @@ def test_engines_match_trainer_after_real_updates(layout, stack):
     # Small buckets: several per stage, so double buffering and bucket order are exercised. The torch
     # layers (SDPA, packed micro-batches) send the same names and are probed the same way. Engine
     # TP 1: shard-wise (trainer TP 2: both trainer ranks send; the gathered path is tested at engine
-    # TP 2, in test_engine_with_tensor_parallel_workers).
+    # TP 2, in test_engine_with_tensor_parallel_workers). Colocated: engine i shares trainer rank i's
+    # device and takes that rank's buckets from shared slots; the other links reach it by broadcast.
     path = layout.get("path", "auto")
+    colocated = layout.get("colocated", False)
     extra = [
         "generation.sync_timeout_s=60",
         "generation.sync_bucket_mb=0.25",
         f"parallel.transformer_impl={layout.get('layers', 'local')}",
         f"generation.weight_sync_path={path}",
+        f"generation.placement={'colocated' if colocated else 'disaggregated'}",
     ]
     cfg = policy_config(hf_dir, **sizes, extra=extra)
     group = RankGroup(cfg, PolicyWorker, timeout_s=300)
@@ -89,6 +99,7 @@ def test_engines_match_trainer_after_real_updates(layout, stack):
         for targets in (engines[:1], engines):
             sync = WeightSync(cfg, group, targets, vocab_size=300)
             assert sync.path.kind == ("gathered" if path == "gathered" else "shard")
+            assert sync.transport.startswith("colocated: engine(s) 0") == colocated, sync.transport
             batch = policy_batch(seed=len(targets))
             metrics = group.call_first(
                 PolicyWorker.train, batch.replace(old_logprobs=group.call_first(PolicyWorker.logprobs, batch))

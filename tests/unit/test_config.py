@@ -367,7 +367,11 @@ def test_yaml_syntax_error_and_non_mapping_top_level(tmp_path):
             "num_val_prompts is 0",
         ),
         (["parallel.backend=nccl"], ["parallel.backend", "cluster.gpus_per_node"], "needs GPUs"),
-        (["generation.placement=colocated"], ["generation.placement", "cluster.gpus_per_node"], "needs GPUs"),
+        (
+            ["generation.placement=colocated", "generation.num_engines=3"],
+            ["generation.placement", "generation.num_engines", "parallel.world_size"],
+            "at most 2 engines for 2 ranks",
+        ),
         (
             [
                 "cluster.gpus_per_node=8",

@@ -1,0 +1,162 @@
+"""Handing buckets to an engine on the sender's own device: shared slots, not a broadcast.
+
+A colocated engine shares its GPU with a trainer rank, and NCCL refuses two ranks of one
+communicator on one device; so the sender gives that engine its buckets through memory both can
+map. The sender owns two slots (one allocation, each slot as large as its largest bucket) and packs
+bucket n into slot n % 2, exactly as it packs its broadcast buffers; the engine copies the bucket
+out into its own receive buffer and acknowledges it, which frees the slot for bucket n + 2. The
+memory is exported once, when the sync is set up:
+
+- on GPU by CUDA IPC handle (``compat.cuda_ipc``);
+- on CPU as a file in ``/dev/shm`` that both processes map (the same protocol, so the handoff,
+  the bucket plan, the engine's load and the probe run here as they would on a GPU).
+
+Messages go through a TCPStore the sender hosts (on its node's address, like a broadcast group's):
+``slots`` (the export, JSON), ``opened``, and per bucket ``ready/<plan index>`` (the slot) and
+``ack/<plan index>``. Every wait has the sync's timeout, and a timeout names the link and the bucket.
+When a link also has engines on other devices, the slot is what the sender broadcasts to them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megagrpo.compat import cuda_ipc
+from megagrpo.compat.torch_store import bound_tcp_store
+
+
+@dataclass(frozen=True)
+class IpcAddress:
+    """Where a link's handoff meets: the sender's store, and the engine that receives by it."""
+
+    address: str
+    port: int
+    engine: int
+    """The engine (its index in the sync) on the sender's device."""
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _timeout_message(what: str, timeout_s: float) -> str:
+    return f"{what} did not happen within {timeout_s:.0f}s"
+
+
+class _Store:
+    def __init__(self, addr: IpcAddress, *, is_master: bool, timeout_s: float, name: str):
+        self.timeout_s, self.name = timeout_s, name
+        self.store = bound_tcp_store(
+            addr.address,
+            addr.port,
+            2,
+            is_master=is_master,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    def take(self, key: str, what: str) -> bytes:
+        """The value of ``key`` once it is set (then deleted); an error naming ``what`` on timeout."""
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:  # torch raises DistStoreError (a RuntimeError) on timeout
+            raise TimeoutError(f"{self.name}: {_timeout_message(what, self.timeout_s)}") from err
+        value = self.store.get(key)
+        self.store.delete_key(key)
+        return value
+
+
+class IpcSender:
+    """The sender's side of one link's handoff: the two slots and the messages."""
+
+    def __init__(
+        self, addr: IpcAddress, slot_bytes: int, *, device: torch.device, timeout_s: float, name: str
+    ):
+        self.name, self.slot_bytes, self.device = name, max(slot_bytes, 1), device
+        self.store = _Store(addr, is_master=True, timeout_s=timeout_s, name=name)
+        total = 2 * self.slot_bytes
+        if device.type == "cuda":
+            self.memory = torch.empty(total, dtype=torch.uint8, device=device)
+            export = {"kind": "cuda", **cuda_ipc.export_handle(self.memory)}
+        else:
+            fd, path = tempfile.mkstemp(prefix="megagrpo-sync-", dir=_shm_dir())
+            try:
+                os.ftruncate(fd, total)
+            finally:
+                os.close(fd)
+            self.memory = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+            export = {"kind": "shm", "path": path}
+        self.export = export
+        self.slots = [self.memory[: self.slot_bytes], self.memory[self.slot_bytes :]]
+        self.store.store.set("slots", json.dumps({**export, "slot_bytes": self.slot_bytes}))
+        try:
+            self.store.take("opened", f"engine {addr.engine} mapping the slots")
+        finally:
+            if export["kind"] == "shm":
+                Path(export["path"]).unlink(missing_ok=True)  # both have it mapped: no file left behind
+        self._pending: dict[int, int] = {}  # slot -> plan index whose ack frees it
+
+    def slot(self, n: int) -> torch.Tensor:
+        """Slot for this link's ``n``-th bucket of the sync, once the engine is done with its last use."""
+        index = self._pending.pop(n % 2, None)
+        if index is not None:
+            self.store.take(f"ack/{index}", f"the engine's receipt of bucket {index}")
+        return self.slots[n % 2]
+
+    def post(self, n: int, index: int) -> None:
+        """Bucket ``index`` of the plan is packed in slot ``n % 2``: tell the engine."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the packing is done before it reads
+        self._pending[n % 2] = index
+        self.store.store.set(f"ready/{index}", str(n % 2))
+
+    def finish(self) -> None:
+        """Wait for the engine's receipt of the sync's last buckets."""
+        for slot in sorted(self._pending, key=self._pending.get):
+            index = self._pending.pop(slot)
+            self.store.take(f"ack/{index}", f"the engine's receipt of bucket {index}")
+
+    def close(self) -> None:
+        self._pending = {}
+        self.slots = []
+        self.memory = None
+        self.store = None
+
+
+class IpcReceiver:
+    """The engine's side: maps the sender's slots and copies each bucket out of them."""
+
+    def __init__(self, addr: IpcAddress, *, device: torch.device, timeout_s: float, name: str):
+        self.name, self.device = name, torch.device(device)
+        self.store = _Store(addr, is_master=False, timeout_s=timeout_s, name=name)
+        export = json.loads(self.store.take("slots", "the sender exporting its slots"))
+        slot_bytes = export["slot_bytes"]
+        if export["kind"] == "cuda":
+            memory = cuda_ipc.open_handle(export, self.device)
+        elif export["kind"] == "shm":
+            memory = torch.from_file(export["path"], shared=True, size=2 * slot_bytes, dtype=torch.uint8)
+            if self.device.type != "cpu":
+                raise RuntimeError(f"{name}: the sender's slots are host memory, this engine is on {device}")
+        else:
+            raise RuntimeError(f"{name}: unknown slot kind {export['kind']!r}")
+        self.slots = [memory[:slot_bytes], memory[slot_bytes:]]
+        self.store.store.set("opened", "1")
+
+    def receive(self, index: int, out: torch.Tensor) -> torch.Tensor:
+        """Bucket ``index`` of the plan, copied into ``out`` (its size); the slot is then released."""
+        slot = int(self.store.take(f"ready/{index}", f"bucket {index} from the sender"))
+        out.copy_(self.slots[slot][: out.numel()])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.store.store.set(f"ack/{index}", "1")
+        return out
+
+    def close(self) -> None:
+        self.slots = []
+        self.store = None

@@ -1,0 +1,104 @@
+"""The shared-slot handoff to an engine on the sender's device (CPU: /dev/shm), and how each link
+reaches the engines under each placement."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from megagrpo.parallel.local import free_port
+from megagrpo.weight_sync.buckets import Bucket
+from megagrpo.weight_sync.ipc import IpcAddress, IpcReceiver, IpcSender
+from megagrpo.weight_sync.sync import link_addresses
+from megagrpo.weight_sync.transport import Link
+
+pytestmark = pytest.mark.unit
+
+CPU = torch.device("cpu")
+
+
+def _pair(timeout_s: float = 10.0, slot_bytes: int = 64):
+    addr = IpcAddress("127.0.0.1", free_port(), engine=0)
+    made = {}
+    thread = threading.Thread(
+        target=lambda: made.setdefault(
+            "sender", IpcSender(addr, slot_bytes, device=CPU, timeout_s=timeout_s, name="link (0, 0, 0)")
+        )
+    )
+    thread.start()
+    receiver = IpcReceiver(addr, device=CPU, timeout_s=timeout_s, name="link 0 -> engine 0")
+    thread.join()
+    return made["sender"], receiver
+
+
+def test_buckets_arrive_bit_exact_through_two_reused_slots():
+    sender, receiver = _pair()
+    gen = torch.Generator().manual_seed(0)
+    buckets = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (64, 10, 64, 33, 1)]
+    indices = [3, 5, 8, 9, 12]  # the link's buckets' places in the plan
+
+    def send():
+        for n, (index, data) in enumerate(zip(indices, buckets, strict=True)):
+            sender.slot(n)[: data.numel()].copy_(data)  # waits for the slot's last receipt
+            sender.post(n, index)
+        sender.finish()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    got = [
+        receiver.receive(index, torch.empty_like(data)).clone()
+        for index, data in zip(indices, buckets, strict=True)
+    ]
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    for want, have in zip(buckets, got, strict=True):
+        assert torch.equal(want, have)
+
+
+def test_a_receiver_that_never_acknowledges_is_a_timeout_naming_the_link_and_bucket():
+    sender, _receiver = _pair(timeout_s=1.0)
+    sender.slot(0)
+    sender.post(0, 4)
+    with pytest.raises(
+        TimeoutError, match=r"link \(0, 0, 0\): the engine's receipt of bucket 4 did not happen"
+    ):
+        sender.finish()
+
+
+def test_no_shared_memory_file_is_left_behind():
+    sender, receiver = _pair()
+    # Both have the memory mapped; the file itself is gone.
+    assert sender.memory.numel() == 128 and receiver.slots[0].numel() == 64
+    assert sender.export["kind"] == "shm" and not Path(sender.export["path"]).exists()
+
+
+def _links(ranks: list[int], key_engine_rank: int = 0) -> list[Link]:
+    buckets = (Bucket(0, 16),)
+    return [
+        Link((0, r, key_engine_rank), "10.0.0.1", 1000 + r, buckets, rank=r, ipc_port=2000 + r) for r in ranks
+    ]
+
+
+def test_colocated_links_hand_their_own_engine_the_buckets_and_broadcast_to_the_others():
+    groups = link_addresses(_links([0, 1]), engines=2, engine_tp=1, shard_wise=True, colocated=True)
+    assert [g.ipc.engine for g in groups] == [0, 1]
+    assert [g.ipc.port for g in groups] == [2000, 2001]
+    assert [g.engines for g in groups] == [(1,), (0,)]
+    assert [g.world_size for g in groups] == [2, 2]
+    # Engine 0 takes link 0 by handoff and is rank 1 of link 1's group.
+    assert groups[0].ipc_for(0, 0) is not None and groups[0].broadcast_rank(0, 0, 1) is None
+    assert groups[1].ipc_for(0, 0) is None and groups[1].broadcast_rank(0, 0, 1) == 1
+
+
+def test_a_single_colocated_engine_forms_no_group():
+    (group,) = link_addresses(_links([0]), engines=1, engine_tp=1, shard_wise=True, colocated=True)
+    assert group.world_size == 1 and group.engines == () and group.ipc.engine == 0
+
+
+def test_disaggregated_gathered_groups_hold_every_worker_of_every_engine():
+    (group,) = link_addresses(_links([0], -1), engines=2, engine_tp=2, shard_wise=False, colocated=False)
+    assert group.ipc is None and group.world_size == 5
+    assert [group.broadcast_rank(e, w, 2) for e in (0, 1) for w in (0, 1)] == [1, 2, 3, 4]
