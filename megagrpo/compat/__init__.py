@@ -13,6 +13,8 @@ reads its private state or works around it through the environment.
 - ``megatron_writer`` (megatron-core): checkpoint writers open their files as ``CopyingFile``s;
   a synchronous save's results go through an in-process queue;
 - ``torch_save`` (torch): ``torch.save`` without its unchecked CRC32;
+- ``cuda_ipc`` (torch): CUDA IPC handles of a tensor as plain values (torch's private storage
+  export and import), for colocated weight sync;
 - ``dcp_metadata`` (torch): a distributed checkpoint's ``.metadata`` unpickled through an allow-list
   while megagrpo loads a checkpoint;
 - ``startup`` (torch, megatron-core): ``torch.compile`` decorations deferred to first call while a
@@ -73,6 +75,12 @@ PATCHES = (
         "checkpoint writers copy mapped weights file to file; a synchronous save needs no spawned Manager",
     ),
     Patch("torch_save", "torch", ("2.13.0",), "torch.save computes a CRC32 that torch.load never checks"),
+    Patch(
+        "cuda_ipc",
+        "torch",
+        ("2.13.0",),
+        "a CUDA IPC handle's public form pickles classes; the storage export/import calls give plain values",
+    ),
     Patch(
         "dcp_metadata",
         "torch",
