@@ -223,11 +223,11 @@ class GenerationWorker:
         }
         self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
 
-    def receive_weights(self, plan: Sequence[Bucket], *, checksums: bool = False) -> dict[int, str]:
+    def receive_weights(self, plan: Sequence[Bucket], *, checksums: bool = False) -> list[dict[int, str]]:
         """Receive one full sync of ``plan`` (blocks until every bucket has arrived and loaded).
 
-        With ``checksums``: {plan index: digest} of every bucket a worker of this engine received
-        (the first to have it); else {}.
+        With ``checksums``: per worker of this engine (by rank), {plan index: digest} of every bucket
+        it received; else [].
         """
         # vLLM hands this dict to the worker's transfer engine as ``MegagrpoUpdateInfo(**update_info)``.
         update_info = {"buckets": tuple(plan), "checksums": checksums}
@@ -236,13 +236,7 @@ class GenerationWorker:
         self.llm.collective_rpc("finish_weight_update")
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
-        if not checksums:
-            return {}
-        digests: dict[int, str] = {}
-        for worker in self.llm.collective_rpc(_received_digests):
-            for index, digest in worker.items():
-                digests.setdefault(index, digest)
-        return digests
+        return self.llm.collective_rpc(_received_digests) if checksums else []
 
     def received_bytes(self) -> list[int]:
         """Bucket bytes each of this engine's workers received in the last sync, by worker rank."""

@@ -74,7 +74,7 @@ def launch_engines(
     for index in range(cfg.generation.num_engines) if indices is None else indices:
         options: dict = {"num_cpus": cfg.cluster.cpus_per_worker}
         if colocated:
-            options["num_gpus"] = 1 - COLOCATED_SHARE
+            options["num_gpus"] = 1 - COLOCATED_SHARE if cfg.cluster.gpus_per_node > 0 else 0
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=policy.pg, placement_group_bundle_index=index
             )

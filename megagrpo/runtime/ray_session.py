@@ -33,6 +33,8 @@ def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Confi
         return
     if num_cpus is None and cfg is not None:
         actors = cfg.parallel.world_size + cfg.generation.num_engines
+        if cfg.generation.placement == "colocated":  # every rank's bundle holds room for an engine
+            actors = 2 * cfg.parallel.world_size
         if cfg.distill.teacher_hf_dir is not None:  # megagrpo distill: the teacher's ranks
             actors += cfg.distill.teacher_world_size
         num_cpus = max(os.cpu_count() or 1, int(actors * cluster.cpus_per_worker + 0.999))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from pathlib import Path
 
@@ -152,6 +153,8 @@ class GRPOSteps:
             probe_error = synced.probe.error
             self.schedule.synced(step)
         metrics = step_metrics(cfg, current.rollouts, batch, train_metrics, probe_error, current.filtered)
+        if not math.isnan(probe_error):
+            metrics["sync/verified_buckets"] = synced.probe.verified_buckets
         metrics |= distill_metrics
         metrics |= staleness_metrics(current.rollouts, current.version, trained_version=step - 1)
         metrics |= self.source.counts

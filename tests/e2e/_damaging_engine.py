@@ -26,6 +26,18 @@ class DamagingGenerationWorker(GenerationWorker):
         """Flip bytes of bucket ``bucket`` (plan order) when the next sync receives it."""
         self.llm.collective_rpc(_damage_on_arrival, args=(bucket,))
 
+    def drift_loaded_weights(self) -> None:
+        """Change the loaded model after a sync (its bytes arrived intact): what kernel or dtype
+        differences do to the logprobs, short of a broken sync."""
+        self.llm.collective_rpc(_scale_final_norm)
+
+
+def _scale_final_norm(worker) -> None:
+    import torch
+
+    with torch.no_grad():
+        worker.model_runner.model.model.norm.weight.mul_(1.5)
+
 
 class _DamagedOnWait:
     """A broadcast's work handle whose ``wait`` damages the received buffer."""

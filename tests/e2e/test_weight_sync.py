@@ -124,15 +124,25 @@ def test_corrupted_bucket_is_caught_by_the_probe(stack):
         sync = WeightSync(cfg, group, engines[:1], vocab_size=300)
         assert len(sync.plan) >= 2  # the damaged bucket is one of several
         sync.sync()
-        assert sync.probe().error <= 1.001
+        assert sync.verified_buckets == len(sync.plan) and sync.probe().error <= 1.001
+        # Digests off: the probe alone catches it, and cannot say more.
         ray.get(engines[0].damage_next_sync.remote(1))
-        sync.sync()
-        with pytest.raises(WeightSyncError, match=r"probe failed.*engine 0"):
+        sync.sync(with_checksums=False)
+        with pytest.raises(WeightSyncError, match=r"probe failed.*engine 0.*digests were not checked"):
             sync.probe()
+        # Digests on (every sync of a run): the damaged bucket is named, with its tensors.
         ray.get(engines[0].damage_next_sync.remote(1))
-        with pytest.raises(WeightSyncError, match=r"bucket 1 .* differs on engine 0"):
-            sync.sync(with_checksums=True)
+        with pytest.raises(WeightSyncError, match=r"bucket 1 \(model\..*\) differs on engine 0 worker 0"):
+            sync.sync()
         sync.sync()  # a clean sync repairs the engine
+        assert sync.probe().error <= 1.001
+        # Intact bytes, different logprobs: reported as numerics, with the position.
+        ray.get(engines[0].drift_loaded_weights.remote())
+        with pytest.raises(
+            WeightSyncError, match=r"at engine 0, probe sequence .*digests match\), so this is numerics"
+        ):
+            sync.probe()
+        sync.sync()
         assert sync.probe().error <= 1.001
     finally:
         group.shutdown()

@@ -739,3 +739,11 @@ def test_node_labels_need_a_cluster_and_disaggregated_engines():
         ["cluster.ray_address=auto", "cluster.policy_resource=trainer", "cluster.engine_resource=engine"],
     )
     assert (cfg.cluster.policy_resource, cfg.cluster.engine_resource) == ("trainer", "engine")
+
+
+def test_the_probe_bound_follows_the_dtype_unless_set():
+    from megagrpo.weight_sync.sync import probe_bound
+
+    assert probe_bound(load_config("tiny_cpu")) == 1.001  # float32
+    assert probe_bound(load_config("tiny_cpu", ["model.dtype=bfloat16"])) == 1.05
+    assert probe_bound(load_config("tiny_cpu", ["model.dtype=bfloat16", "generation.probe_max_error=1.2"])) == 1.2

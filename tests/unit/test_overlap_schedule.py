@@ -158,7 +158,7 @@ class StandInPool:
     def sync_weights(self, *, step):
         self.log.append(("sync", step))
         self.version = step
-        return SyncOutcome(SimpleNamespace(error=1.0), 0.0)
+        return SyncOutcome(SimpleNamespace(error=1.0, verified_buckets=1), 0.0)
 
     def set_awake(self, awake):
         self.log.append(("awake", awake))
