@@ -209,20 +209,19 @@ class HFCheckpoint:
         return info, info.offset + start * row_bytes
 
     def _read_bytes(self, name: str, offset: int, out: torch.Tensor) -> None:
-        """Fill ``out`` (contiguous CPU) with the file bytes from ``offset`` on."""
+        """Fill ``out`` (contiguous CPU) with the file bytes from ``offset`` on.
+
+        Copied from the file's read-only mapping: reading into ``out`` through the buffer protocol
+        would mark its storage unresizable for good, and a parameter's storage must stay resizable
+        (``policy.offload`` parks it by resizing it in place)."""
         nbytes = out.numel() * out.element_size()
         if not nbytes:
             return
         info = self.tensors[name]
-        view = memoryview(out.detach().view(-1).view(torch.uint8).numpy())
-        with open(info.file, "rb", buffering=0) as fh:
-            fh.seek(offset)
-            got = 0
-            while got < nbytes:
-                n = fh.readinto(view[got:])
-                if not n:
-                    raise CheckpointError(f"{info.file}: tensor {name} ends early (truncated while read)")
-                got += n
+        mapped = self.maps.map(info.file)
+        if offset + nbytes > len(mapped):
+            raise CheckpointError(f"{info.file}: tensor {name} ends early (truncated while read)")
+        out.detach().view(-1).view(torch.uint8).copy_(self.maps.view(mapped, torch.uint8, nbytes, offset))
 
 
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}

@@ -328,6 +328,11 @@ def _check_cluster(cfg: Config, *, trainer: bool) -> None:
         "backend 'nccl' needs GPUs (gpus_per_node > 0)",
     )
     require(
+        not trainer or cfg.policy.offload == "none" or gen.placement == "colocated",
+        ("policy.offload", "generation.placement"),
+        "offloading hands the trainer's GPUs to colocated engines; disaggregated engines have their own",
+    )
+    require(
         not trainer or gen.placement != "colocated" or gen.num_engines <= cfg.parallel.world_size,
         ("generation.placement", "generation.num_engines", "parallel.world_size"),
         f"colocated placement puts engine i on trainer rank i's device: at most {cfg.parallel.world_size} "

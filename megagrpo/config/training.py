@@ -57,6 +57,11 @@ class PolicyConfig:
     recompute_num_layers layers' input."""
     recompute_num_layers: int = 1
     """With recompute "full": layers per recomputed group (uniform split of each pipeline stage)."""
+    offload: Literal["none", "optimizer", "all"] = "none"
+    """Colocated placement: what the trainer moves to host memory while the engines run (the free blocks
+    of its allocator go back either way). "optimizer": Adam's moments and fp32 master weights, before
+    the engines wake; "all": those and the gradient buffers, then the weights once they are synced.
+    Brought back, bit for bit, before the trainer's next forward."""
 
     def __post_init__(self) -> None:
         check(self, "lr", self.lr > 0, "> 0")

@@ -32,6 +32,7 @@ from megagrpo.models.shape import padded_vocab_size
 from megagrpo.parallel import ParallelSizes, init_parallel
 from megagrpo.policy.engine import OptimizerSettings, build_engine, build_lr_scheduler, forward_backward
 from megagrpo.policy.logprobs import vocab_parallel_logprobs
+from megagrpo.policy.offload import Offloader, grad_buffers, optimizer_tensors, release_cached_memory
 from megagrpo.policy.packing import (
     context_parallel_positions,
     pack_by_token_budget,
@@ -139,6 +140,36 @@ class MegatronRank:
         # The reference policy is the initial weights, parked in host memory.
         self.reference = HostWeights(self.engine.module) if keep_reference else None
         self.steps_done = 0
+        self.offloader = Offloader(self.ctx.device)
+
+    # ------------------------------------------------------------------------ colocated handoff
+
+    def offload(self, phase: str) -> int:
+        """Colocated placement, per ``policy.offload``: ``phase`` "sync" (before the engines wake: the
+        optimizer; with "all" the gradient buffers too) or "generation" (the weights are synced: with
+        "all", the weights). The allocator's free blocks go back to the driver either way. Returns
+        the device bytes freed."""
+        mode = self.cfg.policy.offload
+        model_storages = {p.untyped_storage().data_ptr() for p in self.engine.module.parameters()}
+        freed = 0
+        if phase == "sync" and mode in ("optimizer", "all") and self.engine.optimizer is not None:
+            tensors = optimizer_tensors(self.engine.optimizer)
+            freed += self.offloader.offload("optimizer", tensors, keep=model_storages)
+        if phase == "sync" and mode == "all" and self.engine.optimizer is not None:
+            freed += self.offloader.offload("grads", grad_buffers(self.engine.model[0]))
+        if phase == "generation" and mode == "all":
+            freed += self.offloader.offload("weights", list(self.engine.module.parameters()))
+        release_cached_memory(self.ctx.device)
+        return freed
+
+    def reload(self) -> int:
+        """Everything ``offload`` parked, back on the device bit for bit; returns the bytes."""
+        return self.offloader.reload()
+
+    def _on_device(self) -> None:
+        """Whatever reads or steps the states first brings them back (a no-op when nothing is parked)."""
+        if self.offloader.parked:
+            self.offloader.reload()
 
     # ----------------------------------------------------------------------------------- weights
 
@@ -268,6 +299,7 @@ class MegatronRank:
         ``temperature`` defaults to the rank's (GRPO: ``generation.temperature``, the distribution
         rollouts are sampled from; the weight-sync probe uses 1.0).
         """
+        self._on_device()
         mine = self._my_shard(batch)
         result = torch.zeros(batch.size, batch.input_ids.shape[1] - 1)
         collected: list[tuple[list[int], torch.Tensor]] = []
@@ -304,6 +336,7 @@ class MegatronRank:
 
         @contextmanager
         def swapped():
+            self._on_device()
             self.reference.swap(self.engine.module)
             try:
                 yield
@@ -337,6 +370,7 @@ class MegatronRank:
         (for the checkpoint's manifest). A failed write raises on every rank, never leaving one
         waiting for another.
         """
+        self._on_device()
         path = Path(path)
         model_sd = self.engine.module.sharded_state_dict()
         with DigestCollector() as digests:
@@ -375,6 +409,7 @@ class MegatronRank:
         """Restore what ``save`` wrote (at this job's TP/PP/DP, whatever it was saved with)."""
         from megatron.core import dist_checkpointing
 
+        self._on_device()
         path = Path(path)
         load_megatron(self.engine.module, path / "megatron")
         self._materialize_optimizer_state()

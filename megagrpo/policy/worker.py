@@ -69,6 +69,7 @@ class PolicyWorker(MegatronRank, WeightSyncEndpoints):
         mini-batch and a forward before the first update for the others (``logprobs`` of each)."""
         if batch.advantages is None:
             raise ValueError("train() needs advantages")
+        self._on_device()
         size = self.cfg.policy.mini_batch_size
         if batch.size % size:
             raise ValueError(
@@ -139,6 +140,12 @@ class PolicyWorker(MegatronRank, WeightSyncEndpoints):
         return payload[0]
 
     # --------------------------------------------------------------------------------- weight sync
+
+    def send_weights(self, plan, with_checksums: bool = False):
+        """As ``WeightSyncEndpoints.send_weights``, with the weights brought back first if
+        ``policy.offload: all`` parked them (an engine replaced during generation is re-synced)."""
+        self._on_device()
+        return super().send_weights(plan, with_checksums)
 
     def weight_source(self) -> tuple[ParallelContext, torch.nn.Module, ModelDescription]:
         """(parallel context, model stage, model description): what the weight-sync sender reads."""

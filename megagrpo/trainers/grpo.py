@@ -133,6 +133,10 @@ class GRPOSteps:
         self.schedule.start_ahead(step, self.position)  # overlapped: the next step's rollouts, meanwhile
         batch = to_train_batch(cfg, current.rollouts)
         self.engines.set_awake(False)  # colocated: hand the GPUs to the trainer
+        colocated = cfg.generation.placement == "colocated"
+        if colocated:
+            with timed(timings, "reload_s"):
+                self.policy.call_all(PolicyWorker.reload)
         batch, distill_metrics = distill(cfg, self.teacher, batch, timings)
         batch, train_metrics = train_on(cfg, self.policy, batch, timings)
         self._trained = Trained(step, self.position)
@@ -146,15 +150,22 @@ class GRPOSteps:
             timings["generation_ahead_s"] = engine_busy = ahead.seconds
         probe_error = float("nan")
         if self.schedule.needs_sync(step, due.validate or due.save):
+            offloaded = 0
             with timed(timings, "sync_s"):
+                if colocated:  # what the trainer hands back before the engines wake
+                    offloaded += max(self.policy.call_all(PolicyWorker.offload, "sync"))
                 self.engines.set_awake(True)
                 synced = self.engines.sync_weights(step=step)
+                if colocated:  # and once the weights are synced
+                    offloaded += max(self.policy.call_all(PolicyWorker.offload, "generation"))
             timings["probe_s"] = synced.probe_s  # part of sync_s
             probe_error = synced.probe.error
             self.schedule.synced(step)
         metrics = step_metrics(cfg, current.rollouts, batch, train_metrics, probe_error, current.filtered)
         if not math.isnan(probe_error):
             metrics["sync/verified_buckets"] = synced.probe.verified_buckets
+            if colocated:
+                metrics["memory/offloaded_gib"] = offloaded / 2**30  # the largest of any rank
         metrics |= distill_metrics
         metrics |= staleness_metrics(current.rollouts, current.version, trained_version=step - 1)
         metrics |= self.source.counts

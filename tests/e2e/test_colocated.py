@@ -1,6 +1,8 @@
 """Colocated placement on CPU: engine 0 shares trainer rank 0's bundle and takes that rank's buckets
-from shared slots (the CUDA IPC protocol over /dev/shm), rank 1's by broadcast. The run repeats the
-disaggregated reference run step for step, with every bucket's digest checked on every sync."""
+from shared slots (the CUDA IPC protocol over /dev/shm), rank 1's by broadcast, and the trainer parks
+its optimizer, gradients and weights in host memory while the engine runs (``policy.offload: all``).
+The run repeats the disaggregated reference run step for step, with every bucket's digest checked on
+every sync."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ def test_a_colocated_run_repeats_the_disaggregated_one(undisturbed, tmp_path, ca
 
     root = undisturbed.root
     reuse_warmup(root, "colocated")
-    overrides = run_overrides(root, "colocated", tmp_path / "ckpt", extra=["generation.placement=colocated"])
+    overrides = run_overrides(
+        root, "colocated", tmp_path / "ckpt", extra=["generation.placement=colocated", "policy.offload=all"]
+    )
     run_dir = train(load_config(None, overrides))
     said = capsys.readouterr().out
     assert (
@@ -31,4 +35,5 @@ def test_a_colocated_run_repeats_the_disaggregated_one(undisturbed, tmp_path, ca
         assert got[step]["sync/probe_error"] <= 1.001
         # Both links' buckets (rank 0's by handoff, rank 1's by broadcast), digested on arrival.
         assert got[step]["sync/verified_buckets"] >= 2
+        assert got[step]["memory/offloaded_gib"] > 0 and got[step]["timing/reload_s"] >= 0
     assert_same_steps(got, undisturbed.metrics, (1, 2, 3, 4))

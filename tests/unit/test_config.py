@@ -746,4 +746,7 @@ def test_the_probe_bound_follows_the_dtype_unless_set():
 
     assert probe_bound(load_config("tiny_cpu")) == 1.001  # float32
     assert probe_bound(load_config("tiny_cpu", ["model.dtype=bfloat16"])) == 1.05
-    assert probe_bound(load_config("tiny_cpu", ["model.dtype=bfloat16", "generation.probe_max_error=1.2"])) == 1.2
+    assert (
+        probe_bound(load_config("tiny_cpu", ["model.dtype=bfloat16", "generation.probe_max_error=1.2"]))
+        == 1.2
+    )
