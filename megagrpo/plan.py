@@ -12,7 +12,8 @@ bytes per layer with selective recompute; the local implementation's unfused att
 worker: weights + KV cache for ``model.seq_length`` at the engine's concurrency; and the bytes each
 sender puts on each link and each vLLM worker receives per sync, on the path the runtime takes
 (shard-wise where trainer and engine TP nest: every TP rank sends its own shard; else gathered:
-TP rank 0 of each stage broadcasts its stage).
+TP rank 0 of each stage broadcasts its stage). With colocated engines, the bytes on one GPU in
+each phase of a step (train, sync, generation: ``colocated_phases``) under ``policy.offload``.
 These are estimates; ``python -m benchmarks.train`` compares them with measured peaks.
 """
 
@@ -39,6 +40,9 @@ GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 VLLM_MAX_NUM_SEQS = 256
 """vLLM's default cap on sequences an engine decodes at once (the plan's engine concurrency bound)."""
+PROCESS_CONTEXT_BYTES = GIB // 2
+"""What a process keeps on a GPU whatever it does (CUDA context, allocator pools): an estimate, for
+each of the two processes on a colocated GPU (a sleeping vLLM engine keeps about this much)."""
 
 
 @dataclass
@@ -68,6 +72,8 @@ class Plan:
     ranks: list[RankMemory]
     engine_worker_bytes: dict[str, int]
     sync: dict[str, float]
+    colocated: dict[str, object] | None = None
+    """Colocated placement: bytes per GPU in each phase of a step (train, sync, generation) and the peak."""
     errors: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -283,14 +289,49 @@ def make_plan(
     sync = _sync_traffic(cfg, shape, wb, link_gbps)
     gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     mem = int(gpu_memory_gib * GIB)
-    plan = Plan(par.world_size, gpus, mem, impl, cfg.resolved.backend, params, ranks, engine, sync, errors)
-    errors += memory_errors(cfg, ranks, engine, gpu_memory_gib)
+    colocated = colocated_phases(cfg, ranks, engine) if gen.placement == "colocated" else None
+    plan = Plan(par.world_size, gpus, mem, impl, cfg.resolved.backend, params, ranks, engine, sync, colocated)
+    plan.errors = errors
+    errors += memory_errors(cfg, ranks, engine, gpu_memory_gib, colocated)
     return plan
 
 
-def memory_errors(cfg: Config, ranks: list[RankMemory], engine: dict, gpu_memory_gib: float) -> list[str]:
+def colocated_phases(cfg: Config, ranks: list[RankMemory], engine: dict) -> dict[str, object]:
+    """Bytes on one colocated GPU in each phase of a step, for the rank of the heaviest stage:
+
+    - train: the trainer's states and activations, beside the sleeping engine (vLLM's sleep level 2:
+      weights and KV cache discarded, its context kept);
+    - sync: the engine woken (its claim, ``gpu_memory_utilization`` of the GPU), beside what the trainer
+      keeps after releasing its allocator's free blocks and offloading the optimizer (and, with
+      ``policy.offload: all``, the gradient buffers): its weights, plus the two shared bucket slots;
+    - generation: the engine, beside what the trainer keeps after the sync (``all``: nothing).
+    Each adds :data:`PROCESS_CONTEXT_BYTES` per process."""
+    offload, ctx = cfg.policy.offload, 2 * PROCESS_CONTEXT_BYTES
+    slots = 2 * int(cfg.generation.sync_bucket_mb * 2**20)
+    claimed = engine["claimed"]
+
+    def keeps_at_sync(r: RankMemory) -> int:
+        return r.weights + (0 if offload == "all" else r.grads) + (r.optimizer if offload == "none" else 0)
+
+    def keeps_at_generation(r: RankMemory) -> int:
+        return {"none": r.weights + r.grads + r.optimizer, "optimizer": r.weights + r.grads, "all": 0}[
+            offload
+        ]
+
+    phases = {
+        "train": max(r.total for r in ranks) + ctx,
+        "sync": max(keeps_at_sync(r) for r in ranks) + slots + claimed + ctx,
+        "generation": max(keeps_at_generation(r) for r in ranks) + claimed + ctx,
+    }
+    peak = max(phases, key=phases.get)
+    return {**phases, "peak": phases[peak], "peak_phase": peak, "offload": offload}
+
+
+def memory_errors(
+    cfg: Config, ranks: list[RankMemory], engine: dict, gpu_memory_gib: float, colocated: dict | None = None
+) -> list[str]:
     """What does not fit: a pipeline stage's trainer rank, an engine worker's weights and KV cache in its
-    share of the GPU, and (colocated) the trainer's states beside the woken engine."""
+    share of the GPU, and (colocated) the peak phase of a step (:func:`colocated_phases`)."""
     gen, mem, errors = cfg.generation, int(gpu_memory_gib * GIB), []
     concurrency = engine["concurrency"]
     for r in ranks:
@@ -309,15 +350,14 @@ def memory_errors(cfg: Config, ranks: list[RankMemory], engine: dict, gpu_memory
             f"gives it {engine['claimed'] / GIB:.1f} GiB: {(need - engine['claimed']) / GIB:.1f} GiB short "
             "(vLLM would run fewer sequences at once)"
         )
-    # Colocated: the engines wake up next to the trainer's weights, gradients and optimizer states.
-    if gen.placement == "colocated":
-        static = max(r.weights + r.grads + r.optimizer for r in ranks)
-        if static + engine["claimed"] > mem:
-            errors.append(
-                f"colocated: trainer states {static / GIB:.1f} GiB + the engine's "
-                f"generation.gpu_memory_utilization {gen.gpu_memory_utilization} x {gpu_memory_gib:g} GiB "
-                f"exceed the GPU by {(static + engine['claimed'] - mem) / GIB:.1f} GiB"
-            )
+    if colocated is not None and colocated["peak"] > mem:
+        phase = colocated["peak_phase"]
+        errors.append(
+            f"colocated: the {phase} phase needs {colocated['peak'] / GIB:.1f} GiB per GPU, "
+            f"{(colocated['peak'] - mem) / GIB:.1f} GiB more than the {gpu_memory_gib:g} GiB GPU "
+            f"(policy.offload {colocated['offload']}, generation.gpu_memory_utilization "
+            f"{gen.gpu_memory_utilization})"
+        )
     return errors
 
 
@@ -392,6 +432,13 @@ def render(plan: Plan, cfg: Config) -> None:
         f"vLLM workers, {_size(s['bytes_per_sender'])} per sender, {_size(s['bytes_per_worker'])} per "
         f"worker, ~{s['est_seconds']:.2f} s at {s['link_gbps']:g} Gb/s"
     )
+    if plan.colocated is not None:
+        c = plan.colocated
+        con.print(
+            f"colocated, per GPU (policy.offload {c['offload']}): train {_size(c['train'])}, sync "
+            f"{_size(c['sync'])}, generation {_size(c['generation'])}; peak {_size(c['peak'])} in the "
+            f"{c['peak_phase']} phase"
+        )
     for err in plan.errors:
         con.print(f"[red]error:[/red] {err}")
     con.print("plan OK" if not plan.errors else f"{len(plan.errors)} problem(s)")

@@ -197,8 +197,12 @@ class GenerationWorker:
         return result
 
     def sleep(self) -> None:
-        """Colocated placement: free weights and KV cache for the trainer's turn (CUDA only)."""
-        self.llm.sleep(level=1)
+        """Colocated placement: free weights and KV cache for the trainer's turn (CUDA only).
+
+        vLLM's level 2: weights and KV cache are discarded, not copied to host memory (level 1), since
+        every wake-up is followed by a full weight sync; vLLM keeps the model's buffers (rotary tables)
+        itself. Never run here: vLLM's sleep mode is CUDA's."""
+        self.llm.sleep(level=2)
 
     def wake_up(self) -> None:
         self.llm.wake_up()

@@ -73,10 +73,20 @@ def test_deepscaler_recipe_values():
     assert cfg.model.dtype == "bfloat16"
     assert cfg.model.seq_length == 8192
     assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations) == (128, 8)
-    assert cfg.policy.lr == 1e-6
+    # NeMo-RL's grpo-deepscaler-1.5b-8K, as the file's head cites it.
+    assert cfg.policy.lr == 2e-6 and cfg.policy.lr_warmup_steps == 50
     assert isinstance(cfg.policy.lr, float)
-    assert cfg.grpo.kl_coef == 0.001
-    assert (cfg.grpo.clip_eps_low, cfg.grpo.clip_eps_high) == (0.2, 0.28)
+    assert cfg.rollouts_per_step // cfg.policy.mini_batch_size == 16  # optimizer steps per step
+    assert cfg.generation.temperature == 1.0 and cfg.generation.gpu_memory_utilization == 0.6
+    assert cfg.grpo.kl_coef == 0.0
+    assert (cfg.grpo.clip_eps_low, cfg.grpo.clip_eps_high) == (0.2, 0.2)
+    assert (cfg.grpo.num_steps, cfg.generation.placement, cfg.policy.offload) == (240, "colocated", "all")
+    stages = [load_config(REPO / "configs" / "deepscaler" / f"{s}.yaml") for s in ("16k", "24k")]
+    assert [c.grpo.num_steps for c in stages] == [290, 50]
+    assert [(c.policy.lr, c.grpo.kl_coef, c.grpo.clip_eps_high) for c in stages] == [
+        (2e-6, 0.001, 0.28),
+        (5e-7, 0.0001, 0.28),
+    ]
     assert cfg.reward.kind == "math_verify"
     assert cfg.parallel.world_size == cfg.cluster.gpus_per_node * cfg.cluster.num_nodes == 8
     assert "\\boxed{}" in cfg.data.template

@@ -262,7 +262,31 @@ def test_recipe_stages_chain_and_fit_one_node_of_8_gpus(tmp_path, stage, capsys)
     assert main([*argv, "--transformer-engine", "yes", "--gpu-memory-gib", "80"]) == 0
     out = capsys.readouterr().out
     assert "plan OK" in out and "8 ranks" in out
+    # Colocated: every phase of a step fits one 80 GB GPU, and the plan says which one is the peak.
+    assert "colocated, per GPU (policy.offload all): train " in out and " phase" in out
     cfg = load_config(f"deepscaler/{stage}")
     previous = {"8k": None, "16k": "runs/deepscaler-8k", "24k": "runs/deepscaler-16k"}[stage]
     assert cfg.model.init_from == previous
     assert (cfg.eval.num_samples, cfg.eval.temperature, cfg.eval.top_p) == (16, 0.6, 0.95)
+
+
+@pytest.mark.parametrize(
+    ("offload", "sync", "generation"),
+    # By hand, GiB: weights 1, grads 2, optimizer 3, activations + logits 10; engine claim 48;
+    # slots 2 x 0.5; contexts 2 x 0.5.
+    [
+        ("none", 1 + 2 + 3 + 1 + 48 + 1, 1 + 2 + 3 + 48 + 1),
+        ("optimizer", 1 + 2 + 1 + 48 + 1, 1 + 2 + 48 + 1),
+        ("all", 1 + 1 + 48 + 1, 48 + 1),
+    ],
+)
+def test_colocated_phases_by_hand(offload, sync, generation):
+    from megagrpo.plan import GIB, RankMemory, colocated_phases
+
+    cfg = load_config("deepscaler/8k", [f"policy.offload={offload}"])
+    assert cfg.generation.sync_bucket_mb == 512
+    rank = RankMemory(0, 0, 1 * GIB, 2 * GIB, 3 * GIB, 3 * GIB, 9 * GIB, 1 * GIB)
+    phases = colocated_phases(cfg, [rank], {"claimed": 48 * GIB})
+    assert phases["train"] == (1 + 2 + 3 + 10 + 1) * GIB
+    assert (phases["sync"], phases["generation"]) == (sync * GIB, generation * GIB)
+    assert phases["peak_phase"] == "sync" and phases["peak"] == sync * GIB
