@@ -5,8 +5,8 @@
 # Workers join with launch/ray_worker.sh <head-ip>:<port>. The command gets cluster.ray_address=auto.
 # --max-restarts K: relaunch the command with --resume after it stops on a fault (launch/supervise.sh).
 # NODE_RESOURCES='{"trainer_node": 1}' labels this node for cluster.policy_resource / engine_resource.
-# Ray >= 2.60 authenticates clients with a token when RAY_AUTH_MODE=token: give every node and the
-# driver the same RAY_AUTH_TOKEN_PATH (or RAY_AUTH_TOKEN).
+# Ray's token authentication is on (launch/ray_auth.sh: the head creates ~/.ray/auth_token, or
+# RAY_AUTH_TOKEN_PATH, when missing; every node needs the same token; RAY_AUTH_MODE=disabled turns it off).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 supervise=()
@@ -15,6 +15,7 @@ if [ "${1:-}" = "--max-restarts" ]; then
   shift 2
 fi
 bin="${VENV:-$here/.venv}/bin"
+. "$here/launch/ray_auth.sh" head
 port="${RAY_PORT:-6379}"
 "$bin/ray" start --head --port "$port" --num-gpus "${GPUS_PER_NODE:-0}" --disable-usage-stats \
   ${NODE_RESOURCES:+--resources "$NODE_RESOURCES"}

@@ -55,6 +55,16 @@ def two_nodes(tmp_path):
         nodes = {
             label: node for node, labels in json.loads(listing.stdout.splitlines()[-1]) for label in labels
         }
+        # A client without the token is turned away.
+        stranger = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+        refused = subprocess.run(
+            [sys.executable, "-c", _LIST_NODES, address],
+            env=stranger,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert refused.returncode != 0 and "auth" in refused.stderr.lower(), refused.stderr[-2000:]
         yield address, env, nodes
     finally:
         deadline = time.monotonic() + 60  # a SIGKILLed process holds its files until it is gone
