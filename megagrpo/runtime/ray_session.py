@@ -50,6 +50,9 @@ def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Confi
     env |= {k: v for k, v in LOOPBACK_ENV.items() if k not in os.environ}
     with local_ray_on_loopback():
         context = ray.init(
+            # A new local cluster even where `ray start` runs one on this machine (ray.init() would
+            # join that one, which refuses num_cpus).
+            address="local",
             num_cpus=num_cpus or os.cpu_count(),
             num_gpus=cluster.gpus_per_node or None,
             include_dashboard=False,

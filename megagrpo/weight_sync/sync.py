@@ -93,6 +93,7 @@ def link_addresses(
                 link.key[2] if shard_wise else None,
                 receivers,
                 None if ipc is None else IpcAddress(link.address, link.ipc_port, ipc),
+                link.rank,
             )
         )
     return out
@@ -176,9 +177,15 @@ class WeightSync:
         self.probe_batch = TrainBatch.from_sequences(probe_sequences(vocab_size), [1] * 4)
 
     def _wait(self, engine_refs: list, trainer_refs: list, what: str) -> list:
-        """Wait for both sides; a dead or stuck engine becomes an error within the timeout."""
+        """Wait for both sides; a dead or stuck engine becomes an error.
+
+        Each rank gives up on a broadcast or handoff that does not finish within the timeout by
+        itself, naming the link (``transport.BroadcastGroup.wait``); this wait allows half as much
+        again, so that the rank's own error is the one reported. An engine still receiving when a
+        rank failed is named as the one to replace."""
         refs = engine_refs + trainer_refs
-        done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=1.5 * self.timeout_s)
+        stuck = [engine_refs.index(r) for r in pending if r in engine_refs]
         # Engines first: an engine that died also fails the trainer's side of the broadcast.
         for ref in sorted(done, key=lambda r: r not in engine_refs):
             try:
@@ -187,15 +194,16 @@ class WeightSync:
                 side = "vLLM engine" if ref in engine_refs else "trainer"
                 index = (engine_refs if ref in engine_refs else trainer_refs).index(ref)
                 dead = ref in engine_refs and isinstance(err, ray.exceptions.RayActorError)
+                still = f"; engine(s) {', '.join(map(str, stuck))} still receiving" if stuck else ""
                 raise WeightSyncError(
-                    f"{what} failed on {side} {index}: {err}", index if dead else None
+                    f"{what} failed on {side} {index}: {err}{still}",
+                    index if dead else (stuck[0] if stuck else None),
                 ) from err
         if pending:
-            stuck = [engine_refs.index(r) for r in pending if r in engine_refs]
             names = [f"engine {i}" for i in stuck]
             names += [f"trainer rank {trainer_refs.index(r)}" for r in pending if r in trainer_refs]
             raise WeightSyncError(
-                f"{what} did not finish within {self.timeout_s:.0f}s; waiting on {', '.join(names)}",
+                f"{what} did not finish within {1.5 * self.timeout_s:.0f}s; waiting on {', '.join(names)}",
                 stuck[0] if stuck else None,
             )
         return [result for _, result in ray.get(trainer_refs)]  # the ranks answer (seconds, result)

@@ -132,8 +132,10 @@ class WeightSender:
             self.sources.append(index)
             addr = groups[index]
             if addr.world_size > 1:
+                engines = ",".join(map(str, addr.engines))
+                name = f"weight sync link {key} (trainer rank {self.ctx.rank} -> engine(s) {engines})"
                 self.groups[index] = BroadcastGroup(
-                    addr, 0, backend=backend, timeout_s=timeout_s, device=self.ctx.device
+                    addr, 0, backend=backend, timeout_s=timeout_s, device=self.ctx.device, name=name
                 )
             if addr.ipc is not None:
                 slot_bytes = max(b.nbytes for b in self._mine[key].buckets)
@@ -213,11 +215,16 @@ class WeightSender:
                 # On CPU they are kept (fresh multi-MB buffers cost a page fault per 4 KiB on every
                 # sync); a GPU's caching allocator reuses the memory, which colocated engines may need.
                 self._buffers = None
-        in_flight, digests = [None, None], []
+        in_flight, digests = [None, None], []  # per buffer: (group, work, plan index) of its broadcast
+
+        def done(flight) -> None:
+            if flight is not None:
+                group, work, index = flight
+                group.wait(work, f"the broadcast of bucket {index}")
+
         for n, (index, bucket) in enumerate(mine):
             slot = n % 2
-            if in_flight[slot] is not None:
-                in_flight[slot].wait()  # this buffer's previous broadcast must be done before reuse
+            done(in_flight[slot])  # this buffer's previous broadcast must be done before reuse
             # A slot is free once its previous bucket's broadcast is done and the engine took it.
             buffer = ipc.slot(n) if ipc is not None else buffers[slot]
             tensors = []
@@ -234,10 +241,9 @@ class WeightSender:
             if ipc is not None:
                 ipc.post(n, index)
             group = self.groups.get(bucket.source)
-            in_flight[slot] = group.broadcast(buf, root=0) if group is not None else None
-        for work in in_flight:
-            if work is not None:
-                work.wait()
+            in_flight[slot] = None if group is None else (group, group.broadcast(buf, root=0), index)
+        for flight in in_flight:
+            done(flight)
         if ipc is not None:
             ipc.finish()
         for stream in streams.values():

@@ -33,6 +33,16 @@ from megagrpo.weight_sync.ipc import IpcReceiver
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
 
 
+class _Received:
+    """A posted broadcast: ``wait()`` blocks until it is done, within the group's timeout."""
+
+    def __init__(self, group: BroadcastGroup, work, index: int):
+        self.group, self.work, self.index = group, work, index
+
+    def wait(self) -> None:
+        self.group.wait(self.work, f"receiving bucket {self.index}")
+
+
 class _Handoff:
     """A bucket taken from a shared slot, shaped like a broadcast's work handle: ``wait()`` receives."""
 
@@ -162,7 +172,8 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
             source = buckets[i].source
             if source in self.ipc:  # taken from the slot when waited for
                 return buffers[i], _Handoff(self.ipc[source], indices[i], buffers[i])
-            return buffers[i], self.groups[source].broadcast(buffers[i], root=0)
+            group = self.groups[source]
+            return buffers[i], _Received(group, group.broadcast(buffers[i], root=0), indices[i])
 
         self.last_digests = {}
         pending = post(0)

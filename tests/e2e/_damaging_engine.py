@@ -26,6 +26,10 @@ class DamagingGenerationWorker(GenerationWorker):
         """Flip bytes of bucket ``bucket`` (plan order) when the next sync receives it."""
         self.llm.collective_rpc(_damage_on_arrival, args=(bucket,))
 
+    def stall_next_sync(self, seconds: float) -> None:
+        """The next sync's first broadcast is posted ``seconds`` late: a stuck engine, alive."""
+        self.llm.collective_rpc(_stall_on_post, args=(seconds,))
+
     def drift_loaded_weights(self) -> None:
         """Change the loaded model after a sync (its bytes arrived intact): what kernel or dtype
         differences do to the logprobs, short of a broken sync."""
@@ -44,6 +48,9 @@ class _DamagedOnWait:
 
     def __init__(self, work, buf):
         self.work, self.buf = work, buf
+
+    def is_completed(self):
+        return self.work.is_completed()
 
     def wait(self):
         done = self.work.wait()
@@ -68,6 +75,25 @@ def _damage_on_arrival(worker, bucket: int) -> None:
                 return work
             restore()
             return _DamagedOnWait(work, tensor)
+
+        return broadcast
+
+    for group in groups.values():
+        group.broadcast = wrap(group.broadcast)
+
+
+def _stall_on_post(worker, seconds: float) -> None:
+    """Inside the vLLM worker: sleep before posting the next broadcast (once)."""
+    import time
+
+    groups = worker.weight_transfer_engine.groups
+
+    def wrap(plain):
+        def broadcast(tensor, root: int = 0):
+            for group in groups.values():
+                group.__dict__.pop("broadcast", None)
+            time.sleep(seconds)
+            return plain(tensor, root)
 
         return broadcast
 

@@ -170,6 +170,39 @@ def test_dead_engine_is_an_error_within_the_timeout(stack):
         group.shutdown()
 
 
+def test_a_stuck_engine_ends_the_sync_on_the_trainer_rank_naming_the_link(stack):
+    """An engine that is alive but does not receive: the sending rank stops waiting by itself at the
+    timeout (host-side, as on NCCL, where ``Work.wait`` does not block), aborts the group and names
+    it; the rank is free for the next call, and re-formed groups sync again."""
+    from megagrpo.runtime.groups import RankGroup
+    from megagrpo.weight_sync.sync import WeightSync, WeightSyncError
+
+    hf_dir, engines = stack
+    cfg = policy_config(hf_dir, extra=["generation.sync_timeout_s=6"])
+    group = RankGroup(cfg, PolicyWorker, timeout_s=300)
+    try:
+        sync = WeightSync(cfg, group, engines[:1], vocab_size=300)
+        sync.sync()
+        ray.get(engines[0].stall_next_sync.remote(15))
+        with pytest.raises(WeightSyncError) as err:
+            sync.sync()
+        said = str(err.value)
+        assert "weight sync failed on trainer 0" in said, said
+        assert "weight sync link (0, 0, 0) (trainer rank 0 -> engine(s) 0): the broadcast of bucket 0" in said
+        assert "did not finish within 6s" in said and "engine(s) 0 still receiving" in said
+        assert err.value.engine == 0  # the one a pool would replace
+        batch = policy_batch()
+        assert group.call_first(PolicyWorker.logprobs, batch).shape == (
+            batch.size,
+            batch.input_ids.shape[1] - 1,
+        )
+        sync = WeightSync(cfg, group, engines[:1], vocab_size=300)  # once the engine is back
+        sync.sync()
+        assert sync.probe().error <= 1.001
+    finally:
+        group.shutdown()
+
+
 def test_seeded_rollouts_longer_than_one_scheduler_step(stack):
     """More prompt tokens than vLLM schedules in one step (4096 on CPU), every request seeded.
 
