@@ -39,6 +39,17 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def te_name(name: str) -> str:
+    """A canonical Megatron parameter name as Transformer Engine's layers spell it (the norm fused
+    into the next linear layer). Megatron's local and torch layer specs checkpoint under these names
+    too (their ``sharded_state_dict_keys_map``), so a checkpoint written by one layer implementation
+    names its tensors as the other asks for them."""
+    for te_suffix, local_suffix in _TE_ALIASES.items():
+        if name.endswith(local_suffix):
+            return name[: -len(local_suffix)] + te_suffix
+    return name
+
+
 @dataclass(frozen=True)
 class Rule:
     megatron: str

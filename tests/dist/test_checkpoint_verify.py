@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from hf_models import make_tiny_hf
 from policy_cases import policy_batch, policy_config
 
 from megagrpo.ckpt import CheckpointError, manifest
+from megagrpo.ckpt.megatron import read_model
 from megagrpo.ckpt import run as ckpt
 from megagrpo.parallel import destroy_parallel
 from megagrpo.parallel.local import run_local_ranks
@@ -46,6 +48,24 @@ def saved(tmp_path_factory):
         reported |= rank_digests
     step = ckpt.commit(tmp, ckpt.DriverState.capture(1, 16), "run_name: t\n", keep_last=5, digests=reported)
     return root, step, reported
+
+
+def test_the_checkpoint_names_tensors_as_transformer_engine_layers_ask_for_them(saved):
+    """Written by the local layers on CPU, read by TE's (and the reverse): the keys are TE's spelling of
+    every parameter (the fused norms under ``linear_qkv`` / ``linear_fc1``), layers stacked."""
+    from megagrpo.compat.dcp_metadata import read_metadata_file
+    from megagrpo.models.mapping import te_name
+    from megagrpo.models.registry import ARCHITECTURES
+
+    _, step, _ = saved
+    keys = set(read_metadata_file(step / "megatron" / ".metadata").state_dict_metadata)
+    tensors = {k for k in keys if "_extra_state" not in k}
+    shape = read_model(step).shape
+    rules = [rule for rule in ARCHITECTURES["qwen2"].rules(shape) if rule.export]
+    want = {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", te_name(rule.megatron)) for rule in rules}
+    assert want <= tensors, sorted(want - tensors)
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in tensors
+    assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in keys)
 
 
 def test_writers_digest_every_shard_as_they_write_it(saved):
