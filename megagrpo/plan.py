@@ -303,9 +303,10 @@ def colocated_phases(cfg: Config, ranks: list[RankMemory], engine: dict) -> dict
       weights and KV cache discarded, its context kept);
     - sync: the engine woken (its claim, ``gpu_memory_utilization`` of the GPU), beside what the trainer
       keeps after releasing its allocator's free blocks and offloading the optimizer (and, with
-      ``policy.offload: all``, the gradient buffers): its weights, plus the two shared bucket slots;
+      ``policy.offload: all``, the gradient buffers): its weights;
     - generation: the engine, beside what the trainer keeps after the sync (``all``: nothing).
-    Each adds :data:`PROCESS_CONTEXT_BYTES` per process."""
+    Each adds the two shared bucket slots (kept from one sync to the next) and
+    :data:`PROCESS_CONTEXT_BYTES` per process."""
     offload, ctx = cfg.policy.offload, 2 * PROCESS_CONTEXT_BYTES
     slots = 2 * int(cfg.generation.sync_bucket_mb * 2**20)
     claimed = engine["claimed"]
@@ -318,10 +319,11 @@ def colocated_phases(cfg: Config, ranks: list[RankMemory], engine: dict) -> dict
             offload
         ]
 
+    # The shared slots are allocated once, when the sync is set up, and kept in every phase.
     phases = {
-        "train": max(r.total for r in ranks) + ctx,
+        "train": max(r.total for r in ranks) + slots + ctx,
         "sync": max(keeps_at_sync(r) for r in ranks) + slots + claimed + ctx,
-        "generation": max(keeps_at_generation(r) for r in ranks) + claimed + ctx,
+        "generation": max(keeps_at_generation(r) for r in ranks) + slots + claimed + ctx,
     }
     peak = max(phases, key=phases.get)
     return {**phases, "peak": phases[peak], "peak_phase": peak, "offload": offload}
