@@ -115,3 +115,13 @@ bench-check: setup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# A real one-node Slurm on this machine for tests/e2e/test_slurm_real.py and for trying launch/slurm.sbatch
+# and launch/slurm_torchrun.sbatch (launch/local_slurm.sh: installs Debian's Slurm with apt-get as root when
+# it is missing); submit with SLURM_CONF=/tmp/megagrpo-slurm/slurm.conf.
+.PHONY: slurm-up slurm-down
+slurm-up:
+	bash launch/local_slurm.sh start
+
+slurm-down:
+	bash launch/local_slurm.sh stop
