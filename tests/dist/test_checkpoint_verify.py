@@ -17,8 +17,8 @@ from hf_models import make_tiny_hf
 from policy_cases import policy_batch, policy_config
 
 from megagrpo.ckpt import CheckpointError, manifest
-from megagrpo.ckpt.megatron import read_model
 from megagrpo.ckpt import run as ckpt
+from megagrpo.ckpt.megatron import read_model
 from megagrpo.parallel import destroy_parallel
 from megagrpo.parallel.local import run_local_ranks
 
@@ -152,16 +152,27 @@ def _craft(step: Path, rel: str, root: Path) -> tuple[Path, Path]:
     return crafted, marker
 
 
-def test_a_crafted_metadata_pickle_is_refused_by_export_even_with_a_matching_manifest(
-    saved, tmp_path, capsys
-):
+def test_a_crafted_metadata_is_refused_by_export_even_with_a_matching_manifest(saved, tmp_path):
     """The manifest proves integrity, not authorship: someone handing over a checkpoint can rewrite
-    it too. The metadata's unpickler still refuses what it names, before anything runs."""
-    from megagrpo import cli
-
+    it too. The metadata's unpickler still refuses what it names, before anything runs. (In a process
+    of its own: an export that gets this far sets up Megatron's CPU redirection for its process.)"""
     crafted, marker = _craft(saved[1], "megatron/.metadata", tmp_path)
-    assert cli.main(["export", "--ckpt", str(crafted), "--out", str(tmp_path / "hf")]) == 1
-    assert f"{crafted / 'megatron/.metadata'}: refusing to load os.makedirs" in capsys.readouterr().err
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megagrpo.cli",
+            "export",
+            "--ckpt",
+            str(crafted),
+            "--out",
+            str(tmp_path / "hf"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"{crafted / 'megatron/.metadata'}: refusing to load os.makedirs" in done.stderr
     assert not marker.exists() and not (tmp_path / "hf").exists()
 
 
