@@ -395,6 +395,9 @@ def test_restarts_count_in_the_steps_the_caller_names(monkeypatch):
 def test_the_first_start_waits_for_launched_engines_and_replacements_start_anew(monkeypatch):
     log, started = [], []
     engines = fake_engines(monkeypatch, log, started)
+    # Killing a stand-in is a no-op: a real ray.kill would first start Ray, or join whatever cluster
+    # /tmp/ray/ray_current_cluster names (a `ray start` of an earlier test, maybe gone: a hang).
+    monkeypatch.setattr(engines.ray, "kill", lambda actor, no_restart: None)
     cfg = load_config(None, ["generation.num_engines=2"])
     launched = [FakeEngine(0, "launched"), FakeEngine(1, "launched")]
     pool = engines.EnginePool.start(cfg, "model", ReadyPolicy(), launched=launched)
