@@ -53,9 +53,15 @@ def slurm_env() -> dict[str, str]:
             f"launch/local_slurm.sh start failed (exit {started.returncode}): these tests need a real Slurm, "
             f"installed from Debian's packages as root\n{started.stdout}\n{started.stderr}"
         )
+    pointer = Path("/tmp/ray/ray_current_cluster")  # where a bare ray.init() looks for a cluster to join
+    before = pointer.read_text() if pointer.is_file() else None
     yield env | {"SLURM_CONF": str(state / "slurm.conf")}
     if not was_up:
         local_slurm("stop")
+    # The jobs' `ray start --head` pointed it at their clusters, now gone (their steps were ended, not
+    # `ray stop`ped, which would remove it): a later bare ray.init() in this machine would wait on them.
+    if pointer.is_file() and pointer.read_text() != before:
+        pointer.unlink()
 
 
 def submit(env: dict, tmp_path: Path, script: str, *args: str, **job_env: str) -> tuple[int, int, str]:
