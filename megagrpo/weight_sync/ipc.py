@@ -46,10 +46,6 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def _timeout_message(what: str, timeout_s: float) -> str:
-    return f"{what} did not happen within {timeout_s:.0f}s"
-
-
 class _Store:
     def __init__(self, addr: IpcAddress, *, is_master: bool, timeout_s: float, name: str):
         self.timeout_s, self.name = timeout_s, name
@@ -61,12 +57,15 @@ class _Store:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
 
+    def put(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
     def take(self, key: str, what: str) -> bytes:
         """The value of ``key`` once it is set (then deleted); an error naming ``what`` on timeout."""
         try:
             self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as err:  # torch raises DistStoreError (a RuntimeError) on timeout
-            raise TimeoutError(f"{self.name}: {_timeout_message(what, self.timeout_s)}") from err
+            raise TimeoutError(f"{self.name}: {what} did not happen within {self.timeout_s:.0f}s") from err
         value = self.store.get(key)
         self.store.delete_key(key)
         return value
@@ -94,7 +93,7 @@ class IpcSender:
             export = {"kind": "shm", "path": path}
         self.export = export
         self.slots = [self.memory[: self.slot_bytes], self.memory[self.slot_bytes :]]
-        self.store.store.set("slots", json.dumps({**export, "slot_bytes": self.slot_bytes}))
+        self.store.put("slots", json.dumps({**export, "slot_bytes": self.slot_bytes}))
         try:
             self.store.take("opened", f"engine {addr.engine} mapping the slots")
         finally:
@@ -114,7 +113,7 @@ class IpcSender:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the packing is done before it reads
         self._pending[n % 2] = index
-        self.store.store.set(f"ready/{index}", str(n % 2))
+        self.store.put(f"ready/{index}", str(n % 2))
 
     def finish(self) -> None:
         """Wait for the engine's receipt of the sync's last buckets."""
@@ -146,7 +145,7 @@ class IpcReceiver:
         else:
             raise RuntimeError(f"{name}: unknown slot kind {export['kind']!r}")
         self.slots = [memory[:slot_bytes], memory[slot_bytes:]]
-        self.store.store.set("opened", "1")
+        self.store.put("opened", "1")
 
     def receive(self, index: int, out: torch.Tensor) -> torch.Tensor:
         """Bucket ``index`` of the plan, copied into ``out`` (its size); the slot is then released."""
@@ -154,7 +153,7 @@ class IpcReceiver:
         out.copy_(self.slots[slot][: out.numel()])
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self.store.store.set(f"ack/{index}", "1")
+        self.store.put(f"ack/{index}", "1")
         return out
 
     def close(self) -> None:
