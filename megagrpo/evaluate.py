@@ -126,7 +126,7 @@ def evaluate(
         seeds = [seed * 1_000_003 + start + i for i in range(len(chunk))]
         comps = generate(chunk, settings, seeds)
         texts = [decode(c.token_ids) for c in comps]
-        scores = scorer(texts, [chunk[c.prompt_index].answer for c in comps])
+        scores = completion_scores(comps, texts, chunk, scorer)
         for i, prompt in enumerate(chunk):
             mine = [s for c, s in zip(comps, scores, strict=True) if c.prompt_index == i]
             if len(mine) != n:
@@ -138,6 +138,16 @@ def evaluate(
         if progress is not None:
             progress(len(results))
     return EvalReport(results)
+
+
+def completion_scores(
+    comps: Sequence, texts: Sequence[str], prompts: Sequence[Prompt], scorer
+) -> list[float]:
+    """Each completion's reward: the environment's for multi-turn episodes (``Completion.reward``), else
+    ``scorer``'s for its text against its prompt's answer."""
+    if comps and all(c.reward is not None for c in comps):
+        return [c.reward for c in comps]
+    return scorer(list(texts), [prompts[c.prompt_index].answer for c in comps])
 
 
 # ----------------------------------------------------------------------------------- megagrpo eval

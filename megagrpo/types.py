@@ -49,6 +49,9 @@ class TrainBatch:
     in_loss: torch.Tensor | None = None
     """[B] bool: sequences the loss counts (None: all); a False row is out of the loss's sum, its token
     count and the KL term (DAPO's overlong filtering), not just given a zero advantage."""
+    sampled: torch.Tensor | None = None
+    """[B, S - 1] bool: positions whose target token the engine sampled (None: every response token);
+    multi-turn episodes have observation tokens between their turns, which are context, not loss."""
 
     def __post_init__(self) -> None:
         batch, seq = self.input_ids.shape
@@ -68,6 +71,11 @@ class TrainBatch:
         if self.in_loss is not None and (self.in_loss.shape != (batch,) or self.in_loss.dtype != torch.bool):
             shape, dtype = list(self.in_loss.shape), self.in_loss.dtype
             raise ValueError(f"in_loss must be [{batch}] bool, got {shape} {dtype}")
+        if self.sampled is not None and (
+            self.sampled.shape != (batch, seq - 1) or self.sampled.dtype != torch.bool
+        ):
+            shape, dtype = list(self.sampled.shape), self.sampled.dtype
+            raise ValueError(f"sampled must be [{batch}, {seq - 1}] bool, got {shape} {dtype}")
 
     @property
     def size(self) -> int:
@@ -86,6 +94,8 @@ class TrainBatch:
         """[B, S - 1] bool: positions whose target is a response token of a sequence in the loss."""
         pos = torch.arange(self.input_ids.shape[1] - 1)
         mask = (pos >= self.prompt_lengths[:, None] - 1) & (pos < self.lengths[:, None] - 1)
+        if self.sampled is not None:
+            mask &= self.sampled
         return mask if self.in_loss is None else mask & self.in_loss[:, None]
 
     def select(self, indices: Sequence[int]) -> TrainBatch:
@@ -108,6 +118,7 @@ class TrainBatch:
             ref_logprobs=take(self.ref_logprobs, seq - 1),
             gen_logprobs=take(self.gen_logprobs, seq - 1),
             in_loss=take(self.in_loss, None),
+            sampled=take(self.sampled, seq - 1),
         )
 
     def replace(self, **fields) -> TrainBatch:
@@ -354,7 +365,17 @@ class Completion:
     """[N] sampling logprob of each response token, after temperature (vLLM "processed" logprobs);
     [] for greedy requests (temperature 0), which report no sampling distribution."""
     finish_reason: str
-    """"stop" (a stop token) or "length" (max_tokens)."""
+    """"stop" (a stop token; an episode: the environment said done), "length" (max_tokens; an episode:
+    truncated) or "env_error" (an episode whose environment failed)."""
+    loss_mask: list[bool] | None = None
+    """[N] multi-turn episodes: True on the tokens the engine sampled, False on the observations' tokens
+    between turns; None: every token was sampled."""
+    prompt_ids: list[int] | None = None
+    """Episodes: the opening prompt the environment gave this episode; None: its group's prompt."""
+    reward: float | None = None
+    """Episodes: the reward the environment gave; None: the reward function scores the response."""
+    stats: dict[str, float] | None = None
+    """Episodes: turns, tool_calls, tool_errors, env_s (environment seconds), env_failed, truncated."""
 
 
 def balanced_shards(lengths: Sequence[int], num_shards: int) -> list[list[int]]:

@@ -92,6 +92,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if isinstance(value, tp):
             return value
         return _from_dict(tp, value, key)
+    if tp is dict:
+        return _mapping_leaf(value, key)
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -102,6 +104,22 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if not ok[tp](value):
         raise ConfigError(key, f"expected {_type_name(tp)}, got {_value_desc(value)}")
     return float(value) if tp is float else value
+
+
+def _mapping_leaf(value: Any, key: str) -> dict:
+    """A ``dict`` key (e.g. ``env.args``): a mapping of names to YAML scalars and lists of them."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(key, f"expected a mapping, got {_value_desc(value)}")
+
+    def plain(v: Any) -> bool:
+        if isinstance(v, list):
+            return all(plain(x) for x in v)
+        return v is None or isinstance(v, (bool, int, float, str))
+
+    for name, item in value.items():
+        if not isinstance(name, str) or not plain(item):
+            raise ConfigError(join(key, str(name)), f"expected a scalar or a list, got {_value_desc(item)}")
+    return dict(value)
 
 
 def _from_dict(cls: type, data: Any, prefix: str) -> Any:
@@ -210,7 +228,9 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 def _keys_of(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return {f.name: _keys_of(getattr(value, f.name)) for f in key_fields(type(value))}
-    return value  # a bool, int, float, str or None (the only leaf types the schema allows)
+    if isinstance(value, dict):
+        return dict(value)
+    return value  # a bool, int, float, str or None (the other leaf types the schema allows)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -3,13 +3,15 @@
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from megagrpo.config.errors import check, positive, require
 
 __all__ = [
+    "BUILTIN_ENVIRONMENTS",
     "DataConfig",
+    "EnvConfig",
     "EvalConfig",
     "GenerationConfig",
     "RewardConfig",
@@ -234,3 +236,71 @@ class EvalConfig:
         check(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
         check(self, "max_new_tokens", self.max_new_tokens is None or self.max_new_tokens >= 1, ">= 1 or null")
         check(self, "val_samples", self.val_samples >= 0, ">= 0")
+
+
+BUILTIN_ENVIRONMENTS = {
+    "guess_number": "megagrpo.envs.games:GuessNumber",
+    "python_tool": "megagrpo.envs.code_tool:PythonTool",
+}
+"""``env.environment`` names of the environments megagrpo ships (megagrpo.envs)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class EnvConfig:
+    """Multi-turn episodes (``megagrpo.envs``): with ``environment`` set, each GRPO rollout is an episode
+    of turns: the engine samples a turn, the environment answers, until it says done."""
+
+    environment: str | None = None
+    """null: single-turn rollouts (prompt -> completion -> reward). Else a built-in environment
+    ("guess_number", "python_tool") or a class by "package.module:Class" or "path/to/file.py:Class"
+    (see megagrpo.envs.base.Environment), imported and checked at load."""
+    args: dict = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor (YAML scalars and lists)."""
+    max_turns: int = 4
+    """Model turns per episode at most; an episode still going after them is truncated."""
+    max_new_tokens: int = 256
+    """Tokens one model turn may sample; a turn cut there ends its episode as truncated."""
+    max_episode_tokens: int = 1024
+    """Tokens after the opening prompt (sampled and observation tokens) at most; an episode that would
+    pass it is truncated. The opening prompt + this must fit model.seq_length."""
+    reward: Literal["final", "sum"] = "final"
+    """Episode reward: the last step's reward ("final"), or the sum of every step's ("sum": per-turn
+    rewards count too)."""
+    tool_format: str = "hermes"
+    """How tool calls are written in the model's turns (megagrpo.envs.chat.TOOL_CALL_FORMATS): "hermes"
+    (Qwen2.5/Qwen3/Hermes <tool_call>{json}</tool_call>) or "llama3_json"."""
+    num_workers: int = 4
+    """Worker processes per engine that run the environments' steps."""
+    step_timeout_s: float = 30.0
+    """Deadline of one environment call (reset or step); past it the episode ends with reward 0 and
+    its worker is killed and replaced."""
+    schedule: Literal["async", "turns"] = "async"
+    """async: each episode's next turn goes to the engine as soon as its observation is ready; turns:
+    every episode's turn t is sampled, then every environment steps, then turn t + 1 (the baseline
+    benchmarks/agents.py compares against)."""
+    allow_unsandboxed: bool = False
+    """Code tools: run model-written code without the bubblewrap sandbox when it is unavailable
+    (rlimits, a private directory and the deadline only). false: refuse to start without it."""
+
+    def __post_init__(self) -> None:
+        positive(self, "max_turns", "max_new_tokens", "max_episode_tokens", "num_workers")
+        check(self, "step_timeout_s", math.isfinite(self.step_timeout_s) and self.step_timeout_s > 0, "> 0")
+        check(
+            self,
+            "max_new_tokens",
+            self.max_new_tokens <= self.max_episode_tokens,
+            f"<= max_episode_tokens ({self.max_episode_tokens})",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.environment is not None
+
+    @property
+    def spec(self) -> str | None:
+        """The environment's import spec (built-in names resolved; file paths made absolute)."""
+        if self.environment is None:
+            return None
+        from megagrpo.rewards.user import resolve_spec
+
+        return BUILTIN_ENVIRONMENTS.get(self.environment) or resolve_spec(self.environment)

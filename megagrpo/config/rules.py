@@ -53,6 +53,7 @@ def validate(cfg: Config, trainer: Trainer = "grpo") -> None:
         _check_generation_lengths(cfg)
         _check_cluster(cfg, trainer=False)
         _check_reward(cfg)
+        _check_env(cfg)
         return
     check_features(cfg, cfg.resolved.transformer_impl)
     rollouts = trainer in ("grpo", "distill")
@@ -64,6 +65,7 @@ def validate(cfg: Config, trainer: Trainer = "grpo") -> None:
         _check_generation_lengths(cfg)
         _check_cluster(cfg, trainer=True)
         _check_reward(cfg)
+        _check_env(cfg)
     elif trainer == "sft":
         _check_batch_over_dp(cfg, "sft.batch_size", cfg.sft.batch_size, "data")
     elif trainer == "dpo":
@@ -246,12 +248,14 @@ def _check_grpo(cfg: Config) -> None:
         ("parallel.context_parallel_size", "grpo.loss_agg"),
         "context_parallel_size > 1 needs loss_agg 'token'",
     )
-    new = cfg.generation.max_new_tokens
+    new, key = cfg.generation.max_new_tokens, "generation.max_new_tokens"
+    if cfg.env.enabled:  # an episode's length budget
+        new, key = cfg.env.max_episode_tokens, "env.max_episode_tokens"
     if cfg.grpo.overlong_policy == "soft_penalty":
         require(
             cfg.grpo.overlong_buffer_tokens < new,
-            ("grpo.overlong_buffer_tokens", "generation.max_new_tokens"),
-            f"overlong_buffer_tokens {cfg.grpo.overlong_buffer_tokens} must be < max_new_tokens {new}",
+            ("grpo.overlong_buffer_tokens", key),
+            f"overlong_buffer_tokens {cfg.grpo.overlong_buffer_tokens} must be < {key.split('.')[1]} {new}",
         )
     require(
         cfg.logging.val_every == 0 or cfg.data.num_val_prompts > 0,
@@ -374,6 +378,44 @@ def _check_cluster(cfg: Config, *, trainer: bool) -> None:
         f"{gen.placement} placement needs {need} GPUs (trainer {ranks}, engines {engines}) but the "
         f"cluster has {total}",
     )
+
+
+def _check_env(cfg: Config) -> None:
+    """Multi-turn episodes: the environment class imports and is an Environment, the tool-call format is
+    known, an episode fits the context, a code-running environment has its sandbox (or is allowed to run
+    without one)."""
+    env = cfg.env
+    if not env.enabled:
+        return
+    from megagrpo.envs.chat import TOOL_CALL_FORMATS
+    from megagrpo.envs.runner import load_environment
+
+    try:
+        cls = load_environment(env.spec)
+    except Exception as err:  # the user's module raised while being imported
+        raise ConfigError("env.environment", f"{type(err).__name__}: {err}") from None
+    require(
+        env.tool_format in TOOL_CALL_FORMATS,
+        "env.tool_format",
+        f"{env.tool_format!r} is not one of {', '.join(TOOL_CALL_FORMATS)}",
+    )
+    seq = cfg.model.seq_length
+    require(
+        env.max_episode_tokens < seq,
+        ("env.max_episode_tokens", "model.seq_length"),
+        f"max_episode_tokens {env.max_episode_tokens} leaves no room for an opening in seq_length {seq}",
+    )
+    if getattr(cls, "runs_code", False) and not env.allow_unsandboxed:
+        from megagrpo.envs.sandbox import sandbox_problem
+
+        problem = sandbox_problem()
+        require(
+            problem is None,
+            ("env.environment", "env.allow_unsandboxed"),
+            f"{env.environment} runs model-written code and the sandbox cannot run here ({problem}); install "
+            "bubblewrap (apt-get install bubblewrap) or set env.allow_unsandboxed=true to run it with "
+            "resource limits only",
+        )
 
 
 def _check_reward(cfg: Config) -> None:

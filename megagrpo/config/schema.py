@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from megagrpo.config.errors import check, positive, require
 from megagrpo.config.model import ModelConfig, ParallelConfig, TinyModelConfig
-from megagrpo.config.rollout import DataConfig, EvalConfig, GenerationConfig, RewardConfig
+from megagrpo.config.rollout import DataConfig, EnvConfig, EvalConfig, GenerationConfig, RewardConfig
 from megagrpo.config.training import (
     DistillConfig,
     DPOConfig,
@@ -38,6 +38,7 @@ __all__ = [
     "DPOConfig",
     "DataConfig",
     "DistillConfig",
+    "EnvConfig",
     "EvalConfig",
     "GRPOConfig",
     "GenerationConfig",
@@ -214,6 +215,8 @@ class Config:
     """Prompts."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Scoring."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes with an environment (null environment: single-turn)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """pass@k evaluation (``megagrpo eval``, sampled validation)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)

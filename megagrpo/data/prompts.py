@@ -28,16 +28,29 @@ class Prompt:
     token_ids: list[int]
     answer: str
     """Reference answer handed to the reward function."""
+    task: dict | None = None
+    """Multi-turn episodes: the task an environment opens the episode from (a dataset row, or one the
+    environment generated); its token_ids are then [] (the engine renders the environment's opening)."""
 
 
 class PromptSource:
     """Training prompts by stream position, fixed validation prompts, and text decoding."""
 
     def __init__(
-        self, train: list[Prompt] | None, val: list[Prompt], *, decode, stop_token_ids, seed: int, task=None
+        self,
+        train: list[Prompt] | None,
+        val: list[Prompt],
+        *,
+        decode,
+        stop_token_ids,
+        seed: int,
+        task=None,
+        generate=None,
     ):
+        """``train``: a dataset's prompts (reshuffled per epoch), or None for a generated stream: the
+        arithmetic ``task``'s problems, or ``generate(index) -> Prompt``."""
         self._train, self.val, self.decode, self.stop_token_ids = train, val, decode, tuple(stop_token_ids)
-        self._seed, self._task = seed, task
+        self._seed, self._task, self._generate = seed, task, generate
         self.counts: dict[str, int] = {}
         """Data metrics logged every step (rows skipped, prompts too long); empty for the synthetic task."""
 
@@ -46,6 +59,8 @@ class PromptSource:
         return [self._at(position + i) for i in range(count)]
 
     def _at(self, index: int) -> Prompt:
+        if self._generate is not None:
+            return self._generate(index)
         if self._task is not None:
             tok, (prob,) = CharTokenizer(), self._task.problems(1, seed=self._seed * 1_000_003 + index)
             return Prompt(tok.encode(prob.prompt, bos=True), prob.answer)
@@ -188,7 +203,58 @@ def eval_prompts(cfg: Config, model_dir: str) -> tuple[list[Prompt], object, tup
     return prompts, _decoder(tokenizer), tuple(_stops(tokenizer))
 
 
+def task_source(cfg: Config) -> PromptSource:
+    """Multi-turn episodes' tasks (``env.*``): every row of ``data.train_path`` (``data.val_path``) as a
+    task dict, or, without a dataset, the environment's own generated tasks (``Environment.tasks``,
+    validation from a seed far from the training stream's). Rows are read and checked here, before any
+    worker starts."""
+    from megagrpo.envs.runner import load_environment
+
+    data, env = cfg.data, cfg.env
+    cls = load_environment(env.spec)
+
+    def prompt(task: dict) -> Prompt:
+        return Prompt([], str(task.get(data.answer_key, "")), dict(task))
+
+    def generated(count: int, seed: int) -> list[dict]:
+        try:
+            return cls.tasks(count, seed, **env.args)
+        except NotImplementedError as err:
+            raise DataError(f"env.environment {env.environment}: {err}") from None
+
+    bad = BadRows(data.on_bad_row)
+
+    def rows(path) -> list[Prompt]:
+        if not Path(path).is_file():
+            raise DataError(f"{path}: dataset file not found")
+        out = [prompt(record) for _row, record in read_records(path, bad)]
+        if not out:
+            raise DataError(f"{path}: no usable rows")
+        return out
+
+    val: list[Prompt] = []
+    if data.num_val_prompts:
+        if data.val_path:
+            val = rows(data.val_path)[: data.num_val_prompts]
+        elif data.train_path is None:
+            val = [prompt(t) for t in generated(data.num_val_prompts, _VAL_SEED)]
+    if data.train_path is not None:
+        source = PromptSource(rows(data.train_path), val, decode=str, stop_token_ids=(), seed=cfg.grpo.seed)
+    else:
+        generated(1, cfg.grpo.seed)  # an environment without generated tasks fails here, not mid-run
+        seed = cfg.grpo.seed * 1_000_003
+
+        def at(index: int) -> Prompt:
+            return prompt(generated(1, seed + index)[0])
+
+        source = PromptSource(None, val, decode=str, stop_token_ids=(), seed=cfg.grpo.seed, generate=at)
+    source.counts = {"data/skipped_rows": bad.skipped} if data.train_path is not None else {}
+    return source
+
+
 def build_source(cfg: Config) -> PromptSource:
+    if cfg.env.enabled:
+        return task_source(cfg)
     if cfg.data.train_path is None and cfg.data.synthetic_task == "math":
         raise DataError(
             "data.synthetic_task 'math' generates SFT data only; GRPO reads its prompts from data.train_path "

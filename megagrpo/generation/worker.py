@@ -103,7 +103,9 @@ class GenerationWorker:
         from vllm.config import WeightTransferConfig
 
         gen = cfg.generation
+        self.cfg, self.model_dir = cfg, model_dir
         self.engine_index = engine_index
+        self._episodes = None  # the episode runner's renderer and environment pool, made on first use
         has_tokenizer = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
         # vLLM's own process group: its store listens on VLLM_HOST_IP only (loopback on a local run).
         with stores_listen_on_their_host():
@@ -180,6 +182,45 @@ class GenerationWorker:
                 )
                 completions.append(Completion(index, ids, lps, comp.finish_reason or "length"))
         return completions
+
+    def run_episodes(
+        self, tasks: list[dict], settings: SamplingSettings, seeds: list[int]
+    ) -> list[Completion]:
+        """``settings.n`` multi-turn episodes per task (``env.*``, ``megagrpo.envs.episodes``), in task
+        order; ``Completion.prompt_index`` is the task's index. The first call starts the environment
+        worker processes and loads the model's tokenizer (its chat template renders the messages)."""
+        from megagrpo.envs.episodes import EpisodeRunner, vllm_turn_engine
+
+        renderer, pool = self._episode_parts()
+        engine = vllm_turn_engine(self.llm, settings, renderer.stop_token_ids)
+        runner = EpisodeRunner(engine, renderer, pool, self.cfg.env, max_context=self.cfg.model.seq_length)
+        return runner.run(tasks, settings.n, seeds)
+
+    def _episode_parts(self):
+        if self._episodes is None:
+            from transformers import AutoTokenizer
+
+            from megagrpo.envs.chat import ChatRenderer
+            from megagrpo.rewards.pool import DeadlinePool
+
+            renderer = ChatRenderer(AutoTokenizer.from_pretrained(self.model_dir))
+            env = self.cfg.env
+            pool = DeadlinePool(
+                "megagrpo.envs.runner:env_call",
+                env.num_workers,
+                env.step_timeout_s,
+                numeric=False,
+                what="environment",
+                preload=["megagrpo.envs.runner"],
+            )
+            self._episodes = renderer, pool
+        return self._episodes
+
+    def close_episodes(self) -> None:
+        """Stop the environment worker processes (a later run_episodes starts new ones)."""
+        if self._episodes is not None:
+            self._episodes[1].close()
+            self._episodes = None
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Logprob of every token after the first, given its prefix (the probe), at temperature 1.

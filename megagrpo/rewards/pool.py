@@ -25,8 +25,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
-__all__ = ["DeadlinePool", "PoolResult"]
+__all__ = ["DeadlinePool", "Outcome", "PoolResult"]
 
 # What the fork server imports once, so that every worker forked from it has it already.
 _PRELOAD = ["megagrpo.rewards.math", "megagrpo.rewards.arithmetic", "math_verify"]
@@ -38,14 +39,30 @@ _START_LIMIT_S = 120.0
 class PoolResult:
     """Values of one ``DeadlinePool.map`` call, in task order."""
 
-    values: list[float | None]
-    """One float per task; None for a task that timed out or failed."""
+    values: list
+    """One value per task (a float for a numeric pool); None for a task that timed out or failed."""
     timeouts: int
     """Tasks cut at their deadline (their workers were killed and replaced)."""
     errors: int
     """Tasks whose function raised or returned a non-number / non-finite value, or whose worker died."""
     error_messages: list[str]
     """One line per error (the first few of the call), for logs and tests."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one submitted task ended (``DeadlinePool.poll``)."""
+
+    value: Any = None
+    """What the function returned (a finite float for a numeric pool); None unless ``ok``."""
+    error: str | None = None
+    """Why it failed (raised, bad value, worker died, deadline); None when ``ok``."""
+    timed_out: bool = False
+    """Cut at its deadline (its worker was killed and replaced)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 def _die_with_parent() -> None:
@@ -59,8 +76,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
-def _worker_main(conn: Connection, function: str) -> None:
-    """Worker loop: receive (task id, args), reply (task id, ok, value or error text)."""
+def _worker_main(conn: Connection, function: str, numeric: bool) -> None:
+    """Worker loop: receive (task id, args), reply (task id, ok, value or error text); a numeric pool's
+    values must be finite numbers (taken as floats)."""
     _die_with_parent()
     from megagrpo.rewards.user import load_function
 
@@ -81,8 +99,11 @@ def _worker_main(conn: Connection, function: str) -> None:
             conn.send((task, False, load_error))
             continue
         try:
-            value = float(fn(*args))
-            ok = math.isfinite(value)
+            value = fn(*args)
+            ok = True
+            if numeric:
+                value = float(value)
+                ok = math.isfinite(value)
             reply = value if ok else f"non-finite reward {value!r}"
         except Exception as err:
             ok, reply = False, f"{type(err).__name__}: {err}"
@@ -90,9 +111,9 @@ def _worker_main(conn: Connection, function: str) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx, function: str):
+    def __init__(self, ctx, function: str, numeric: bool):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child, function), daemon=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, function, numeric), daemon=True)
         self.process.start()
         child.close()  # the worker holds the only other end: its death is EOF here
         self.started = time.monotonic()
@@ -115,23 +136,45 @@ class _Worker:
 
 class DeadlinePool:
     """``num_workers`` processes calling ``function`` (a ``"module:name"`` or ``"file.py:name"`` spec,
-    see ``megagrpo.rewards.user``) with each task's arguments, one task per process at a time."""
+    see ``megagrpo.rewards.user``) with each task's arguments, one task per process at a time.
 
-    def __init__(self, function: str, num_workers: int, timeout_s: float):
+    Two ways to use it: :meth:`map` (a batch, in order) or :meth:`submit` / :meth:`poll` (tasks as they
+    come, outcomes as they end: the multi-turn episode loop steps environments this way). ``numeric``:
+    values must be finite numbers (rewards); otherwise any picklable value comes back.
+    ``what`` names the workers in errors (e.g. "reward", "environment")."""
+
+    def __init__(
+        self,
+        function: str,
+        num_workers: int,
+        timeout_s: float,
+        *,
+        numeric: bool = True,
+        what: str = "reward",
+        preload: Sequence[str] = (),
+    ):
         if num_workers < 1 or not timeout_s > 0:
             raise ValueError(f"need num_workers >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}")
-        self.function, self.timeout_s = function, timeout_s
+        self.function, self.timeout_s, self.numeric, self.what = function, timeout_s, numeric, what
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(_PRELOAD)
-        self._workers = [_Worker(self._ctx, function) for _ in range(num_workers)]
+        self._ctx.set_forkserver_preload([*_PRELOAD, *preload])
+        self._workers = [_Worker(self._ctx, function, numeric) for _ in range(num_workers)]
         self.replaced = 0
         """Workers started to replace one that was killed at a deadline or died (whole life of the pool)."""
         self._start_deaths = 0  # workers in a row that died before they were ready
+        self._queue: deque[tuple[int, tuple]] = deque()  # (ticket, args) not yet given to a worker
+        self._running: dict[int, tuple[int, float]] = {}  # slot -> (ticket, deadline)
+        self._tickets = 0
 
     @property
     def pids(self) -> list[int]:
         """Process ids of the current workers (one per slot)."""
         return [w.process.pid for w in self._workers]
+
+    @property
+    def pending(self) -> int:
+        """Tasks submitted whose outcome :meth:`poll` has not returned yet."""
+        return len(self._queue) + len(self._running)
 
     def alive(self) -> int:
         """Workers whose process is running."""
@@ -144,7 +187,7 @@ class DeadlinePool:
         else:
             old.process.join(timeout=1.0)
             old.conn.close()
-        self._workers[slot] = _Worker(self._ctx, self.function)
+        self._workers[slot] = _Worker(self._ctx, self.function, self.numeric)
         self.replaced += 1
 
     def _starting(self, slot: int) -> None:
@@ -158,7 +201,7 @@ class DeadlinePool:
             self._start_deaths += 1
         if self._start_deaths > 2 * len(self._workers):
             raise RuntimeError(
-                f"reward workers loading {self.function!r} keep dying as they start "
+                f"{self.what} workers loading {self.function!r} keep dying as they start "
                 f"(last exit code {worker.process.exitcode})"
             )
         self._replace(slot, kill=False)
@@ -167,7 +210,7 @@ class DeadlinePool:
         now = time.monotonic()
         if any(not w.ready and now >= w.started + _START_LIMIT_S for w in self._workers):
             raise RuntimeError(
-                f"a reward worker loading {self.function!r} did not start within {_START_LIMIT_S:.0f} s"
+                f"a {self.what} worker loading {self.function!r} did not start within {_START_LIMIT_S:.0f} s"
             )
 
     def wait_ready(self) -> int:
@@ -180,57 +223,90 @@ class DeadlinePool:
             self._check_start_limit()
         return len(self._workers)
 
-    def map(self, tasks: Sequence[tuple]) -> PoolResult:
-        """Run every task (a tuple of arguments); returns when each has a value, an error or its deadline."""
-        values: list[float | None] = [None] * len(tasks)
-        queue = deque(range(len(tasks)))
-        running: dict[int, tuple[int, float]] = {}  # slot -> (task, deadline)
-        timeouts, errors, messages = 0, 0, []
+    def submit(self, args: tuple) -> int:
+        """Queue one task (a tuple of arguments); returns its ticket, which :meth:`poll` reports it under.
+        Its deadline starts when a worker takes it."""
+        ticket, self._tickets = self._tickets, self._tickets + 1
+        self._queue.append((ticket, args))
+        self._dispatch()
+        return ticket
 
-        def failed(task: int, message: str) -> None:
-            nonlocal errors
-            errors += 1
-            if len(messages) < 8:
-                messages.append(f"task {task}: {message}")
+    def _dispatch(self) -> None:
+        for slot, worker in enumerate(self._workers):
+            if not self._queue:
+                return
+            if worker.ready and slot not in self._running:
+                ticket, args = self._queue.popleft()
+                try:
+                    worker.conn.send((ticket, args))
+                except OSError:  # died while idle: replace it, the task goes to the next ready one
+                    self._replace(slot, kill=True)
+                    self._queue.appendleft((ticket, args))
+                    continue
+                self._running[slot] = (ticket, time.monotonic() + self.timeout_s)
 
-        while queue or running:
-            for slot, worker in enumerate(self._workers):
-                if queue and worker.ready and slot not in running:
-                    task = queue.popleft()
-                    try:
-                        worker.conn.send((task, tasks[task]))
-                    except OSError:  # died while idle: replace it, the task goes to the next ready one
-                        self._replace(slot, kill=True)
-                        queue.appendleft(task)
-                        continue
-                    running[slot] = (task, time.monotonic() + self.timeout_s)
-            waiting = {w.conn: slot for slot, w in enumerate(self._workers) if slot in running or not w.ready}
-            deadlines = [d for _, d in running.values()]
-            deadlines += [w.started + _START_LIMIT_S for w in self._workers if not w.ready]
-            for conn in wait(list(waiting), timeout=max(0.0, min(deadlines) - time.monotonic())):
+    def poll(self, timeout: float | None = None) -> list[tuple[int, Outcome]]:
+        """Outcomes of tasks that ended, as (ticket, outcome): waits up to ``timeout`` seconds for the
+        first one (None: until one ends; 0: only those that have ended already). [] when none is pending."""
+        stop = None if timeout is None else time.monotonic() + timeout
+        ended: list[tuple[int, Outcome]] = []
+        while self.pending and not ended:
+            self._dispatch()
+            waiting = {
+                w.conn: slot for slot, w in enumerate(self._workers) if slot in self._running or not w.ready
+            }
+            limits = [d for _, d in self._running.values()]
+            limits += [w.started + _START_LIMIT_S for w in self._workers if not w.ready]
+            if stop is not None:
+                limits.append(stop)
+            for conn in wait(list(waiting), timeout=max(0.0, min(limits) - time.monotonic())):
                 slot = waiting[conn]
-                if slot not in running:
+                if slot not in self._running:
                     self._starting(slot)
                     continue
-                task, _ = running.pop(slot)
+                ticket, _ = self._running.pop(slot)
                 try:
                     done, ok, value = conn.recv()
                 except (EOFError, OSError):  # the worker died (segfault, os._exit, out of memory)
-                    failed(task, f"worker process died (exit code {self._workers[slot].process.exitcode})")
+                    code = self._workers[slot].process.exitcode
+                    ended.append((ticket, Outcome(error=f"worker process died (exit code {code})")))
                     self._replace(slot, kill=False)
                     continue
-                assert done == task, (done, task)
-                if ok:
-                    values[task] = value
-                else:
-                    failed(task, value)
+                assert done == ticket, (done, ticket)
+                ended.append((ticket, Outcome(value=value) if ok else Outcome(error=value)))
             now = time.monotonic()
-            for slot, (_, deadline) in list(running.items()):
+            for slot, (ticket, deadline) in list(self._running.items()):
                 if now >= deadline:
-                    del running[slot]
-                    timeouts += 1
+                    del self._running[slot]
+                    ended.append(
+                        (ticket, Outcome(error=f"cut at its {self.timeout_s:g} s deadline", timed_out=True))
+                    )
                     self._replace(slot, kill=True)
             self._check_start_limit()
+            if stop is not None and time.monotonic() >= stop:
+                break
+        self._dispatch()
+        return ended
+
+    def map(self, tasks: Sequence[tuple]) -> PoolResult:
+        """Run every task (a tuple of arguments); returns when each has a value, an error or its deadline."""
+        assert not self.pending, "map() on a pool with tasks of submit() in flight"
+        first = self._tickets
+        for args in tasks:
+            self.submit(args)
+        values: list = [None] * len(tasks)
+        timeouts, errors, messages = 0, 0, []
+        while self.pending:
+            for ticket, outcome in self.poll():
+                task = ticket - first
+                if outcome.ok:
+                    values[task] = outcome.value
+                elif outcome.timed_out:
+                    timeouts += 1
+                else:
+                    errors += 1
+                    if len(messages) < 8:
+                        messages.append(f"task {task}: {outcome.error}")
         return PoolResult(values, timeouts, errors, messages)
 
     def close(self) -> None:
@@ -238,3 +314,5 @@ class DeadlinePool:
         for worker in self._workers:
             worker.stop()
         self._workers = []
+        self._queue.clear()
+        self._running.clear()

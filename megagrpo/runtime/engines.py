@@ -230,19 +230,24 @@ class EnginePool:
         self, prompts: Sequence, settings, seeds: Sequence[int], *, step: int, restartable: bool = True
     ) -> list:
         """Completions (``Completion``) for ``prompts`` (objects with ``token_ids``; ``settings.n`` each,
-        in prompt order), split across the engines. An engine that fails is replaced and its share
+        in prompt order), split across the engines; prompts with a ``task`` get multi-turn episodes
+        (``GenerationWorker.run_episodes``). An engine that fails is replaced and its share
         generated again, with the same seeds; ``step``: the GRPO step asking (restart windows count
         steps); ``restartable=False`` while the trainer changes the weights a replacement would be sent
         (``grpo.max_staleness``): a failure then is an EngineFailure."""
         per = math.ceil(len(prompts) / len(self.actors))
+        # Multi-turn: prompts carry tasks, and each engine runs its share's episodes (env.*).
+        episodes = bool(prompts) and prompts[0].task is not None
         shares = {}
         for i in range(len(self.actors)):
             chunk = slice(i * per, (i + 1) * per)
             if prompts[chunk]:
-                shares[i] = ([p.token_ids for p in prompts[chunk]], settings, seeds[chunk])
+                inputs = [p.task if episodes else p.token_ids for p in prompts[chunk]]
+                shares[i] = (inputs, settings, seeds[chunk])
         out = []
         timeout_s = self.cfg.generation.timeout_s
-        for i, comps in self.call("generate", shares, timeout_s, step=step, restartable=restartable).items():
+        method = "run_episodes" if episodes else "generate"
+        for i, comps in self.call(method, shares, timeout_s, step=step, restartable=restartable).items():
             out += [dataclasses.replace(c, prompt_index=c.prompt_index + i * per) for c in comps]
         return out
 

@@ -29,7 +29,7 @@ from megagrpo.ckpt import run as ckpt_io
 from megagrpo.config import Config, save_config
 from megagrpo.data.prompts import PromptSource, build_source
 from megagrpo.data.tokenizer import check_same_tokenizer
-from megagrpo.evaluate import evaluate
+from megagrpo.evaluate import completion_scores, evaluate
 from megagrpo.policy.teacher import TeacherWorker
 from megagrpo.policy.worker import PolicyWorker
 from megagrpo.rewards import RewardScorer
@@ -81,10 +81,18 @@ def train(cfg: Config) -> Path:
 
 def prepare_initial_model(cfg: Config, run_dir: Path) -> tuple[Config, str]:
     """(config whose model is loadable by policy and vLLM, the HF directory vLLM reads): a tiny model is
-    warmed up first (or its earlier warm-up reused), see ``megagrpo.trainers.warmup.warmed_up_model``."""
+    warmed up first (or its earlier warm-up reused), see ``megagrpo.trainers.warmup.warmed_up_model``;
+    for multi-turn episodes its tokenizer is saved beside it."""
     from megagrpo.trainers.warmup import warmed_up_model
 
-    return warmed_up_model(cfg, run_dir)
+    made, model_dir = warmed_up_model(cfg, run_dir)
+    if cfg.env.enabled and cfg.model.tiny is not None:
+        # Episodes render the environments' messages with the model's chat template, in the engines:
+        # the tiny model's in-memory tokenizer goes beside its weights.
+        from megagrpo.data.tokenizer import load_tokenizer, save_tokenizer
+
+        save_tokenizer(load_tokenizer(cfg), Path(model_dir))
+    return made, model_dir
 
 
 class GRPOSteps:
@@ -336,7 +344,7 @@ def validate(cfg: Config, generate, source: PromptSource, scorer) -> dict[str, f
     )
     comps = generate(source.val, settings, [0] * len(source.val))
     texts = [source.decode(c.token_ids) for c in comps]
-    scores = scorer(texts, [source.val[c.prompt_index].answer for c in comps])
+    scores = completion_scores(comps, texts, source.val, scorer)
     out = {"val/accuracy": sum(s >= 1.0 for s in scores) / len(comps)}
     if cfg.eval.val_samples:
         ev = cfg.eval

@@ -60,7 +60,7 @@ class Pending:
         """Into a checkpoint being written (its manifest covers the file)."""
         r = self.rollouts
         data = {
-            "prompts": [{"token_ids": p.token_ids, "answer": p.answer} for p in r.prompts],
+            "prompts": [{"token_ids": p.token_ids, "answer": p.answer, "task": p.task} for p in r.prompts],
             "completions": [dataclasses.asdict(c) for c in r.completions],
             "rewards": r.rewards,
             "reward_timeouts": r.reward_timeouts,
@@ -115,12 +115,15 @@ def generate_groups(cfg: Config, generate: Generate, source: PromptSource, score
         seeds = [cfg.generation.seed * 1_000_003 + position + i for i in range(need)]
         position += need
         comps = generate(prompts, settings, seeds)
-        scoring = time.perf_counter()
-        texts = [source.decode(c.token_ids) for c in comps]
-        scored = scorer.score(texts, [prompts[c.prompt_index].answer for c in comps])
-        reward_seconds += time.perf_counter() - scoring
-        rewards = torch.tensor(scored.scores, dtype=torch.float32)
-        timeouts, errors = timeouts + scored.timeouts, errors + scored.errors
+        if comps and all(c.reward is not None for c in comps):  # episodes: their environments scored them
+            rewards = torch.tensor([c.reward for c in comps], dtype=torch.float32)
+        else:
+            scoring = time.perf_counter()
+            texts = [source.decode(c.token_ids) for c in comps]
+            scored = scorer.score(texts, [prompts[c.prompt_index].answer for c in comps])
+            reward_seconds += time.perf_counter() - scoring
+            rewards = torch.tensor(scored.scores, dtype=torch.float32)
+            timeouts, errors = timeouts + scored.timeouts, errors + scored.errors
         flat = (
             zero_variance_groups(rewards, g)
             if cfg.grpo.filter_zero_variance_groups
@@ -152,25 +155,35 @@ def to_train_batch(cfg: Config, rollouts: Rollouts) -> TrainBatch:
     rewards = rollouts.rewards.clone()
     lengths = torch.tensor([len(c.token_ids) for c in rollouts.completions])
     truncated = torch.tensor([c.finish_reason == "length" for c in rollouts.completions])
+    # An episode's length counts its observations too: its budget is env.max_episode_tokens.
+    budget = cfg.env.max_episode_tokens if cfg.env.enabled else cfg.generation.max_new_tokens
     if grpo.overlong_policy == "soft_penalty":
-        rewards += overlong_penalty(
-            lengths, cfg.generation.max_new_tokens, grpo.overlong_buffer_tokens, grpo.overlong_penalty
-        )
+        rewards += overlong_penalty(lengths, budget, grpo.overlong_buffer_tokens, grpo.overlong_penalty)
     advantages = group_advantages(rewards, g, baseline=grpo.baseline, normalize_std=grpo.normalize_adv_std)
     # DAPO's overlong filtering: truncated responses leave the loss (sum, token count, KL), not only their
-    # advantage; they still count in their group's baseline.
+    # advantage; they still count in their group's baseline. An episode whose environment failed leaves
+    # the loss as well (reward 0 is not the policy's doing), and also counts in its group's baseline.
+    failed = torch.tensor([c.finish_reason == "env_error" for c in rollouts.completions])
     in_loss = ~truncated if grpo.overlong_policy == "mask" else None
+    if bool(failed.any()):
+        in_loss = ~failed if in_loss is None else in_loss & ~failed
     seqs, prompt_lens = [], []
     for i, comp in enumerate(rollouts.completions):
-        prompt = rollouts.prompts[i // g].token_ids
+        prompt = comp.prompt_ids if comp.prompt_ids is not None else rollouts.prompts[i // g].token_ids
         seqs.append(prompt + comp.token_ids)
         prompt_lens.append(len(prompt))
     batch = TrainBatch.from_sequences(seqs, prompt_lens)
     gen = torch.zeros(batch.size, batch.input_ids.shape[1] - 1)
+    sampled = None
+    if any(c.loss_mask is not None for c in rollouts.completions):
+        sampled = torch.zeros(batch.size, batch.input_ids.shape[1] - 1, dtype=torch.bool)
     for row, comp in enumerate(rollouts.completions):
         start = prompt_lens[row] - 1
         gen[row, start : start + len(comp.logprobs)] = torch.tensor(comp.logprobs)
-    return batch.replace(advantages=advantages, gen_logprobs=gen, in_loss=in_loss)
+        if sampled is not None:
+            mask = comp.loss_mask if comp.loss_mask is not None else [True] * len(comp.token_ids)
+            sampled[row, start : start + len(mask)] = torch.tensor(mask, dtype=torch.bool)
+    return batch.replace(advantages=advantages, gen_logprobs=gen, in_loss=in_loss, sampled=sampled)
 
 
 def step_metrics(
@@ -190,8 +203,28 @@ def step_metrics(
         "response/truncated_frac": sum(c.finish_reason == "length" for c in rollouts.completions)
         / len(lengths),
         "data/filtered_groups": filtered,
+        **episode_metrics(rollouts.completions),
         "sync/probe_error": probe_error,
         **{f"train/{k}": v for k, v in train.items()},
+    }
+
+
+def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
+    """Multi-turn episodes' means per episode (``episode/*``); {} for single-turn completions."""
+    stats = [c.stats for c in completions if c.stats is not None]
+    if not stats:
+        return {}
+    mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+    sampled = [sum(c.loss_mask) for c in completions if c.loss_mask is not None]
+    return {
+        "episode/turns_mean": mean["turns"],
+        "episode/tool_calls_mean": mean["tool_calls"],
+        "episode/tool_errors_mean": mean["tool_errors"],
+        "episode/tool_use_frac": sum(s["tool_calls"] > 0 for s in stats) / len(stats),
+        "episode/env_s_mean": mean["env_s"],
+        "episode/env_errors": sum(s["env_failed"] for s in stats),
+        "episode/truncated_frac": mean["truncated"],
+        "episode/sampled_tokens_mean": sum(sampled) / len(sampled),
     }
 
 

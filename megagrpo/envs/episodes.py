@@ -1,0 +1,250 @@
+"""Multi-turn episodes on one engine, token in / token out, with no episode waiting for another.
+
+An episode alternates engine turns and environment steps (``megagrpo.envs.base``):
+
+    prompt_0 = render(opening)                        # the environment's reset
+    turn_t   = sample(prompt_t)                       # the engine; ends with the end-of-turn token
+    prompt_{t+1} = prompt_t + turn_t + render(observation_t)
+
+so every prompt is the previous prompt's tokens, the tokens the engine sampled and the observation's
+tokens (``ChatRenderer.observation_ids``: the chat template's rendering of the environment's messages,
+delta-tokenized); decoded text goes to the environment only, never back into the sequence. The trainer
+trains on exactly these tokens, with loss on the sampled ones (``Completion.loss_mask``).
+
+Scheduling (``env.schedule``): "async" adds an episode's next request to the engine the moment its
+observation is ready and sends a turn to an environment worker the moment it is sampled, so the engine
+decodes whatever episodes are ready (vLLM's continuous batching) while environments step; "turns" is the
+turn-synchronous baseline: every episode's turn t, then every environment step, then turn t + 1.
+
+An episode ends when the environment says done, or truncated (``finish_reason`` "length") when a turn
+reaches ``env.max_new_tokens`` without its end-of-turn token, after ``env.max_turns`` turns, or when the
+next observation would pass ``env.max_episode_tokens``; an environment call that raises, passes its
+deadline or kills its worker ends it with reward 0 (``finish_reason`` "env_error").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from megagrpo.types import Completion, SamplingSettings
+
+__all__ = ["EpisodeRunner", "Turn", "TurnEngine"]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One finished engine request: its sampled tokens and their sampling logprobs."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class TurnEngine(Protocol):
+    """What the runner needs of an engine (``GenerationWorker`` adapts vLLM's ``LLMEngine``)."""
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, seed: int) -> None: ...
+
+    def busy(self) -> bool: ...
+
+    def step(self) -> list[Turn]: ...
+
+
+@dataclass
+class _Episode:
+    index: int
+    """Position among the call's episodes (task-major: task i's samples are n * i .. n * i + n - 1)."""
+    seed: int
+    prompt: list[int] = field(default_factory=list)
+    """The opening prompt's tokens."""
+    tokens: list[int] = field(default_factory=list)
+    """Everything after the opening: sampled and observation tokens."""
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    env: bytes = b""
+    """The environment, pickled (it lives in the worker processes between calls)."""
+    turns: int = 0
+    reward: float = 0.0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_s: float = 0.0
+    budget: int = 0
+    """Tokens the episode may still add after its opening."""
+    finish: str | None = None
+    greedy: bool = False
+    """Sampled at temperature 0: the engine reported no logprobs (the completion then has none)."""
+
+    def completion(self, task: int) -> Completion:
+        stats = {
+            "turns": float(self.turns),
+            "tool_calls": float(self.tool_calls),
+            "tool_errors": float(self.tool_errors),
+            "env_s": self.env_s,
+            "env_failed": float(self.finish == "env_error"),
+            "truncated": float(self.finish == "length"),
+        }
+        return Completion(
+            task,
+            self.tokens,
+            [] if self.greedy else self.logprobs,
+            self.finish or "length",
+            loss_mask=self.mask,
+            prompt_ids=self.prompt,
+            reward=self.reward,
+            stats=stats,
+        )
+
+
+class EpisodeRunner:
+    """Runs episodes on one engine with a pool of environment workers (``DeadlinePool`` of
+    ``megagrpo.envs.runner:env_call``).
+
+    ``renderer``: a ``megagrpo.envs.chat.ChatRenderer`` of the model's tokenizer; ``env_cfg``: the
+    ``env`` config section; ``max_context``: model.seq_length (opening + episode must fit it)."""
+
+    def __init__(
+        self, engine: TurnEngine, renderer, pool, env_cfg, *, max_context: int, log: Callable = print
+    ):
+        self.engine, self.renderer, self.pool, self.cfg = engine, renderer, pool, env_cfg
+        self.max_context, self.log = max_context, log
+        self.spec = env_cfg.spec
+
+    def run(self, tasks: Sequence[dict], n: int, seeds: Sequence[int]) -> list[Completion]:
+        """``n`` episodes per task (task-major order), episode j of task i seeded from ``seeds[i]`` and j
+        (and its turn), so results do not depend on how episodes interleave."""
+        episodes = [
+            _Episode(i * n + j, seed=seeds[i] * 1_000_003 + j * 7_919)
+            for i in range(len(tasks))
+            for j in range(n)
+        ]
+        calls: dict[int, _Episode] = {}  # pool ticket -> episode
+        requests: dict[str, _Episode] = {}  # engine request id -> episode
+        for ep in episodes:
+            calls[self.pool.submit((self.spec, self.cfg.args, "reset", dict(tasks[ep.index // n])))] = ep
+        sampled: list[tuple[_Episode, Turn]] = []  # turns waiting to go to an environment
+        observed: list[_Episode] = []  # episodes waiting for their next engine request
+        synchronous = self.cfg.schedule == "turns"
+        while any(ep.finish is None for ep in episodes):
+            assert calls or requests or sampled or observed, "an unfinished episode is nowhere"
+            if self.engine.busy():
+                for turn in self.engine.step():
+                    sampled.append((requests.pop(turn.request_id), turn))
+                outcomes = self.pool.poll(0)
+            else:
+                outcomes = self.pool.poll(None if self.pool.pending and not sampled else 0)
+            for ticket, outcome in outcomes:
+                ep = calls.pop(ticket)
+                if self._observed(ep, outcome):
+                    observed.append(ep)
+            # The turn-synchronous baseline moves a whole wave at once: turns to the environments once the
+            # engine has sampled every one, requests to the engine once every environment has answered.
+            if sampled and not (synchronous and self.engine.busy()):
+                for ep, turn in sampled:
+                    if self._sampled(ep, turn):
+                        calls[
+                            self.pool.submit((self.spec, self.cfg.args, "step", (ep.env, self._text(turn))))
+                        ] = ep
+                sampled = []
+            if observed and not (synchronous and self.pool.pending):
+                for ep in observed:
+                    request = f"ep{ep.index}-t{ep.turns}-{ep.seed}"
+                    requests[request] = ep
+                    max_tokens = min(self.cfg.max_new_tokens, ep.budget)
+                    self.engine.add(request, ep.prompt + ep.tokens, max_tokens, ep.seed + ep.turns)
+                observed = []
+        return [ep.completion(ep.index // n) for ep in episodes]
+
+    def _text(self, turn: Turn) -> str:
+        return self.renderer.turn_text(turn.token_ids)
+
+    def _sampled(self, ep: _Episode, turn: Turn) -> bool:
+        """Add a sampled turn to its episode; True when an environment step should follow."""
+        ep.tokens += turn.token_ids
+        ep.mask += [True] * len(turn.token_ids)
+        ep.logprobs += turn.logprobs
+        ep.greedy |= bool(turn.token_ids) and not turn.logprobs
+        ep.turns += 1
+        ep.budget -= len(turn.token_ids)
+        if not self.renderer.closed(turn.token_ids):  # cut at its token limit
+            ep.finish = "length"
+            return False
+        return True
+
+    def _observed(self, ep: _Episode, outcome: Any) -> bool:
+        """Apply an environment call's outcome; True when the episode's next turn should be sampled."""
+        if not outcome.ok:
+            if len(getattr(self, "_errors_shown", ())) < 3:
+                self._errors_shown = [*getattr(self, "_errors_shown", ()), outcome.error]
+                self.log(f"environment {self.cfg.environment}: episode {ep.index} ended: {outcome.error}")
+            ep.finish, ep.reward = "env_error", 0.0
+            return False
+        if not ep.prompt:  # the reset
+            ep.env, messages, seconds = outcome.value
+            ep.env_s += seconds
+            ep.prompt = self.renderer.prompt_ids(messages)
+            ep.budget = min(self.cfg.max_episode_tokens, self.max_context - len(ep.prompt))
+            if ep.budget < 1:
+                ep.finish = "length"
+                return False
+            return True
+        ep.env, (messages, reward, done, tool_calls, tool_errors), seconds = outcome.value
+        ep.env_s += seconds
+        ep.reward = ep.reward + reward if self.cfg.reward == "sum" else reward
+        ep.tool_calls += tool_calls
+        ep.tool_errors += tool_errors
+        if done:
+            ep.finish = "stop"
+            return False
+        observation = self.renderer.observation_ids(messages)
+        # The next turn needs room for its observation and at least one sampled token.
+        if ep.turns >= self.cfg.max_turns or len(observation) + 1 > ep.budget:
+            ep.finish = "length"
+            return False
+        ep.tokens += observation
+        ep.mask += [False] * len(observation)
+        ep.logprobs += [0.0] * len(observation)
+        ep.budget -= len(observation)
+        return True
+
+
+def vllm_turn_engine(llm, settings: SamplingSettings, stop_token_ids: Sequence[int]) -> TurnEngine:
+    """``llm``'s engine (vLLM's ``LLM``, in process) as a :class:`TurnEngine` sampling with ``settings``."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    stops = sorted({*stop_token_ids, *settings.stop_token_ids})
+
+    class _Engine:
+        def add(self, request_id: str, prompt: list[int], max_tokens: int, seed: int) -> None:
+            params = SamplingParams(
+                n=1,
+                max_tokens=max_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=settings.top_k,
+                stop_token_ids=stops,
+                seed=seed,
+                logprobs=0,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+
+        def busy(self) -> bool:
+            return engine.has_unfinished_requests()
+
+        def step(self) -> list[Turn]:
+            turns = []
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                comp = out.outputs[0]
+                ids = list(comp.token_ids)
+                lps = [s[t].logprob for s, t in zip(comp.logprobs, ids, strict=True)] if comp.logprobs else []
+                turns.append(Turn(out.request_id, ids, lps))
+            return turns
+
+    return _Engine()

@@ -1,0 +1,54 @@
+"""What an environment worker process runs (``megagrpo.rewards.pool.DeadlinePool`` with
+``megagrpo.envs.runner:env_call``): one reset or step of one episode's environment.
+
+The environment object travels pickled, as bytes, both ways: a worker loads the user's class itself
+(``env.environment``) before unpickling, and the engine process that runs the episodes never imports it.
+Replies are plain data (lists, dicts, numbers), so nothing of the user's module crosses back either.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import time
+from typing import Any
+
+from megagrpo.envs.base import OBSERVATION_ROLES, Environment, Step, check_messages
+from megagrpo.rewards.user import load_function
+
+__all__ = ["env_call", "load_environment"]
+
+
+def load_environment(spec: str) -> type[Environment]:
+    """The environment class ``spec`` names; ValueError when it is not an Environment subclass."""
+    cls = load_function(spec)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"{spec!r} is not a subclass of megagrpo.envs.base.Environment")
+    return cls
+
+
+def env_call(spec: str, args: dict, op: str, payload: Any) -> tuple:
+    """``op`` "reset" (payload: the task): (pickled env, opening messages, seconds);
+    "step" (payload: (pickled env, turn text)): (pickled env, (messages, reward, done, tool calls,
+    tool errors), seconds). Raises on a bad answer of the environment (the episode then ends)."""
+    cls = load_environment(spec)
+    start = time.perf_counter()
+    if op == "reset":
+        env = cls(**args)
+        messages = check_messages(env.reset(payload), ("system", *OBSERVATION_ROLES), f"{cls.__name__}.reset")
+        if not messages:
+            raise ValueError(f"{cls.__name__}.reset returned no messages")
+        return pickle.dumps(env), messages, time.perf_counter() - start
+    blob, turn = payload
+    env = pickle.loads(blob)
+    step = env.step(turn)
+    if not isinstance(step, Step):
+        raise ValueError(f"{cls.__name__}.step returned {type(step).__name__}, not megagrpo.envs.base.Step")
+    messages = check_messages(list(step.messages), OBSERVATION_ROLES, f"{cls.__name__}.step")
+    reward = float(step.reward)
+    if not math.isfinite(reward):
+        raise ValueError(f"{cls.__name__}.step returned a non-finite reward {step.reward!r}")
+    if not step.done and not messages:
+        raise ValueError(f"{cls.__name__}.step returned no observation for an episode that goes on")
+    answer = (messages, reward, bool(step.done), int(step.tool_calls), int(step.tool_errors))
+    return pickle.dumps(env), answer, time.perf_counter() - start
