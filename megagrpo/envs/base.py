@@ -50,6 +50,13 @@ class Step:
 class Environment:
     """Subclass it: implement :meth:`reset` and :meth:`step` (and :meth:`tasks` to run without a dataset)."""
 
+    settings: tuple[str, ...] = ()
+    """``env`` config keys the constructor also takes, besides ``env.args`` (e.g. "tool_format",
+    "allow_unsandboxed")."""
+    runs_code = False
+    """True for environments that run model-written code: the config check then wants the sandbox
+    (``megagrpo.envs.sandbox``) or ``env.allow_unsandboxed``."""
+
     @classmethod
     def tasks(cls, count: int, seed: int, **args: Any) -> list[dict]:
         """``count`` generated tasks, the same for the same seed (training and validation streams use

@@ -110,6 +110,7 @@ class EpisodeRunner:
         self.engine, self.renderer, self.pool, self.cfg = engine, renderer, pool, env_cfg
         self.max_context, self.log = max_context, log
         self.spec = env_cfg.spec
+        self.options = {"tool_format": env_cfg.tool_format, "allow_unsandboxed": env_cfg.allow_unsandboxed}
 
     def run(self, tasks: Sequence[dict], n: int, seeds: Sequence[int]) -> list[Completion]:
         """``n`` episodes per task (task-major order), episode j of task i seeded from ``seeds[i]`` and j
@@ -122,7 +123,8 @@ class EpisodeRunner:
         calls: dict[int, _Episode] = {}  # pool ticket -> episode
         requests: dict[str, _Episode] = {}  # engine request id -> episode
         for ep in episodes:
-            calls[self.pool.submit((self.spec, self.cfg.args, "reset", dict(tasks[ep.index // n])))] = ep
+            reset = (self.spec, self.cfg.args, "reset", dict(tasks[ep.index // n]), self.options)
+            calls[self.pool.submit(reset)] = ep
         sampled: list[tuple[_Episode, Turn]] = []  # turns waiting to go to an environment
         observed: list[_Episode] = []  # episodes waiting for their next engine request
         synchronous = self.cfg.schedule == "turns"

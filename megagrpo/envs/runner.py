@@ -27,14 +27,16 @@ def load_environment(spec: str) -> type[Environment]:
     return cls
 
 
-def env_call(spec: str, args: dict, op: str, payload: Any) -> tuple:
+def env_call(spec: str, args: dict, op: str, payload: Any, options: dict | None = None) -> tuple:
     """``op`` "reset" (payload: the task): (pickled env, opening messages, seconds);
     "step" (payload: (pickled env, turn text)): (pickled env, (messages, reward, done, tool calls,
-    tool errors), seconds). Raises on a bad answer of the environment (the episode then ends)."""
+    tool errors), seconds). Raises on a bad answer of the environment (the episode then ends).
+    ``options``: the ``env`` settings an environment class may ask for (``Environment.settings``)."""
     cls = load_environment(spec)
     start = time.perf_counter()
     if op == "reset":
-        env = cls(**args)
+        wanted = {k: v for k, v in (options or {}).items() if k in cls.settings}
+        env = cls(**args, **wanted)
         messages = check_messages(env.reset(payload), ("system", *OBSERVATION_ROLES), f"{cls.__name__}.reset")
         if not messages:
             raise ValueError(f"{cls.__name__}.reset returned no messages")
