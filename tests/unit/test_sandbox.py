@@ -1,0 +1,248 @@
+"""The sandbox for model-written code (megagrpo.envs.sandbox): each way out is tried (a socket, reading and
+writing outside its directory, too much memory, a fork bomb, endless loops, our environment) and is
+refused or cut, and the run right after works normally; without bubblewrap the sandbox refuses to run
+unless running unsandboxed is allowed."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from megagrpo.envs import sandbox
+from megagrpo.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_problem
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _bubblewrap_works():
+    problem = sandbox_problem()
+    assert problem is None, f"the sandbox cannot run here ({problem}); `make setup` installs bubblewrap"
+
+
+def assert_runs_normally(**limits):
+    result = run_python("import sys\nprint(sum(range(10)), sys.flags.isolated)", SandboxLimits(**limits))
+    assert (result.stdout, result.stderr, result.exit_code) == ("45 1\n", "", 0)
+    assert result.sandboxed and not result.timed_out
+    assert result.summary() == "45 1"
+
+
+def test_network_is_unreachable():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        code = f"""
+import socket
+for address in [("127.0.0.1", {port}), ("example.com", 80)]:
+    try:
+        socket.create_connection(address, timeout=5)
+        print("connected", address)
+    except OSError as err:
+        print("refused", type(err).__name__)
+"""
+        result = run_python(code)
+        server.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    assert result.stdout == "refused ConnectionRefusedError\nrefused gaierror\n"
+    assert_runs_normally()
+
+
+def test_files_outside_its_directory_cannot_be_read(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the-secret-42")
+    paths = [str(secret), str(REPO / "pyproject.toml"), str(Path(__file__).resolve()), "/etc/passwd"]
+    code = f"""
+import os
+for path in {paths!r}:
+    try:
+        print("read", open(path).read(100))
+    except OSError as err:
+        print("refused", type(err).__name__)
+print(*sorted(os.listdir("/")))
+"""
+    result = run_python(code)
+    lines = result.stdout.splitlines()
+    assert lines[: len(paths)] == ["refused FileNotFoundError"] * len(paths), result.stdout
+    assert "the-secret-42" not in result.stdout
+    # Beside /usr and its links, only the interpreter's own install (under /root, say) shows.
+    interpreter_top = Path(sys.base_prefix).resolve().parts[1]
+    host_only = {"etc", "home", "work", "var", "opt", "mnt", "srv"} - {interpreter_top}
+    assert "sandbox" in lines[-1].split()
+    assert not host_only & set(lines[-1].split()), lines[-1]
+    assert_runs_normally()
+
+
+def test_files_outside_its_directory_cannot_be_written(tmp_path):
+    name = f"megagrpo-escape-{uuid.uuid4().hex}"
+    targets = [tmp_path / name, Path("/usr/lib") / name, Path("/tmp") / name, REPO / name]
+    code = f"""
+for path in {[str(t) for t in targets]!r}:
+    try:
+        open(path, "w").write("escaped")
+        print("wrote")
+    except OSError as err:
+        print("refused", type(err).__name__)
+open("own.txt", "w").write("mine")
+print(open("own.txt").read())
+"""
+    try:
+        result = run_python(code)
+        leaked = [t for t in targets if t.exists()]
+    finally:
+        for target in targets:
+            target.unlink(missing_ok=True)
+    # The sandbox's /tmp is a tmpfs of its own: the write lands there, not on the host.
+    assert result.stdout.splitlines() == [
+        "refused FileNotFoundError",
+        "refused OSError",  # read-only filesystem
+        "wrote",
+        "refused FileNotFoundError",
+        "mine",
+    ], result.stdout
+    assert leaked == []
+    assert_runs_normally()
+
+
+def test_memory_past_the_limit_raises_memory_error():
+    result = run_python("x = bytearray(2 << 30)\nprint('allocated')", SandboxLimits(memory_mb=256))
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.rstrip().endswith("MemoryError")
+    assert result.summary().endswith("MemoryError")
+    assert_runs_normally(memory_mb=256)
+
+
+FORK_BOMB = """
+import os, time
+forks = 0
+for _ in range(1000):
+    try:
+        pid = os.fork()
+    except OSError as err:
+        print("refused", type(err).__name__, flush=True)
+        break
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    forks += 1
+print("forks", forks, "uid", os.getuid(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", ["exits", "hangs"])
+def test_fork_bomb_is_capped_and_nothing_survives(ending):
+    code = FORK_BOMB + ("time.sleep(60)\n" if ending == "hangs" else "")
+    # What it printed before the deadline's kill is kept (a loaded machine gets 5 s for 7 forks).
+    result = run_python(code, SandboxLimits(max_processes=8, wall_s=5 if ending == "hangs" else 60))
+    lines = result.stdout.splitlines()
+    assert lines[:1] == ["refused BlockingIOError"], result  # EAGAIN: RLIMIT_NPROC
+    assert lines[1].startswith("forks 7 ")  # the limit counts the code's own process
+    assert result.timed_out == (ending == "hangs")
+    if os.geteuid() == 0:
+        # As root each run has a uid of its own: no process of that uid may outlive the run. Killing a pid
+        # namespace is asynchronous, so give its processes a moment to go.
+        uid = int(lines[1].split()[-1])
+        assert uid in sandbox.SANDBOX_UIDS
+        deadline = time.monotonic() + 10
+        while _processes_of(uid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_of(uid) == []
+    assert_runs_normally()
+
+
+def _processes_of(uid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            status = (entry / "status").read_text() if entry.name.isdigit() else ""
+        except OSError:  # gone meanwhile
+            continue
+        if any(line.split()[1:2] == [str(uid)] for line in status.splitlines() if line.startswith("Uid:")):
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_endless_loop_is_killed_at_the_deadline():
+    result = run_python("while True:\n    pass", SandboxLimits(cpu_s=60, wall_s=3))
+    assert result.timed_out and result.exit_code is None, result
+    assert result.summary() == "killed: time limit"
+    assert_runs_normally()
+
+
+def test_endless_loop_is_cut_by_the_cpu_limit():
+    result = run_python("while True:\n    pass", SandboxLimits(cpu_s=1, wall_s=60))
+    assert not result.timed_out
+    assert result.exit_code == -signal.SIGXCPU, result
+    assert result.summary() == "killed: CPU time limit"
+    assert_runs_normally()
+
+
+def test_environment_is_scrubbed_and_our_venv_is_not_visible(monkeypatch):
+    monkeypatch.setenv("MEGAGRPO_SANDBOX_CANARY", "leaked")
+    code = """
+import json, os, sys
+try:
+    import megagrpo
+    imported = True
+except ImportError:
+    imported = False
+print(json.dumps({"env": dict(os.environ), "path": sys.path, "imported": imported}))
+"""
+    report = json.loads(run_python(code).stdout)
+    assert set(report["env"]) <= {"PATH", "HOME", "LANG", "PYTHONDONTWRITEBYTECODE", "PWD"}
+    assert report["env"]["HOME"] == sandbox.HOME
+    assert not report["imported"]
+    assert not any(".venv" in entry or str(REPO) in entry for entry in report["path"])
+    assert_runs_normally()
+
+
+def test_output_is_cut_and_stdin_is_given():
+    result = run_python("print(input() * 100_000)", SandboxLimits(max_output_bytes=1000), stdin="ab\n")
+    assert result.stdout.startswith("ab" * 500 + "\n[... ")
+    assert result.stdout.endswith(" more bytes cut]")
+    assert result.exit_code == 0
+    assert_runs_normally()
+
+
+def test_concurrent_runs_keep_to_themselves():
+    code = (
+        "import os, sys\nopen('mine', 'w').write(input())\nprint(sorted(os.listdir()), open('mine').read())"
+    )
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: run_python(code, stdin=f"run-{i}"), range(8)))
+    assert [r.stdout for r in results] == [f"['main.py', 'mine'] run-{i}\n" for i in range(8)]
+
+
+def test_limits_must_be_positive():
+    with pytest.raises(ValueError, match=r"SandboxLimits\.wall_s must be > 0"):
+        SandboxLimits(wall_s=0)
+
+
+def test_without_bubblewrap_it_refuses_unless_allowed(monkeypatch):
+    which = shutil.which
+    monkeypatch.setattr(
+        shutil, "which", lambda name, *a, **kw: None if name == "bwrap" else which(name, *a, **kw)
+    )
+    monkeypatch.setenv("MEGAGRPO_SANDBOX_CANARY", "leaked")
+    assert "bwrap" in sandbox_problem()
+    with pytest.raises(SandboxUnavailable, match="allow_unsandboxed: true"):
+        run_python("print('ran')")
+
+    code = "import os\nprint(sorted(os.environ), os.getcwd() == os.environ['HOME'])"
+    result = run_python(code, allow_unsandboxed=True)
+    assert not result.sandboxed and result.exit_code == 0
+    assert result.stdout == "['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE'] True\n"
+    # The rlimits and the deadline still hold.
+    result = run_python("x = bytearray(2 << 30)", SandboxLimits(memory_mb=256), allow_unsandboxed=True)
+    assert result.stderr.rstrip().endswith("MemoryError")
+    result = run_python("while True:\n    pass", SandboxLimits(cpu_s=60, wall_s=1), allow_unsandboxed=True)
+    assert result.timed_out and not result.sandboxed
