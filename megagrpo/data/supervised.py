@@ -290,6 +290,8 @@ def build_sft_source(cfg: Config, tok) -> SFTSource:
     data = cfg.data
     if data.train_path is None and data.synthetic_task == "math":
         return _math_sft_source(cfg, tok)
+    if data.train_path is None and data.synthetic_task == "agent":
+        return _agent_sft_source(cfg, tok)
     if data.train_path is None:
         task = ArithmeticTask(max_operand=data.arithmetic_max_operand, ops=data.arithmetic_ops)
         return SFTSource(cfg, tok, task=task)
@@ -326,6 +328,28 @@ def _math_sft_source(cfg: Config, tok) -> SFTSource:
     styles = {"terse_frac": data.math_terse_frac, "unboxed_frac": data.math_unboxed_frac}
     train = examples(math_records(count, cfg.sft.seed, **styles), "training")
     val = examples(math_records(cfg.sft.num_val_examples, cfg.sft.seed + VAL_SEED_OFFSET), "validation")
+    return SFTSource(cfg, tok, train=train, val=val)
+
+
+def _agent_sft_source(cfg: Config, tok) -> SFTSource:
+    """Generated tool-use conversations (``data.agent_tool_frac`` of them call the python tool): as many
+    as the run's steps consume (at most 20,000), and ``sft.num_val_examples`` held-out ones."""
+    from megagrpo.envs.code_tool import tool_use_records
+
+    def examples(records: list[dict], what: str) -> list[Example]:
+        out = []
+        for i, record in enumerate(records, 1):
+            try:
+                out.append(sft_example(tok, {cfg.data.messages_key: record["messages"]}, cfg))
+            except ValueError as err:
+                raise DataError(f"generated tool-use {what} record {i}: {err}") from err
+        return out
+
+    frac, count = cfg.data.agent_tool_frac, min(cfg.sft.num_steps * cfg.sft.batch_size, 20_000)
+    train = examples(tool_use_records(count, cfg.sft.seed, frac), "training")
+    val = examples(
+        tool_use_records(cfg.sft.num_val_examples, cfg.sft.seed + VAL_SEED_OFFSET, frac), "validation"
+    )
     return SFTSource(cfg, tok, train=train, val=val)
 
 

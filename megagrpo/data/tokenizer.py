@@ -113,6 +113,13 @@ def load_tokenizer(cfg: Config):
     if cfg.model.tiny is not None and cfg.data.synthetic_task == "math":
         tok = math_bpe_tokenizer(cfg.model.tiny.vocab_size, cfg.data.template)
         where = "the built-in math BPE tokenizer"
+    elif cfg.model.tiny is not None and cfg.data.synthetic_task == "agent":
+        from megagrpo.envs.chat import tool_chat_tokenizer
+
+        tok, where = (
+            tool_chat_tokenizer("qwen", cfg.model.tiny.vocab_size),
+            "the built-in tool chat tokenizer",
+        )
     elif cfg.model.tiny is not None:
         tok, where = char_tokenizer(), "the built-in character tokenizer"
         if tok.vocab_size > cfg.model.tiny.vocab_size:

@@ -40,6 +40,7 @@ from megagrpo.trainers.checkpoints import check_checkpoint_dir, resolve_init_fro
 from megagrpo.trainers.overlap import RolloutSchedule
 from megagrpo.trainers.rollouts import (
     Pending,
+    episode_metrics,
     generate_groups,
     mean_metrics,
     staleness_metrics,
@@ -331,7 +332,8 @@ def with_idle_times(timings: dict, engine_busy: float, trainer_busy: float) -> d
 
 def validate(cfg: Config, generate, source: PromptSource, scorer) -> dict[str, float]:
     """``val/accuracy``: greedy accuracy on the validation prompts (a reward >= 1 is a correct answer:
-    a format reward is partial credit, not accuracy); with ``eval.val_samples``, also ``val/pass@k`` of
+    a format reward is partial credit, not accuracy; multi-turn episodes add their ``val/*`` episode
+    metrics: turns, tool use); with ``eval.val_samples``, also ``val/pass@k`` of
     that many samples per prompt (``megagrpo.evaluate``, as ``megagrpo eval``). ``generate``: the
     engines' generate with the step bound."""
     if not source.val:
@@ -346,6 +348,7 @@ def validate(cfg: Config, generate, source: PromptSource, scorer) -> dict[str, f
     texts = [source.decode(c.token_ids) for c in comps]
     scores = completion_scores(comps, texts, source.val, scorer)
     out = {"val/accuracy": sum(s >= 1.0 for s in scores) / len(comps)}
+    out |= {k.replace("episode/", "val/"): v for k, v in episode_metrics(comps).items()}
     if cfg.eval.val_samples:
         ev = cfg.eval
         sampled = SamplingSettings(
