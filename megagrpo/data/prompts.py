@@ -10,6 +10,7 @@ for the stage's context (``model.seq_length`` less the response budget) is skipp
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,8 @@ def eval_prompts(cfg: Config, model_dir: str) -> tuple[list[Prompt], object, tup
     from transformers import AutoTokenizer
 
     path = cfg.eval.path or cfg.data.val_path
+    if cfg.env.enabled:
+        return _eval_tasks(cfg, path), _decoder(AutoTokenizer.from_pretrained(model_dir)), ()
     if path is None:
         raise DataError("megagrpo eval needs problems: set eval.path or data.val_path")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -250,6 +253,19 @@ def task_source(cfg: Config) -> PromptSource:
         source = PromptSource(None, val, decode=str, stop_token_ids=(), seed=cfg.grpo.seed, generate=at)
     source.counts = {"data/skipped_rows": bad.skipped} if data.train_path is not None else {}
     return source
+
+
+def _eval_tasks(cfg: Config, path) -> list[Prompt]:
+    """``megagrpo eval`` of multi-turn episodes: the tasks of ``path`` (eval.path or data.val_path), or
+    the environment's validation tasks (``eval.num_problems`` of them, else ``data.num_val_prompts``)."""
+    count = cfg.eval.num_problems or cfg.data.num_val_prompts
+    if path is None and not count:
+        raise DataError(
+            "megagrpo eval of episodes needs tasks: set eval.path, or eval.num_problems for generated ones"
+        )
+    data = dataclasses.replace(cfg.data, val_path=path, num_val_prompts=count or 1 << 30)
+    tasks = task_source(dataclasses.replace(cfg, data=data)).val
+    return tasks[: cfg.eval.num_problems] if cfg.eval.num_problems else tasks
 
 
 def build_source(cfg: Config) -> PromptSource:

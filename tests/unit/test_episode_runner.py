@@ -257,3 +257,23 @@ def test_train_batch_of_episodes_masks_observations_and_failed_episodes():
     sub = batch.select([0])
     assert sub.response_mask()[0].tolist() == mask[0].tolist()
     assert dataclasses.replace(batch, sampled=None).response_mask()[0].tolist() == [False] + [True] * 6
+
+
+def test_eval_and_validation_tasks_of_an_environment(tmp_path):
+    from megagrpo.data.prompts import build_source, eval_prompts
+
+    char_tokenizer().save_pretrained(str(tmp_path))
+    cfg = load_config(None, [*FITS, "data.num_val_prompts=6", "eval.num_problems=4"])
+    tasks, decode, stops = eval_prompts(cfg, str(tmp_path))
+    assert [t.task for t in tasks] == GuessNumber.tasks(6, seed=7_919_011)[:4] and stops == ()
+    assert all(t.token_ids == [] for t in tasks) and decode([4, 5]) == "12"
+    source = build_source(cfg)
+    assert [t.task for t in source.val] == GuessNumber.tasks(6, seed=7_919_011)
+    assert source.batch(3, 2) == source.batch(3, 2) and source.batch(3, 1)[0].task["target"] in range(16)
+    rows = tmp_path / "tasks.jsonl"
+    rows.write_text('{"target": 3, "answer": "3"}\n{"target": 9, "answer": "9"}\n')
+    from_file = load_config(None, [*FITS, f"data.train_path={rows}"])
+    assert [p.task for p in build_source(from_file).batch(0, 2)] in (
+        [{"target": 3, "answer": "3"}, {"target": 9, "answer": "9"}],
+        [{"target": 9, "answer": "9"}, {"target": 3, "answer": "3"}],
+    )
