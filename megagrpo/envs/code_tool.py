@@ -10,8 +10,8 @@ call) is scored by the math reward.
 A malformed call (bad JSON, an unknown tool, no ``code``) is answered with a tool message saying what
 is wrong, which the policy can learn from; it is counted in ``episode/tool_errors_mean``, as is code
 that fails or is cut at its limits. Without a dataset the environment makes its own questions
-(:meth:`PythonTool.tasks`: products and sums of two- and three-digit numbers, which a small model gets
-wrong by heart more often than through the tool).
+(:meth:`PythonTool.tasks`: products and sums of two two-digit numbers, which a small model gets wrong
+by heart more often than through the tool).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class PythonTool(Environment):
         rng = random.Random(seed)
         out = []
         for _ in range(count):
-            a, b = rng.randint(12, 999), rng.randint(12, 99)
+            a, b = rng.randint(12, 99), rng.randint(12, 99)
             op = rng.choice("*+")
             out.append({"question": f"{a}{op}{b}", "answer": str(a * b if op == "*" else a + b)})
         return out

@@ -17,7 +17,7 @@ import torch
 from megagrpo.algorithms.grpo import group_advantages, overlong_penalty, zero_variance_groups
 from megagrpo.config import Config
 from megagrpo.data.prompts import Prompt, PromptSource
-from megagrpo.types import Completion, SamplingSettings, TrainBatch, TrainMetrics
+from megagrpo.types import PAD_ID, Completion, SamplingSettings, TrainBatch, TrainMetrics
 
 Generate = Callable[[Sequence[Prompt], SamplingSettings, Sequence[int]], list[Completion]]
 """Completions for prompts (``settings.n`` each, in prompt order) with their seeds."""
@@ -170,6 +170,8 @@ def to_train_batch(cfg: Config, rollouts: Rollouts) -> TrainBatch:
     seqs, prompt_lens = [], []
     for i, comp in enumerate(rollouts.completions):
         prompt = comp.prompt_ids if comp.prompt_ids is not None else rollouts.prompts[i // g].token_ids
+        if not prompt:  # an episode whose environment failed to open it: no tokens, out of the loss
+            prompt = [PAD_ID]
         seqs.append(prompt + comp.token_ids)
         prompt_lens.append(len(prompt))
     batch = TrainBatch.from_sequences(seqs, prompt_lens)

@@ -222,7 +222,7 @@ def test_train_batch_of_episodes_masks_observations_and_failed_episodes():
     from megagrpo.trainers.rollouts import Rollouts, to_train_batch
     from megagrpo.types import Completion
 
-    cfg = load_config(None, [*FITS, "grpo.num_generations=2", "policy.mini_batch_size=2"])
+    cfg = load_config(None, [*FITS, "grpo.num_generations=3", "policy.mini_batch_size=3"])
     stats = dict.fromkeys(("turns", "tool_calls", "tool_errors", "env_s", "env_failed", "truncated"), 0.0)
     comps = [
         Completion(
@@ -246,13 +246,17 @@ def test_train_batch_of_episodes_masks_observations_and_failed_episodes():
             stats=stats,
         ),
     ]
-    rollouts = Rollouts([Prompt([], "", {"target": 3})], comps, torch.tensor([1.0, 0.0]))
+    failed_reset = Completion(0, [], [], "env_error", loss_mask=[], prompt_ids=[], reward=0.0, stats=stats)
+    rollouts = Rollouts(
+        [Prompt([], "", {"target": 3})], [*comps, failed_reset], torch.tensor([1.0, 0.0, 0.0])
+    )
     batch = to_train_batch(cfg, rollouts)
     assert batch.input_ids[0, :8].tolist() == [1, 4, 5, 2, 9, 9, 6, 2]
-    assert batch.prompt_lengths.tolist() == [2, 3]
+    assert batch.prompt_lengths.tolist() == [2, 3, 1]
     mask = batch.response_mask()
     assert mask[0].tolist() == [False, True, True, False, False, True, True]
-    assert not mask[1].any()  # the failed episode leaves the loss
+    assert not mask[1].any() and not mask[2].any()  # failed episodes leave the loss
+    assert batch.lengths[2] == 1 and batch.prompt_lengths[2] == 1  # one placeholder token, nothing to score
     assert batch.gen_logprobs[0, 1:7].tolist() == pytest.approx([-1.0, -0.1, 0.0, 0.0, -0.5, -0.2])
     sub = batch.select([0])
     assert sub.response_mask()[0].tolist() == mask[0].tolist()
