@@ -155,6 +155,7 @@ def main(argv=None) -> dict:
     cfg = make_config(
         {
             **cpu_engine_overrides(model, seq_length=2048),
+            "policy.micro_batch_max_tokens": 2048,
             "generation.max_num_seqs": max(episodes, 8),
             "env.environment": "benchmarks.agents:LatencyEnv",
             "env.max_turns": args.max_turns,
