@@ -16,6 +16,7 @@ from pathlib import Path
 from megagrpo.config import Config, ConfigError
 from megagrpo.config.errors import require
 from megagrpo.data.arithmetic import _CHARS, _FIRST_CHAR_ID, BOS_ID, EOS_ID, PAD_ID
+from megagrpo.envs.chat import QWEN2_SPLIT
 
 CHAR_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
@@ -55,12 +56,6 @@ CHATML_TEMPLATE = (
 """ChatML as Qwen2's instruct models render it (without their default system turn): every turn is
 ``<|im_start|>role\\n`` + text + ``<|im_end|>\\n``; the generation prompt opens an assistant turn."""
 
-# Qwen2's pre-tokenizer split: words, single digits (numbers are spelt digit by digit), punctuation runs,
-# newlines, spaces; then byte-level, so any text round-trips.
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
 MATH_CORPUS_SEED = 104_729
 """Seed of the generated records the math tokenizer is trained on (fixed: one tokenizer per vocab size)."""
 
@@ -79,7 +74,8 @@ def math_bpe_tokenizer(vocab_size: int, template: str = "{prompt}", num_records:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+            # Qwen2's split (single digits: numbers are spelt digit by digit), then byte-level.
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

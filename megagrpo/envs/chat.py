@@ -385,11 +385,10 @@ system turn; an assistant's one ``tool_calls`` entry is written as the JSON obje
 tool results are "ipython" turns. Assistant content and its ``<|eot_id|>`` are marked with
 ``{% generation %}``."""
 
-# The pre-tokenizer splits of the two families: words, numbers (Qwen2: digit by digit, as
-# megagrpo.data.tokenizer's; Llama 3: runs of up to three digits), punctuation runs, newlines, spaces.
-# Written out here rather than imported: config validation imports this module, and data.tokenizer
-# imports the config.
-_QWEN2_SPLIT = (
+# The pre-tokenizer splits of the two families: words, numbers (Qwen2: digit by digit; Llama 3: runs of
+# up to three digits), punctuation runs, newlines, spaces. Here, not in megagrpo.data.tokenizer (which
+# uses Qwen2's too): config validation imports this module, and data.tokenizer imports the config.
+QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
@@ -411,7 +410,7 @@ _STYLES: dict[str, dict[str, Any]] = {
         "tokens": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "template": QWEN_TOOL_TEMPLATE,
         "format": "hermes",
-        "split": _QWEN2_SPLIT,
+        "split": QWEN2_SPLIT,
     },
     "llama3": {
         "specials": [
