@@ -43,10 +43,35 @@ def _config(arch: str, **overrides):
     if arch == "qwen3":
         # head_dim * heads != hidden, as in the real Qwen3 models.
         return Qwen3Config(**tiny, head_dim=32, rope_theta=1e6, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        moe = {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        }
+        return Qwen3MoeConfig(**tiny, **moe, head_dim=32, rope_theta=1e6, tie_word_embeddings=False)
+    if arch == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+
+        moe = {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": False,
+        }
+        return Qwen2MoeConfig(
+            **tiny, **moe, shared_expert_intermediate_size=48, rope_theta=1e6, tie_word_embeddings=bool(tie)
+        )
     raise ValueError(arch)
 
 
 ARCHS = ("qwen2", "llama", "qwen3")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
+"""Mixture-of-experts models: 8 experts, top-2 (Qwen3-MoE renormalising the top-k probabilities;
+Qwen2-MoE not, with a gated shared expert)."""
 
 
 def make_tiny_hf(

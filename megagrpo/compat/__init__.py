@@ -26,6 +26,7 @@ reads its private state or works around it through the environment.
 - ``vllm_weight_transfer`` (vllm): a weight transfer engine registered once per process (vLLM's
   private registry read);
 - ``vllm_eager_cpu`` (vllm): TorchDynamo off in eager CPU engines (``TORCH_COMPILE_DISABLE``);
+- ``megatron_moe`` (megatron-core): MoE routers without Transformer Engine;
 - ``process_exit`` (python): a finished command-line process ends without the interpreter's teardown.
 
 ``upstream_warnings`` patches nothing: it lists the other libraries' warnings the megagrpo programs
@@ -98,6 +99,12 @@ PATCHES = (
         "torch",
         ("2.13.0",),
         "torch.compile is replaced while Megatron is imported, by one that compiles at first call",
+    ),
+    Patch(
+        "megatron_moe",
+        "megatron-core",
+        ("0.16.1",),
+        "the MoE router reads a Transformer Engine global that exists only when TE imports",
     ),
     Patch(
         "megatron_optimizer",

@@ -153,12 +153,31 @@ def check_shape(cfg: Config, shape: Any, where: str, *, engines: bool = True) ->
             ("generation.engine_tensor_parallel_size", f"{where}.num_attention_heads"),
             f"engine_tensor_parallel_size {etp} must divide num_attention_heads {shape.num_attention_heads}",
         )
+    if getattr(shape, "num_experts", 0):
+        _check_experts(cfg, shape, where)
     if where == "model.tiny":
         return  # model.tiny's max_position_embeddings is checked with the model section (schema).
     require(
         cfg.model.seq_length <= shape.max_position_embeddings,
         ("model.seq_length", f"{where}.max_position_embeddings"),
         f"seq_length {cfg.model.seq_length} exceeds max_position_embeddings {shape.max_position_embeddings}",
+    )
+
+
+def _check_experts(cfg: Config, shape: Any, where: str) -> None:
+    """A mixture-of-experts model: Megatron's MoE layers with tensor parallelism need sequence
+    parallelism, which the layers built here do not give them yet (expert parallelism: the schema)."""
+    tp = cfg.parallel.tensor_model_parallel_size
+    require(
+        tp == 1,
+        ("parallel.tensor_model_parallel_size", f"{where}.num_experts"),
+        f"mixture-of-experts models train at tensor_model_parallel_size 1 for now, got {tp}",
+    )
+    require(
+        cfg.resolution is None or cfg.resolved.transformer_impl != "torch",
+        ("parallel.transformer_impl", f"{where}.num_experts"),
+        "mixture-of-experts models are built with the local or transformer_engine layers; set "
+        "parallel.transformer_impl=local (auto picks torch on this machine)",
     )
 
 

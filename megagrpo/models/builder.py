@@ -35,8 +35,10 @@ def transformer_config(
     initialize: bool = True,
     recompute: str = "none",
     recompute_num_layers: int = 1,
+    ep: int = 1,
 ):
-    """The Megatron ``TransformerConfig`` for ``shape`` (RMSNorm + SwiGLU + RoPE decoder).
+    """The Megatron ``TransformerConfig`` for ``shape`` (RMSNorm + SwiGLU + RoPE decoder; mixture-of-
+    experts MLPs split over ``ep`` expert-parallel ranks when the shape has experts).
 
     ``initialize=False`` skips random initialisation (weights are about to be loaded).
     ``recompute``: "none", "core_attention" (selective) or "full" (groups of
@@ -89,6 +91,37 @@ def transformer_config(
         perform_initialization=initialize,
         # Megatron scales attention scores in fp32 only under fp16; keep softmax in fp32 throughout.
         attention_softmax_in_fp32=True,
+        **moe_config(shape, ep=ep),
+    )
+
+
+def moe_config(shape: GPTShape, *, ep: int = 1) -> dict:
+    """TransformerConfig's mixture-of-experts fields for ``shape`` ({} for a dense model).
+
+    The router as transformers computes it: softmax over the experts, top-k; Qwen3-MoE's renormalised
+    top-k probabilities (``norm_topk_prob``) are Megatron's softmax over the top-k logits
+    (``moe_router_pre_softmax`` False), Qwen2-MoE's plain probabilities its softmax before the top-k.
+    Dropless (no capacity factor), the all-to-all dispatcher, no load-balancing loss (RL runs train
+    without one; ``policy`` may ask for it), the shared expert's sigmoid gate as Qwen2-MoE has it."""
+    if not shape.is_moe:
+        return {}
+    shared = shape.moe_shared_expert_ffn_hidden_size
+    return dict(
+        num_moe_experts=shape.num_experts,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        moe_router_topk=shape.moe_router_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not shape.moe_norm_topk_prob,
+        moe_router_topk_scaling_factor=None,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_expert_capacity_factor=None,
+        moe_grouped_gemm=False,
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=shared is not None,
+        moe_shared_expert_overlap=False,
+        expert_model_parallel_size=ep,
     )
 
 
@@ -101,11 +134,24 @@ def layer_spec(config, transformer_impl: str = "auto", *, pp_rank: int = 0):
     )
 
     impl = resolve_transformer_impl(transformer_impl, check_available=True)
+    experts = config.num_moe_experts
+    if experts:
+        from megagrpo.compat import megatron_moe
+
+        megatron_moe.install()
     if impl == "transformer_engine":
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=config.qk_layernorm
+        )
     if impl == "torch":
+        if experts:
+            raise ValueError(
+                "mixture-of-experts models are built with the local or transformer_engine layers"
+            )
         return torch_layers.block_spec(config, pp_rank)
-    return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    return get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+    )
 
 
 def build_gpt_model(
@@ -180,6 +226,7 @@ def build_stage(ctx: ParallelContext, shape: GPTShape, dtype: torch.dtype, *, in
         dtype=dtype,
         on_cpu=ctx.device.type == "cpu",
         initialize=initialize,
+        ep=ctx.sizes.ep,
     )
     return build_gpt_model(
         shape,

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megagrpo.models.registry import ARCHITECTURES, Architecture, load_hf_config, shape_from_hf_config
+from megagrpo.models.registry import (
+    ARCHITECTURES,
+    Architecture,
+    UnsupportedModelError,
+    load_hf_config,
+    shape_from_hf_config,
+)
 from megagrpo.models.shape import DTYPES, GPTShape
 
 if TYPE_CHECKING:
@@ -54,5 +60,10 @@ def describe_model(cfg: Config) -> ModelDescription:
         return ModelDescription(ARCHITECTURES[m.arch], shape, dtype, None, None)
     hf_dir = Path(m.hf_dir)
     arch, shape = shape_from_hf_config(load_hf_config(hf_dir), str(hf_dir / "config.json"))
+    if shape.is_moe:
+        raise UnsupportedModelError(
+            f"{hf_dir / 'config.json'}: architectures: {arch.hf_classes[0]} is a mixture-of-experts model; "
+            "megagrpo converts these (tools/convert_hf) but does not train them yet"
+        )
     ckpt = Path(m.megatron_ckpt) if m.megatron_ckpt else None
     return ModelDescription(arch, shape, dtype, hf_dir, ckpt)

@@ -48,8 +48,24 @@ def stage_param_names(model: torch.nn.Module, ctx: ParallelContext, num_layers: 
     return {name: shift_layer_index(canonical_name(name), offset) for name, _ in model.named_parameters()}
 
 
+_GATED_FC1_RE = re.compile(
+    r"\bmlp\.(?:shared_experts\.|experts\.local_experts\.\d+\.)?linear_fc1\.(?:weight|bias)$"
+)
+_EXPERT_RE = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
 def is_gated_fc1(name: str) -> bool:
-    return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")
+    """A SwiGLU ``linear_fc1`` ([gate; up] rows): the dense MLP's, a routed or the shared expert's."""
+    return _GATED_FC1_RE.search(name) is not None
+
+
+def expert_global_name(name: str, *, ep_rank: int, num_local_experts: int) -> str:
+    """``...experts.local_experts.i...`` of an expert-parallel rank -> the expert's global index
+    (``ep_rank * num_local_experts + i``, as Megatron assigns them); other names unchanged."""
+    match = _EXPERT_RE.match(name)
+    if match is None or ep_rank == 0:
+        return name
+    return f"{match.group(1)}{ep_rank * num_local_experts + int(match.group(2))}{match.group(3)}"
 
 
 def tp_shard(full: torch.Tensor, *, partition_dim: int, tp_rank: int, tp_size: int, gated: bool = False):

@@ -70,6 +70,36 @@ class Rule:
         )
 
 
+def _mlp_rules(megatron: str, hf: str) -> list[Rule]:
+    """A SwiGLU MLP: Megatron's ``<megatron>.linear_fc1`` ([gate; up]) and ``linear_fc2`` (per layer)."""
+    return [
+        Rule(
+            f"decoder.layers.*.{megatron}.linear_fc1.weight",
+            (f"model.layers.*.{hf}.gate_proj.weight", f"model.layers.*.{hf}.up_proj.weight"),
+            "gated",
+        ),
+        Rule(f"decoder.layers.*.{megatron}.linear_fc2.weight", (f"model.layers.*.{hf}.down_proj.weight",)),
+    ]
+
+
+def _moe_rules(shape: GPTShape) -> list[Rule]:
+    """A mixture-of-experts MLP: the router, every expert's MLP (by its global index: under expert
+    parallelism a rank holds ``local_experts`` 0.. of its own range, see ``layout.expert_global_name``),
+    and Qwen2-MoE's shared expert with its sigmoid gate."""
+    rules = [Rule("decoder.layers.*.mlp.router.weight", ("model.layers.*.mlp.gate.weight",))]
+    for e in range(shape.num_experts):
+        rules += _mlp_rules(f"mlp.experts.local_experts.{e}", f"mlp.experts.{e}")
+    if shape.moe_shared_expert_ffn_hidden_size:
+        rules += _mlp_rules("mlp.shared_experts", "mlp.shared_expert")
+        rules.append(
+            Rule(
+                "decoder.layers.*.mlp.shared_experts.gate_weight",
+                ("model.layers.*.mlp.shared_expert_gate.weight",),
+            )
+        )
+    return rules
+
+
 def decoder_rules(shape: GPTShape) -> list[Rule]:
     """Concrete (layer-expanded) rules for a Qwen2/Llama/Qwen3-style decoder of ``shape``."""
     layer = [
@@ -85,12 +115,7 @@ def decoder_rules(shape: GPTShape) -> list[Rule]:
         Rule(
             "decoder.layers.*.pre_mlp_layernorm.weight", ("model.layers.*.post_attention_layernorm.weight",)
         ),
-        Rule(
-            "decoder.layers.*.mlp.linear_fc1.weight",
-            ("model.layers.*.mlp.gate_proj.weight", "model.layers.*.mlp.up_proj.weight"),
-            "gated",
-        ),
-        Rule("decoder.layers.*.mlp.linear_fc2.weight", ("model.layers.*.mlp.down_proj.weight",)),
+        *(_moe_rules(shape) if shape.is_moe else _mlp_rules("mlp", "mlp")),
     ]
     if shape.qkv_bias:
         layer.append(
@@ -122,6 +147,25 @@ def decoder_rules(shape: GPTShape) -> list[Rule]:
     return rules
 
 
+def _mlp_shapes(prefix: str, h: int, ffn: int) -> dict[str, tuple[int, ...]]:
+    return {
+        prefix + "gate_proj.weight": (ffn, h),
+        prefix + "up_proj.weight": (ffn, h),
+        prefix + "down_proj.weight": (h, ffn),
+    }
+
+
+def _moe_shapes(shape: GPTShape, p: str) -> dict[str, tuple[int, ...]]:
+    h = shape.hidden_size
+    shapes = {p + "mlp.gate.weight": (shape.num_experts, h)}
+    for e in range(shape.num_experts):
+        shapes.update(_mlp_shapes(f"{p}mlp.experts.{e}.", h, shape.moe_ffn_hidden_size))
+    if shape.moe_shared_expert_ffn_hidden_size:
+        shapes.update(_mlp_shapes(p + "mlp.shared_expert.", h, shape.moe_shared_expert_ffn_hidden_size))
+        shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
 def hf_tensor_shapes(shape: GPTShape) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of ``shape`` holds, with its shape (for validating inputs)."""
     h, hd, ffn = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
@@ -142,11 +186,9 @@ def hf_tensor_shapes(shape: GPTShape) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.weight": (kv_rows, h),
                 p + "self_attn.v_proj.weight": (kv_rows, h),
                 p + "self_attn.o_proj.weight": (h, q_rows),
-                p + "mlp.gate_proj.weight": (ffn, h),
-                p + "mlp.up_proj.weight": (ffn, h),
-                p + "mlp.down_proj.weight": (h, ffn),
             }
         )
+        shapes.update(_moe_shapes(shape, p) if shape.is_moe else _mlp_shapes(p + "mlp.", h, ffn))
         if shape.qkv_bias:
             shapes.update(
                 {

@@ -1,6 +1,8 @@
 """Architecture registry: an HF ``config.json`` -> the Megatron shape and the HF<->Megatron name map.
 
-Supported: Qwen2 / Qwen2.5 (incl. DeepSeek-R1-Distill-Qwen), Llama 3 / 3.1 / 3.2, Qwen3. Anything
+Supported: Qwen2 / Qwen2.5 (incl. DeepSeek-R1-Distill-Qwen), Llama 3 / 3.1 / 3.2, Qwen3, and the
+mixture-of-experts Qwen3-MoE (top-k softmax routing, QK norm) and Qwen2-MoE (plus a shared expert with a
+sigmoid gate), every layer's MLP a mixture of experts. Anything
 this code would build differently from the HF reference (another rope scaling, sliding windows,
 biases where the architecture has none, another activation) is refused with an error naming the
 config key, never silently approximated.
@@ -31,6 +33,8 @@ class Architecture:
     """``architectures`` entries of config.json that select it."""
     qkv_bias: bool
     qk_layernorm: bool
+    moe: bool = False
+    """Mixture-of-experts MLPs (routed experts; Qwen2-MoE also a gated shared expert)."""
 
     def rules(self, shape: GPTShape) -> list[Rule]:
         """The declarative HF<->Megatron map for a model of this shape."""
@@ -43,6 +47,12 @@ ARCHITECTURES = {
         Architecture(name="qwen2", hf_classes=("Qwen2ForCausalLM",), qkv_bias=True, qk_layernorm=False),
         Architecture(name="llama", hf_classes=("LlamaForCausalLM",), qkv_bias=False, qk_layernorm=False),
         Architecture(name="qwen3", hf_classes=("Qwen3ForCausalLM",), qkv_bias=False, qk_layernorm=True),
+        Architecture(
+            name="qwen3_moe", hf_classes=("Qwen3MoeForCausalLM",), qkv_bias=False, qk_layernorm=True, moe=True
+        ),
+        Architecture(
+            name="qwen2_moe", hf_classes=("Qwen2MoeForCausalLM",), qkv_bias=True, qk_layernorm=False, moe=True
+        ),
     )
 }
 
@@ -112,11 +122,12 @@ def shape_from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> tup
         raise _fail(where, "layer_types", "only full_attention layers are supported")
     if arch.name == "llama" and cfg.get("attention_bias"):
         raise _fail(where, "attention_bias", "Llama with attention bias is not supported")
-    if arch.name == "qwen3" and cfg.get("attention_bias"):
+    if arch.name in ("qwen3", "qwen3_moe") and cfg.get("attention_bias"):
         raise _fail(where, "attention_bias", "Qwen3 with attention bias is not supported")
     if cfg.get("mlp_bias"):
         raise _fail(where, "mlp_bias", "MLP biases are not supported")
     theta, factor = _rope(cfg, where)
+    moe = _moe_shape(cfg, arch, where) if arch.moe else {}
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     shape = GPTShape(
@@ -134,8 +145,37 @@ def shape_from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> tup
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         kv_channels=head_dim if head_dim * heads != cfg["hidden_size"] else None,
         rope_scaling_factor=factor,
+        **moe,
     )
     return arch, shape
+
+
+def _moe_shape(cfg: dict[str, Any], arch: Architecture, where: str) -> dict[str, Any]:
+    """GPTShape's mixture-of-experts fields from a Qwen3-MoE / Qwen2-MoE config (every layer MoE)."""
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; checkpoints say num_experts.
+    key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    for name in (key, "num_experts_per_tok", "moe_intermediate_size"):
+        if not isinstance(cfg.get(name), int) or cfg[name] < 1:
+            raise _fail(where, name, f"a positive integer is required, got {cfg.get(name)!r}")
+    if cfg["num_experts_per_tok"] > cfg[key]:
+        raise _fail(
+            where, "num_experts_per_tok", f"{cfg['num_experts_per_tok']} is more than {key} {cfg[key]}"
+        )
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        raise _fail(where, "decoder_sparse_step", "only 1 is supported (every layer a mixture of experts)")
+    if cfg.get("mlp_only_layers"):
+        raise _fail(where, "mlp_only_layers", "dense layers between MoE layers are not supported")
+    shared = cfg.get("shared_expert_intermediate_size") or None
+    if shared is not None and arch.name != "qwen2_moe":
+        raise _fail(where, "shared_expert_intermediate_size", f"{arch.name} has no shared expert")
+    return {
+        "num_experts": cfg[key],
+        "moe_ffn_hidden_size": cfg["moe_intermediate_size"],
+        "moe_router_topk": cfg["num_experts_per_tok"],
+        # transformers' defaults: Qwen3-MoE renormalises the top-k probabilities, Qwen2-MoE does not.
+        "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", arch.name == "qwen3_moe")),
+        "moe_shared_expert_ffn_hidden_size": shared,
+    }
 
 
 def load_hf_config(hf_dir: str | Path) -> dict[str, Any]:
@@ -169,4 +209,15 @@ def hf_config_for(arch: Architecture, shape: GPTShape, dtype: torch.dtype) -> di
     }
     if shape.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": shape.rope_scaling_factor, **_LLAMA3_FIXED}
+    if shape.is_moe:
+        config |= {
+            "num_experts": shape.num_experts,
+            "num_experts_per_tok": shape.moe_router_topk,
+            "moe_intermediate_size": shape.moe_ffn_hidden_size,
+            "norm_topk_prob": shape.moe_norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+        if arch.name == "qwen2_moe":
+            config["shared_expert_intermediate_size"] = shape.moe_shared_expert_ffn_hidden_size or 0
     return config

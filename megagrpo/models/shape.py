@@ -28,6 +28,22 @@ class GPTShape:
     """Per-head width; None means hidden_size // num_attention_heads."""
     rope_scaling_factor: float | None = None
     """Llama 3.x RoPE scaling factor (low/high frequency factors 1/4, original context 8192)."""
+    num_experts: int = 0
+    """Routed experts of every MLP (a mixture-of-experts model); 0: dense MLPs of ffn_hidden_size."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of one expert's MLP (HF ``moe_intermediate_size``)."""
+    moe_router_topk: int = 0
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    moe_norm_topk_prob: bool = True
+    """The top-k routing probabilities are renormalised to sum to 1 (HF ``norm_topk_prob``); else they
+    are the softmax over all experts."""
+    moe_shared_expert_ffn_hidden_size: int | None = None
+    """Width of the shared expert every token also goes through, scaled by a sigmoid gate (Qwen2-MoE's
+    ``shared_expert_intermediate_size``); None: no shared expert."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def head_dim(self) -> int:

@@ -87,6 +87,7 @@ def build_engine(
         initialize=initialize,
         recompute=recompute,
         recompute_num_layers=recompute_num_layers,
+        ep=sizes.ep,
     )
     # Micro-batches are packed by a token budget, so their [batch, seq] shapes differ; pipeline
     # stages then exchange shapes before activations.

@@ -1,0 +1,110 @@
+"""Mixture-of-experts config.json parsing, the expert rules of the HF <-> Megatron map, the gated fc1 of
+routed and shared experts, local -> global expert names, and the layout rules for experts."""
+
+from __future__ import annotations
+
+import pytest
+
+from megagrpo.config import ConfigError, load_config
+from megagrpo.config.rules import check_shape
+from megagrpo.models.layout import expert_global_name, is_gated_fc1, tp_partition_dim
+from megagrpo.models.mapping import decoder_rules, hf_tensor_shapes
+from megagrpo.models.registry import UnsupportedModelError, hf_config_for, shape_from_hf_config
+from megagrpo.models.shape import DTYPES
+
+pytestmark = pytest.mark.unit
+
+BASE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 256,
+}
+QWEN3_MOE = {**BASE, "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 32, "num_experts": 8}
+QWEN3_MOE |= {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+QWEN2_MOE = {**BASE, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2}
+QWEN2_MOE |= {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+
+
+def test_moe_configs_parse_with_transformers_defaults():
+    arch, shape = shape_from_hf_config(QWEN3_MOE)
+    assert arch.name == "qwen3_moe" and shape.qk_layernorm and not shape.qkv_bias
+    assert (shape.num_experts, shape.moe_router_topk, shape.moe_ffn_hidden_size) == (8, 2, 32)
+    assert shape.moe_norm_topk_prob and shape.moe_shared_expert_ffn_hidden_size is None
+    arch, shape = shape_from_hf_config(QWEN2_MOE)
+    assert arch.name == "qwen2_moe" and shape.qkv_bias and not shape.moe_norm_topk_prob
+    assert shape.moe_shared_expert_ffn_hidden_size == 48
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts.
+    renamed = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"} | {"num_local_experts": 8}
+    assert shape_from_hf_config(renamed)[1].num_experts == 8
+    again = shape_from_hf_config(hf_config_for(arch, shape, DTYPES["float32"]))[1]
+    assert again == shape
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+        ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ({"moe_intermediate_size": None}, "moe_intermediate_size"),
+        ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+    ],
+)
+def test_moe_options_we_would_build_differently_are_refused(change, key):
+    with pytest.raises(UnsupportedModelError, match=key):
+        shape_from_hf_config({**QWEN3_MOE, **change})
+
+
+def test_expert_rules_and_shapes_cover_every_tensor():
+    _, shape = shape_from_hf_config(QWEN2_MOE)
+    rules = decoder_rules(shape)
+    hf = {name for rule in rules if rule.export for name in rule.hf}
+    assert hf == set(hf_tensor_shapes(shape))
+    by_name = {rule.megatron: rule for rule in rules}
+    fc1 = by_name["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert fc1.transform == "gated" and fc1.hf[0] == "model.layers.1.mlp.experts.3.gate_proj.weight"
+    gate = by_name["decoder.layers.0.mlp.shared_experts.gate_weight"]
+    assert gate.hf == ("model.layers.0.mlp.shared_expert_gate.weight",)
+    assert "decoder.layers.0.mlp.linear_fc1.weight" not in by_name
+
+
+def test_expert_layout_names():
+    assert is_gated_fc1("decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight")
+    assert is_gated_fc1("decoder.layers.0.mlp.shared_experts.linear_fc1.weight")
+    assert is_gated_fc1("decoder.layers.0.mlp.linear_fc1.weight")
+    assert not is_gated_fc1("decoder.layers.0.mlp.experts.local_experts.5.linear_fc2.weight")
+    assert tp_partition_dim("decoder.layers.0.mlp.router.weight") == -1
+    assert tp_partition_dim("decoder.layers.0.mlp.shared_experts.gate_weight") == -1
+    name = "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"
+    assert expert_global_name(name, ep_rank=1, num_local_experts=4) == name.replace(".2.", ".6.")
+    assert expert_global_name(name, ep_rank=0, num_local_experts=4) == name
+    assert expert_global_name("decoder.layers.1.mlp.router.weight", ep_rank=1, num_local_experts=4).endswith(
+        "layers.1.mlp.router.weight"
+    )
+
+
+def test_layout_rules_for_experts_name_their_keys():
+    _, shape = shape_from_hf_config(QWEN3_MOE)
+    ok = load_config(None, ["parallel.tensor_model_parallel_size=1", "parallel.transformer_impl=local"])
+    check_shape(ok, shape, "config.json")
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size 1 for now"):
+        check_shape(load_config(None, ["parallel.transformer_impl=local"]), shape, "config.json")
+
+
+def test_training_a_moe_model_is_refused_naming_its_config(tmp_path):
+    import json
+
+    from megagrpo.models.description import describe_model
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
+    cfg = load_config(
+        None, ["model.tiny=null", f"model.hf_dir={tmp_path}", "parallel.tensor_model_parallel_size=1"]
+    )
+    with pytest.raises(
+        UnsupportedModelError, match=r"config\.json: architectures: Qwen3MoeForCausalLM .* not train"
+    ):
+        describe_model(cfg)
