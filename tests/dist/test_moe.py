@@ -1,5 +1,5 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its shared expert) through the converters and
-Megatron's MoE layers on CPU: HF -> Megatron -> HF bit-identical at PP 1 and 2, and Megatron's logits
+Megatron's MoE layers on CPU: HF -> Megatron -> HF bit-identical at PP 2 (layer offsets and stages), and Megatron's logits
 equal transformers' within 1e-4 (the router computed as transformers computes it)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     return {arch: make_tiny_hf(arch, root / arch, seed=10 + i) for i, arch in enumerate(MOE_ARCHS)}
 
 
-@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("pp", [2])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_moe_round_trip_is_bit_identical(arch, pp, hf_dirs, tmp_path):
     ckpt = hf_to_megatron(hf_dirs[arch], tmp_path / "megatron", tp=1, pp=pp)
