@@ -1,6 +1,6 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its shared expert) through the converters and
-Megatron's MoE layers on CPU: HF -> Megatron -> HF bit-identical at PP 2 (layer offsets and stages), and Megatron's logits
-equal transformers' within 1e-4 (the router computed as transformers computes it)."""
+Megatron's MoE layers on CPU: HF -> Megatron -> HF bit-identical at PP 2 (stages and layer offsets), and
+Megatron's logits equal transformers' within 1e-4 (the router computed as transformers computes it)."""
 
 from __future__ import annotations
 
