@@ -117,6 +117,7 @@ COMMAND_OF = {
     "tiny_dpo": "dpo",
     "tiny_distill": "distill",
     "deepscaler/cpu_twin_model": "sft",
+    "agent/model": "sft",
 }
 """The packaged configs that are not GRPO runs (``megagrpo train``), and the command each one is for."""
 
