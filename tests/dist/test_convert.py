@@ -163,27 +163,31 @@ def test_bf16_round_trip_keeps_every_dtype(tp, tmp_path):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
 
 
-def _megatron_logits(rank: int, world_size: int, ckpt: str, tokens: torch.Tensor) -> dict:
+def megatron_logits(
+    ckpt: str, tokens: torch.Tensor, tp: int = 1, *, keep_world: bool = False
+) -> torch.Tensor:
+    """The logits of a megagrpo checkpoint loaded at ``tp`` on this rank's group (the whole vocabulary)."""
     import torch.distributed as dist
 
     source = read_model(Path(ckpt))
-    out = {}
-    for tp in (1, 2):
-        ctx = init_parallel(ParallelSizes(tp=tp), backend="gloo")
-        try:
-            model = build_stage(ctx, source.shape, source.dtype)
-            load_megatron(model, Path(ckpt) / "megatron")
-            model.eval()
-            seq = tokens.shape[1]
-            mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
-            with torch.no_grad():
-                logits = model(tokens, torch.arange(seq).expand_as(tokens), mask)  # [b, s, vocab / tp]
-            parts = [torch.empty_like(logits) for _ in range(tp)]
-            dist.all_gather(parts, logits.contiguous(), group=ctx.pgs.tp)
-            out[tp] = torch.cat(parts, dim=-1)[..., : source.shape.vocab_size]
-        finally:
-            destroy_parallel(keep_world=True)
-    return out
+    ctx = init_parallel(ParallelSizes(tp=tp), backend="gloo")
+    try:
+        model = build_stage(ctx, source.shape, source.dtype)
+        load_megatron(model, Path(ckpt) / "megatron")
+        model.eval()
+        seq = tokens.shape[1]
+        mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
+        with torch.no_grad():
+            logits = model(tokens, torch.arange(seq).expand_as(tokens), mask)  # [b, s, vocab / tp]
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=ctx.pgs.tp)
+        return torch.cat(parts, dim=-1)[..., : source.shape.vocab_size]
+    finally:
+        destroy_parallel(keep_world=keep_world)
+
+
+def _megatron_logits(rank: int, world_size: int, ckpt: str, tokens: torch.Tensor) -> dict:
+    return {tp: megatron_logits(ckpt, tokens, tp, keep_world=True) for tp in (1, 2)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -277,6 +281,10 @@ def _unfilled_qkv_written_without_the_copier(_rank: int, _world_size: int, hf_di
 
 def test_a_checkpoint_with_unfilled_tensors_the_writer_did_not_copy_is_refused(hf_dirs, tmp_path):
     (message,) = run_local_ranks(
-        _unfilled_qkv_written_without_the_copier, 1, str(hf_dirs["qwen2"]), str(tmp_path / "ckpt"), timeout_s=300
+        _unfilled_qkv_written_without_the_copier,
+        1,
+        str(hf_dirs["qwen2"]),
+        str(tmp_path / "ckpt"),
+        timeout_s=300,
     )
     assert "linear_qkv" in message and "never filled" in message

@@ -9,12 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import MOE_ARCHS, make_tiny_hf
+from test_convert import megatron_logits
 
 from megagrpo.ckpt.convert import hf_to_megatron, megatron_to_hf
 from megagrpo.ckpt.hf_files import HFCheckpoint
-from megagrpo.ckpt.megatron import load_megatron, read_model
-from megagrpo.models.builder import build_stage
-from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
 from megagrpo.parallel.local import run_local_ranks
 
 pytestmark = pytest.mark.dist
@@ -41,19 +39,7 @@ def test_moe_round_trip_is_bit_identical(arch, pp, hf_dirs, tmp_path):
 
 
 def _logits(rank: int, world_size: int, ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
-    source = read_model(Path(ckpt))
-    ctx = init_parallel(ParallelSizes(), backend="gloo")
-    try:
-        model = build_stage(ctx, source.shape, source.dtype)
-        load_megatron(model, Path(ckpt) / "megatron")
-        model.eval()
-        seq = tokens.shape[1]
-        mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
-        with torch.no_grad():
-            logits = model(tokens, torch.arange(seq).expand_as(tokens), mask)
-        return logits[..., : source.shape.vocab_size]
-    finally:
-        destroy_parallel()
+    return megatron_logits(ckpt, tokens)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
