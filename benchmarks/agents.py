@@ -143,20 +143,17 @@ class _TimedEngine:
 def main(argv=None) -> dict:
     import dataclasses
 
-    from megagrpo.envs.chat import ChatRenderer
     from megagrpo.envs.episodes import EpisodeRunner, vllm_turn_engine
     from megagrpo.generation.worker import GenerationWorker
-    from megagrpo.rewards.pool import DeadlinePool
     from megagrpo.types import SamplingSettings
 
     args = parse_args(argv)
     model = source_model(args)
-    episodes = args.tasks * args.n
     cfg = make_config(
         {
             **cpu_engine_overrides(model, seq_length=2048),
             "policy.micro_batch_max_tokens": 2048,
-            "generation.max_num_seqs": max(episodes, 8),
+            "generation.max_num_seqs": max(args.tasks * args.n, 8),
             "env.environment": "benchmarks.agents:LatencyEnv",
             "env.max_turns": args.max_turns,
             "env.max_new_tokens": args.new_tokens,
@@ -165,13 +162,8 @@ def main(argv=None) -> dict:
         }
     )
     importable_by_workers()
-    from transformers import AutoTokenizer
-
     worker = GenerationWorker(cfg, str(model))
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(model)))
-    pool = DeadlinePool(
-        "megagrpo.envs.runner:env_call", args.workers, 60.0, numeric=False, what="environment"
-    )
+    renderer, pool = worker.episode_parts()  # the engine actor's own renderer and environment pool
     pool.wait_ready()
     tasks = make_tasks(args.tasks, args.max_turns, args.latency_ms)
     seeds = [1_000_003 + i for i in range(args.tasks)]
@@ -195,31 +187,39 @@ def main(argv=None) -> dict:
         runner("async")()  # warm-up: first-call allocations
         times = interleave({"async": runner("async"), "turns": runner("turns")}, args.repeat)
     finally:
-        pool.close()
+        worker.close_episodes()
+    what = "multi-turn episodes, asynchronous vs turn-synchronous schedule, on the same tasks and seeds"
+    return record.write(args, "agents", what, _measurements(args, times), packages=("torch", "vllm"))
+
+
+def _measurements(args, times: dict) -> list[Measurement]:
+    """Per schedule: wall time, engine busy fraction, requests per engine step, sampled tokens/s; the
+    ratio of the two schedules' wall times; whether their episodes were identical."""
     same = all(
         [c.token_ids for c in a.value[2]] == [c.token_ids for c in t.value[2]]
         for a, t in zip(times["async"], times["turns"], strict=True)
     )
     comps = times["async"][0].value[2]
     sampled = sum(sum(c.loss_mask) for c in comps)
+    turns = sum(c.stats["turns"] for c in comps)
     s = {
-        "episodes": episodes,
+        "episodes": len(comps),
         "max_turns": args.max_turns,
-        "turns_mean": round(sum(c.stats["turns"] for c in comps) / len(comps), 2),
+        "turns_mean": round(turns / len(comps), 2),
         "latency_ms": args.latency_ms,
-        "tokens_per_turn_mean": round(sampled / sum(c.stats["turns"] for c in comps), 1),
+        "tokens_per_turn_mean": round(sampled / turns, 1),
     }
     out = []
     for name, runs in times.items():
+        at = {**s, "schedule": name}
         out += [
-            Measurement("wall time", [t.seconds for t in runs], "s", {**s, "schedule": name}),
-            Measurement("engine busy", [t.value[0] for t in runs], "fraction", {**s, "schedule": name}),
-            Measurement("requests per engine step", [t.value[1] for t in runs], "", {**s, "schedule": name}),
-            Measurement(
-                "sampled tokens/s", [sampled / t.seconds for t in runs], "tokens/s", {**s, "schedule": name}
-            ),
+            Measurement("wall time", [t.seconds for t in runs], "s", at),
+            Measurement("engine busy", [t.value[0] for t in runs], "fraction", at),
+            Measurement("requests per engine step", [t.value[1] for t in runs], "", at),
+            Measurement("sampled tokens/s", [sampled / t.seconds for t in runs], "tokens/s", at),
         ]
-    out += [
+    return [
+        *out,
         ratio(
             "turn-synchronous / async wall time",
             [t.seconds for t in times["turns"]],
@@ -231,8 +231,6 @@ def main(argv=None) -> dict:
         Measurement("identical episodes, async vs turns", [float(same)], "fraction", s, target=">= 1"),
         other_load(*times.values()),
     ]
-    what = "multi-turn episodes, asynchronous vs turn-synchronous schedule, on the same tasks and seeds"
-    return record.write(args, "agents", what, out, packages=("torch", "vllm"))
 
 
 if __name__ == "__main__":

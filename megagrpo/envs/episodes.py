@@ -109,6 +109,7 @@ class EpisodeRunner:
     ):
         self.engine, self.renderer, self.pool, self.cfg = engine, renderer, pool, env_cfg
         self.max_context, self.log = max_context, log
+        self.errors_logged = 0
         self.spec = env_cfg.spec
         self.options = {"tool_format": env_cfg.tool_format, "allow_unsandboxed": env_cfg.allow_unsandboxed}
 
@@ -177,8 +178,8 @@ class EpisodeRunner:
     def _observed(self, ep: _Episode, outcome: Any) -> bool:
         """Apply an environment call's outcome; True when the episode's next turn should be sampled."""
         if not outcome.ok:
-            if len(getattr(self, "_errors_shown", ())) < 3:
-                self._errors_shown = [*getattr(self, "_errors_shown", ()), outcome.error]
+            if self.errors_logged < 3:  # the first few, not one line per failed episode
+                self.errors_logged += 1
                 self.log(f"environment {self.cfg.environment}: episode {ep.index} ended: {outcome.error}")
             ep.finish, ep.reward = "env_error", 0.0
             return False

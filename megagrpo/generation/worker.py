@@ -191,12 +191,13 @@ class GenerationWorker:
         worker processes and loads the model's tokenizer (its chat template renders the messages)."""
         from megagrpo.envs.episodes import EpisodeRunner, vllm_turn_engine
 
-        renderer, pool = self._episode_parts()
+        renderer, pool = self.episode_parts()
         engine = vllm_turn_engine(self.llm, settings, renderer.stop_token_ids)
         runner = EpisodeRunner(engine, renderer, pool, self.cfg.env, max_context=self.cfg.model.seq_length)
         return runner.run(tasks, settings.n, seeds)
 
-    def _episode_parts(self):
+    def episode_parts(self):
+        """(the ``ChatRenderer`` of the model's tokenizer, the environment worker pool), made on first use."""
         if self._episodes is None:
             from transformers import AutoTokenizer
 
