@@ -38,9 +38,27 @@ class TinyModelConfig:
     """Share the input embedding and the output projection (as small Qwen2 models do)."""
     qkv_bias: bool = True
     """Add a bias to the Q/K/V projections (Qwen2 does; Llama does not)."""
+    num_experts: int = 0
+    """Routed experts of every MLP (model.arch qwen3_moe or qwen2_moe); 0: a dense model."""
+    moe_ffn_hidden_size: int = 64
+    """Width of one expert's MLP (mixture-of-experts models)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (mixture-of-experts models)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to 1 (Qwen3-MoE does, Qwen2-MoE does not)."""
+    moe_shared_expert_ffn_hidden_size: int | None = None
+    """Width of the gated shared expert (model.arch qwen2_moe); null: none."""
 
     def __post_init__(self) -> None:
         positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+        check(self, "num_experts", self.num_experts >= 0, ">= 0")
+        if self.num_experts:
+            positive(self, "moe_ffn_hidden_size", "moe_router_topk")
+            require(
+                self.moe_router_topk <= self.num_experts,
+                ("moe_router_topk", "num_experts"),
+                f"moe_router_topk {self.moe_router_topk} is more than num_experts {self.num_experts}",
+            )
         positive(self, "num_query_groups", "vocab_size", "max_position_embeddings")
         require(
             self.hidden_size % self.num_attention_heads == 0,
@@ -66,8 +84,9 @@ class ModelConfig:
     """Local HF checkpoint directory (config, tokenizer, safetensors); vLLM and the tokenizer read it."""
     megatron_ckpt: str | None = None
     """Megatron distributed checkpoint converted from hf_dir; loaded instead of converting at start-up."""
-    arch: Literal["qwen2"] = "qwen2"
-    """Architecture of the tiny model (an HF checkpoint's architecture is read from its config)."""
+    arch: Literal["qwen2", "qwen3_moe", "qwen2_moe"] = "qwen2"
+    """Architecture of the tiny model (an HF checkpoint's architecture is read from its config); the
+    mixture-of-experts ones need tiny.num_experts."""
     tiny: TinyModelConfig | None = None
     """Shape of a self-built random model; mutually exclusive with hf_dir and megatron_ckpt."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -88,6 +107,19 @@ class ModelConfig:
             )
             require(bool(self.init_from), "init_from", "must not be empty")
         elif self.tiny is not None:
+            moe = self.arch in ("qwen3_moe", "qwen2_moe")
+            require(
+                moe == (self.tiny.num_experts > 0),
+                ("arch", "tiny.num_experts"),
+                f"arch {self.arch} needs tiny.num_experts > 0"
+                if moe
+                else f"tiny.num_experts needs arch qwen3_moe or qwen2_moe, got {self.arch}",
+            )
+            require(
+                self.tiny.moe_shared_expert_ffn_hidden_size is None or self.arch == "qwen2_moe",
+                ("tiny.moe_shared_expert_ffn_hidden_size", "arch"),
+                f"a shared expert is Qwen2-MoE's (arch qwen2_moe), got arch {self.arch}",
+            )
             require(
                 self.hf_dir is None and self.megatron_ckpt is None,
                 ("tiny", "hf_dir", "megatron_ckpt"),
@@ -121,7 +153,12 @@ class ParallelConfig:
     """Context parallel size (CP); > 1 needs transformer_impl transformer_engine and grpo.loss_agg token
     (sequences are padded, cut into 2 x CP chunks, and each rank scores its own two)."""
     expert_model_parallel_size: int = 1
-    """Expert parallel size (EP); must stay 1 until MoE models are supported."""
+    """Expert parallel size (EP, mixture-of-experts models): each rank of an EP group holds
+    num_experts / EP of every MoE layer's experts, tokens reach them by all-to-all. Must divide
+    data_parallel_size x context_parallel_size and the model's num_experts."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor parallel size of the experts' MLPs (ETP); null: tensor_model_parallel_size. EP x ETP must
+    divide the ranks of one pipeline stage (TP x DP x CP)."""
     data_parallel_size: int = 1
     """Data parallel size (DP): replicas of the TP x PP x CP model; must divide policy.mini_batch_size."""
     sequence_parallel: bool = False
@@ -145,12 +182,8 @@ class ParallelConfig:
             ("sequence_parallel", "tensor_model_parallel_size"),
             "sequence_parallel needs tensor_model_parallel_size > 1",
         )
-        check(
-            self,
-            "expert_model_parallel_size",
-            self.expert_model_parallel_size == 1,
-            "1 (MoE is not supported yet)",
-        )
+        if self.expert_tensor_parallel_size is not None:
+            positive(self, "expert_tensor_parallel_size")
 
     @property
     def world_size(self) -> int:

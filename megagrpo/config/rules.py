@@ -124,7 +124,25 @@ def _check_model_split(cfg: Config, *, engines: bool) -> None:
         )
     if cfg.model.tiny is not None:
         check_shape(cfg, cfg.model.tiny, "model.tiny", engines=engines)
-    # An HF model's shape is known only once its config is read: ``megagrpo plan`` checks it then.
+    elif cfg.model.hf_dir is not None:
+        _check_hf_model(cfg, engines=engines)
+
+
+def _check_hf_model(cfg: Config, *, engines: bool) -> None:
+    """An HF model's config.json, where it is readable here (a multinode run's model may live on the
+    trainer's machines only: the policy then checks it as it starts)."""
+    import json
+    from pathlib import Path
+
+    from megagrpo.models.registry import shape_from_hf_config
+
+    config_json = Path(cfg.model.hf_dir) / "config.json"
+    try:
+        data = json.loads(config_json.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    _, shape = shape_from_hf_config(data, str(config_json))
+    check_shape(cfg, shape, str(config_json), engines=engines)
 
 
 def check_shape(cfg: Config, shape: Any, where: str, *, engines: bool = True) -> None:
@@ -155,6 +173,8 @@ def check_shape(cfg: Config, shape: Any, where: str, *, engines: bool = True) ->
         )
     if getattr(shape, "num_experts", 0):
         _check_experts(cfg, shape, where)
+    else:
+        _check_dense(cfg, where)
     if where == "model.tiny":
         return  # model.tiny's max_position_embeddings is checked with the model section (schema).
     require(
@@ -165,13 +185,28 @@ def check_shape(cfg: Config, shape: Any, where: str, *, engines: bool = True) ->
 
 
 def _check_experts(cfg: Config, shape: Any, where: str) -> None:
-    """A mixture-of-experts model: Megatron's MoE layers with tensor parallelism need sequence
-    parallelism, which the layers built here do not give them yet (expert parallelism: the schema)."""
-    tp = cfg.parallel.tensor_model_parallel_size
+    """A mixture-of-experts model: EP splits the experts evenly and fits Megatron's expert groups;
+    Megatron's MoE layers with tensor parallelism need sequence parallelism, which the layers built
+    here do not give them yet."""
+    par = cfg.parallel
+    tp, ep, experts = par.tensor_model_parallel_size, par.expert_model_parallel_size, shape.num_experts
     require(
-        tp == 1,
-        ("parallel.tensor_model_parallel_size", f"{where}.num_experts"),
-        f"mixture-of-experts models train at tensor_model_parallel_size 1 for now, got {tp}",
+        experts % ep == 0,
+        ("parallel.expert_model_parallel_size", f"{where}.num_experts"),
+        f"expert_model_parallel_size {ep} must divide num_experts {experts}",
+    )
+    etp = par.expert_tensor_parallel_size or tp
+    stage = tp * par.data_parallel_size * par.context_parallel_size
+    require(
+        stage % (ep * etp) == 0,
+        ("parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size"),
+        f"expert_model_parallel_size x expert_tensor_parallel_size ({ep} x {etp}) must divide the ranks "
+        f"of a pipeline stage, tensor x data x context parallel ({stage})",
+    )
+    require(
+        tp == 1 and etp == 1,
+        ("parallel.tensor_model_parallel_size", "parallel.expert_tensor_parallel_size"),
+        f"mixture-of-experts models train at tensor_model_parallel_size 1 for now, got {tp} (experts {etp})",
     )
     require(
         cfg.resolution is None or cfg.resolved.transformer_impl != "torch",
@@ -179,6 +214,22 @@ def _check_experts(cfg: Config, shape: Any, where: str) -> None:
         "mixture-of-experts models are built with the local or transformer_engine layers; set "
         "parallel.transformer_impl=local (auto picks torch on this machine)",
     )
+
+
+def _check_dense(cfg: Config, where: str) -> None:
+    """What only a mixture-of-experts model has, asked of a dense one."""
+    for key, value, default in (
+        ("parallel.expert_model_parallel_size", cfg.parallel.expert_model_parallel_size, 1),
+        ("parallel.expert_tensor_parallel_size", cfg.parallel.expert_tensor_parallel_size, None),
+        ("grpo.routing_replay", cfg.grpo.routing_replay, "none"),
+        ("policy.freeze_router", cfg.policy.freeze_router, False),
+        ("policy.moe_aux_loss_coeff", cfg.policy.moe_aux_loss_coeff, 0.0),
+    ):
+        require(
+            value == default,
+            (key, f"{where}.num_experts"),
+            f"{key}={value} is for mixture-of-experts models; {where} is a dense model",
+        )
 
 
 def _check_micro_batch(cfg: Config) -> None:

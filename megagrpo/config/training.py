@@ -63,8 +63,16 @@ class PolicyConfig:
     the engines wake; "all": those and the gradient buffers, then the weights once they are synced.
     Brought back, bit for bit, before the trainer's next forward."""
 
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of the router's load-balancing loss (Switch-style, per layer,
+    added to the policy loss); 0 (the default for RL, which keeps the router close to the rollouts')
+    leaves it out."""
+    freeze_router: bool = False
+    """Mixture-of-experts models: keep the routers' weights as loaded (no gradient, no update)."""
+
     def __post_init__(self) -> None:
         check(self, "lr", self.lr > 0, "> 0")
+        check(self, "moe_aux_loss_coeff", self.moe_aux_loss_coeff >= 0, ">= 0")
         require(0 <= self.min_lr <= self.lr, ("min_lr", "lr"), f"need 0 <= min_lr <= lr, got {self.min_lr}")
         check(self, "weight_decay", self.weight_decay >= 0, ">= 0")
         for name in ("adam_beta1", "adam_beta2"):
@@ -128,6 +136,11 @@ class GRPOConfig:
     """Truncated importance sampling cap (>= 1) on the trainer/engine probability ratio; null disables it."""
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """Above tis_cap: weight the token by the cap, or drop it from the loss."""
+    routing_replay: Literal["none", "rollout"] = "none"
+    """Mixture-of-experts models: "rollout" routes every token the engine sampled through the experts the
+    engine chose for it (rollout routing replay): the engines return each sampled token's top-k experts
+    per MoE layer, and every trainer forward of those tokens (old logprobs, reference, update, probe)
+    replays them through Megatron's router replay; "none": the trainer's routers pick their own."""
     max_staleness: int = 0
     """Overlap generation with training: engines generate the next step's rollouts while the trainer
     trains on the current ones, and a rollout is trained on at most this many policy versions after the

@@ -16,7 +16,6 @@ import torch
 from megagrpo.models.registry import (
     ARCHITECTURES,
     Architecture,
-    UnsupportedModelError,
     load_hf_config,
     shape_from_hf_config,
 )
@@ -43,7 +42,7 @@ def describe_model(cfg: Config) -> ModelDescription:
     m = cfg.model
     dtype = DTYPES[m.dtype]
     if m.tiny is not None:
-        t = m.tiny
+        t, arch = m.tiny, ARCHITECTURES[m.arch]
         shape = GPTShape(
             num_layers=t.num_layers,
             hidden_size=t.hidden_size,
@@ -54,16 +53,24 @@ def describe_model(cfg: Config) -> ModelDescription:
             max_position_embeddings=t.max_position_embeddings,
             rope_theta=t.rope_theta,
             norm_epsilon=t.norm_epsilon,
-            qkv_bias=t.qkv_bias,
+            qkv_bias=t.qkv_bias if not arch.moe else arch.qkv_bias,
+            qk_layernorm=arch.qk_layernorm,
             tie_word_embeddings=t.tie_word_embeddings,
+            **(_tiny_moe(t) if arch.moe else {}),
         )
-        return ModelDescription(ARCHITECTURES[m.arch], shape, dtype, None, None)
+        return ModelDescription(arch, shape, dtype, None, None)
     hf_dir = Path(m.hf_dir)
     arch, shape = shape_from_hf_config(load_hf_config(hf_dir), str(hf_dir / "config.json"))
-    if shape.is_moe:
-        raise UnsupportedModelError(
-            f"{hf_dir / 'config.json'}: architectures: {arch.hf_classes[0]} is a mixture-of-experts model; "
-            "megagrpo converts these (tools/convert_hf) but does not train them yet"
-        )
     ckpt = Path(m.megatron_ckpt) if m.megatron_ckpt else None
     return ModelDescription(arch, shape, dtype, hf_dir, ckpt)
+
+
+def _tiny_moe(t) -> dict:
+    """GPTShape's mixture-of-experts fields from ``model.tiny``."""
+    return dict(
+        num_experts=t.num_experts,
+        moe_ffn_hidden_size=t.moe_ffn_hidden_size,
+        moe_router_topk=t.moe_router_topk,
+        moe_norm_topk_prob=t.moe_norm_topk_prob,
+        moe_shared_expert_ffn_hidden_size=t.moe_shared_expert_ffn_hidden_size,
+    )

@@ -263,7 +263,11 @@ def test_yaml_syntax_error_and_non_mapping_top_level(tmp_path):
             ["parallel.sequence_parallel", "parallel.transformer_impl"],
             "local norms refuse it",
         ),
-        (["parallel.expert_model_parallel_size=2"], ["parallel.expert_model_parallel_size"], "MoE"),
+        (
+            ["parallel.expert_model_parallel_size=2"],
+            ["parallel.expert_model_parallel_size"],
+            "mixture-of-experts",
+        ),
         (["grpo.clip_eps_low=0"], ["grpo.clip_eps_low"], "in (0, 1)"),
         (["grpo.clip_eps_high=1.0"], ["grpo.clip_eps_high"], "in (0, 1)"),
         (["grpo.dual_clip=1.0"], ["grpo.dual_clip"], "> 1"),

@@ -95,16 +95,43 @@ def test_layout_rules_for_experts_name_their_keys():
         check_shape(load_config(None, ["parallel.transformer_impl=local"]), shape, "config.json")
 
 
-def test_training_a_moe_model_is_refused_naming_its_config(tmp_path):
+def _moe_cfg(tmp_path, *overrides):
     import json
 
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
+    base = ["model.tiny=null", f"model.hf_dir={tmp_path}", "parallel.tensor_model_parallel_size=1"]
+    return load_config(None, [*base, "parallel.transformer_impl=local", *overrides])
+
+
+def test_an_hf_moe_model_is_described_and_its_layout_checked_at_load(tmp_path):
     from megagrpo.models.description import describe_model
 
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
-    cfg = load_config(
-        None, ["model.tiny=null", f"model.hf_dir={tmp_path}", "parallel.tensor_model_parallel_size=1"]
-    )
-    with pytest.raises(
-        UnsupportedModelError, match=r"config\.json: architectures: Qwen3MoeForCausalLM .* not train"
+    cfg = _moe_cfg(tmp_path, "parallel.data_parallel_size=2", "parallel.expert_model_parallel_size=2")
+    assert describe_model(cfg).shape.num_experts == 8
+    with pytest.raises(ConfigError, match=r"expert_model_parallel_size 3 must divide num_experts 8"):
+        _moe_cfg(tmp_path, "parallel.data_parallel_size=3", "parallel.expert_model_parallel_size=3")
+    with pytest.raises(ConfigError, match=r"must divide the ranks of a pipeline stage"):
+        _moe_cfg(tmp_path, "parallel.expert_model_parallel_size=2")
+
+
+def test_expert_options_on_a_dense_model_are_refused_naming_the_key():
+    for override in (
+        "grpo.routing_replay=rollout",
+        "policy.freeze_router=true",
+        "policy.moe_aux_loss_coeff=0.01",
     ):
-        describe_model(cfg)
+        key = override.split("=")[0]
+        with pytest.raises(ConfigError, match=rf"{key}.*is for mixture-of-experts models"):
+            load_config(None, [override])
+
+
+def test_a_tiny_moe_model_needs_a_moe_arch():
+    from megagrpo.models.description import describe_model
+
+    moe = ["model.arch=qwen3_moe", "model.tiny.num_experts=4", "parallel.tensor_model_parallel_size=1"]
+    shape = describe_model(load_config(None, [*moe, "parallel.transformer_impl=local"])).shape
+    assert (shape.num_experts, shape.qk_layernorm, shape.qkv_bias) == (4, True, False)
+    with pytest.raises(ConfigError, match="needs arch qwen3_moe or qwen2_moe"):
+        load_config(None, ["model.tiny.num_experts=4"])
+    with pytest.raises(ConfigError, match=r"needs tiny\.num_experts > 0"):
+        load_config(None, ["model.arch=qwen3_moe"])
