@@ -70,24 +70,42 @@ def _rank_groups(sizes: ParallelSizes, exits_after: bool) -> Iterator[ParallelCo
 
 
 def import_rank(
-    rank: int, world_size: int, hf_dir: str, out: str, tp: int, pp: int, exits_after: bool = False
+    rank: int,
+    world_size: int,
+    hf_dir: str,
+    out: str,
+    tp: int,
+    pp: int,
+    ep: int = 1,
+    exits_after: bool = False,
 ) -> None:
     """One rank of ``hf_to_megatron``, as ``run_local_ranks`` calls it (``out``: the directory the
     checkpoint's ``megatron/`` goes into; no validation, metadata or atomic publish, which are the
     caller's). ``exits_after``: the process exits next, so its process groups are left to the exit."""
     with weights_only_process():
-        _import_stage(hf_dir, out, tp, pp, exits_after)
+        _import_stage(hf_dir, out, tp, pp, ep, exits_after)
 
 
-def _import_stage(hf_dir: str, out: str, tp: int, pp: int, exits_after: bool) -> None:
+def _import_stage(hf_dir: str, out: str, tp: int, pp: int, ep: int, exits_after: bool) -> None:
     arch, shape = shape_from_hf_config(load_hf_config(hf_dir), f"{hf_dir}/config.json")
     hf = HFCheckpoint(hf_dir)
     dtype = hf.validate(hf_tensor_shapes(shape))
-    with _rank_groups(ParallelSizes(tp=tp, pp=pp), exits_after) as ctx:
+    with _rank_groups(ParallelSizes(tp=tp, pp=pp, ep=ep), exits_after) as ctx:
         model = build_stage(ctx, shape, dtype)
         mapped: dict[str, Mapped] = {}
         pieces: dict[str, list[Piece]] | None = {} if writers_can_copy() else None
-        load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), mapped=mapped, pieces=pieces)
+        # Under EP, the data-parallel ranks hold the same dense weights (replicas, written by the first)
+        # and their own experts.
+        load_hf_into_stage(
+            model,
+            ctx,
+            hf,
+            shape,
+            arch.rules(shape),
+            mapped=mapped,
+            pieces=pieces,
+            experts_only=ctx.dp_rank > 0,
+        )
         save_megatron(model, Path(out) / "megatron", mapped=mapped, pieces=pieces, maps=hf.maps)
 
 
@@ -106,9 +124,12 @@ def _conversion(in_process: bool) -> contextlib.AbstractContextManager:
 
 
 def hf_to_megatron(
-    hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, in_process: bool = False
+    hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, in_process: bool = False
 ) -> Path:
     """Convert an HF directory into a megagrpo Megatron checkpoint at ``out`` (written atomically).
+
+    ``ep`` (mixture-of-experts models): TP x PP x EP ranks, each reading and writing only its own
+    experts (the checkpoint's expert tensors are global: it loads at any EP).
 
     ``in_process``: with TP = PP = 1, convert in this process instead of a spawned rank (for
     command-line tools, which exit afterwards; it leaves Megatron's global state behind).
@@ -127,8 +148,10 @@ def hf_to_megatron(
             f"and num_key_value_heads {shape.num_query_groups}"
         )
     padded_vocab_size(shape.vocab_size, tp)  # raises if this TP cannot split the padded vocabulary
+    if ep > 1 and shape.num_experts % ep:
+        raise ValueError(f"--ep {ep} does not divide the model's {shape.num_experts} experts (num_experts)")
     with _conversion(in_process), atomic_output_dir(out) as tmp:
-        _run_ranks(import_rank, tp * pp, in_process, str(hf_dir), str(tmp), tp, pp)
+        _run_ranks(import_rank, tp * pp * ep, in_process, str(hf_dir), str(tmp), tp, pp, ep)
         write_checkpoint_meta(tmp, arch, shape, dtype, tp=tp, pp=pp, hf_files=hf_dir)
     return out
 

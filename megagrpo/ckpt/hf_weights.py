@@ -15,7 +15,7 @@ from megagrpo.ckpt import CheckpointError
 from megagrpo.ckpt.files import Piece
 from megagrpo.ckpt.hf_files import HFCheckpoint
 from megagrpo.ckpt.megatron import Mapped
-from megagrpo.models.layout import is_gated_fc1, stage_param_names, tp_partition_dim, tp_shard
+from megagrpo.models.layout import is_expert, is_gated_fc1, stage_param_names, tp_partition_dim, tp_shard
 from megagrpo.models.mapping import Rule, shard_rows, to_hf, to_megatron
 from megagrpo.models.shape import GPTShape, padded_vocab_size
 from megagrpo.parallel import ParallelContext
@@ -30,6 +30,7 @@ def load_hf_into_stage(
     *,
     mapped: dict[str, Mapped] | None = None,
     pieces: dict[str, list[Piece]] | None = None,
+    experts_only: bool = False,
 ) -> None:
     """Fill every parameter of this rank's model stage from the HF checkpoint (TP slice of each).
 
@@ -48,6 +49,9 @@ def load_hf_into_stage(
     shard made of several row ranges (Q/K/V, interleaved per query group) is not read either; where
     its bytes lie in the files, in order, is stored by parameter name, and the parameter is left
     unfilled. Padded vocabularies are still read into the parameter.
+
+    ``experts_only`` (conversion on a rank whose other parameters are replicas another rank writes):
+    only the routed experts' parameters are filled.
     """
     by_name = {rule.megatron: rule for rule in rules}
     padded = padded_vocab_size(shape.vocab_size, ctx.sizes.tp)
@@ -56,6 +60,8 @@ def load_hf_into_stage(
         rule = by_name.get(global_name)
         if rule is None:
             raise CheckpointError(f"Megatron parameter {global_name} has no rule in the HF map")
+        if experts_only and not is_expert(global_name):
+            continue
         param = params[local]
         dim = tp_partition_dim(global_name)
         plan = shard_rows(

@@ -41,11 +41,19 @@ def shift_layer_index(name: str, delta: int) -> str:
 
 
 def stage_param_names(model: torch.nn.Module, ctx: ParallelContext, num_layers: int) -> dict[str, str]:
-    """This stage's parameter names -> canonical global names (layer index offset by the stage).
+    """This stage's parameter names -> canonical global names: the layer index offset by the stage's,
+    a routed expert's local index on this expert-parallel rank turned into its global one.
 
     Weight sync and the converters address a stage's parameters by these names."""
     offset = layer_offset(num_layers, ctx.sizes.pp, ctx.pp_rank)
-    return {name: shift_layer_index(canonical_name(name), offset) for name, _ in model.named_parameters()}
+    names = [canonical_name(name) for name, _ in model.named_parameters()]
+    local_experts = 1 + max((int(m.group(2)) for m in map(_EXPERT_RE.match, names) if m), default=-1)
+    return {
+        name: expert_global_name(
+            shift_layer_index(canonical, offset), ep_rank=ctx.ep_rank, num_local_experts=local_experts
+        )
+        for (name, _), canonical in zip(model.named_parameters(), names, strict=True)
+    }
 
 
 _GATED_FC1_RE = re.compile(
@@ -57,6 +65,11 @@ _EXPERT_RE = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
 def is_gated_fc1(name: str) -> bool:
     """A SwiGLU ``linear_fc1`` ([gate; up] rows): the dense MLP's, a routed or the shared expert's."""
     return _GATED_FC1_RE.search(name) is not None
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's parameter (split over expert-parallel ranks, not replicated over them)."""
+    return _EXPERT_RE.match(name) is not None
 
 
 def expert_global_name(name: str, *, ep_rank: int, num_local_experts: int) -> str:

@@ -73,6 +73,10 @@ class ParallelContext:
     device: torch.device
     backend: str
     pgs: object  # megatron.core.process_groups_config.ProcessGroupCollection
+    ep_rank: int = 0
+    """Rank in the expert-parallel group: which share of every MoE layer's experts this rank holds."""
+    expert_dp_rank: int = 0
+    """Rank among the ranks holding the same experts (Megatron's expert data-parallel group)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -151,6 +155,8 @@ def init_parallel(
         device=device,
         backend=backend,
         pgs=ProcessGroupCollection.use_mpu_process_groups(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
     )
 
 

@@ -167,13 +167,14 @@ def test_bf16_round_trip_keeps_every_dtype(tp, tmp_path):
 
 
 def megatron_logits(
-    ckpt: str, tokens: torch.Tensor, tp: int = 1, *, keep_world: bool = False
+    ckpt: str, tokens: torch.Tensor, tp: int = 1, *, ep: int = 1, keep_world: bool = False
 ) -> torch.Tensor:
-    """The logits of a megagrpo checkpoint loaded at ``tp`` on this rank's group (the whole vocabulary)."""
+    """The logits of a megagrpo checkpoint loaded at ``tp`` (and ``ep``, a mixture-of-experts model's
+    experts split over the ranks) on this rank's group (the whole vocabulary)."""
     import torch.distributed as dist
 
     source = read_model(Path(ckpt))
-    ctx = init_parallel(ParallelSizes(tp=tp), backend="gloo")
+    ctx = init_parallel(ParallelSizes(tp=tp, ep=ep), backend="gloo")
     try:
         model = build_stage(ctx, source.shape, source.dtype)
         load_megatron(model, Path(ckpt) / "megatron")

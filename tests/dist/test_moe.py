@@ -1,6 +1,8 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its shared expert) through the converters and
-Megatron's MoE layers on CPU: HF -> Megatron -> HF bit-identical at PP 2 (stages and layer offsets), and
-Megatron's logits equal transformers' within 1e-4 (the router computed as transformers computes it)."""
+Megatron's MoE layers on CPU: HF -> Megatron -> HF bit-identical when converted with the experts split over
+EP 2 ranks, with TP 2 (gated expert fc1 split per rank) or PP 2 (stages and layer offsets): each rank
+reads and writes only its own experts, and Megatron's logits equal transformers' within 1e-4 (the router computed as transformers
+computes it) at EP 1 and at EP 2 (tokens dispatched to the other rank's experts over gloo)."""
 
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     return {arch: make_tiny_hf(arch, root / arch, seed=10 + i) for i, arch in enumerate(MOE_ARCHS)}
 
 
-@pytest.mark.parametrize("pp", [2])
-@pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_moe_round_trip_is_bit_identical(arch, pp, hf_dirs, tmp_path):
-    ckpt = hf_to_megatron(hf_dirs[arch], tmp_path / "megatron", tp=1, pp=pp)
+@pytest.mark.parametrize(
+    ("arch", "tp", "pp", "ep"),
+    [("qwen3_moe", 2, 1, 2), ("qwen2_moe", 1, 2, 2)],
+)
+def test_moe_round_trip_is_bit_identical(arch, tp, pp, ep, hf_dirs, tmp_path):
+    ckpt = hf_to_megatron(hf_dirs[arch], tmp_path / "megatron", tp=tp, pp=pp, ep=ep)
     out = megatron_to_hf(ckpt, tmp_path / "hf")
     src, back = HFCheckpoint(hf_dirs[arch]), HFCheckpoint(out)
     assert set(back.tensors) == set(src.tensors)
@@ -39,7 +43,7 @@ def test_moe_round_trip_is_bit_identical(arch, pp, hf_dirs, tmp_path):
 
 
 def _logits(rank: int, world_size: int, ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
-    return megatron_logits(ckpt, tokens)
+    return megatron_logits(ckpt, tokens, ep=world_size)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -51,6 +55,8 @@ def test_moe_megatron_logits_match_transformers(arch, hf_dirs, tmp_path):
     with torch.no_grad():
         want = ref(tokens).logits
     ckpt = hf_to_megatron(hf_dirs[arch], tmp_path / "megatron", tp=1, pp=1)
-    (got,) = run_local_ranks(_logits, 1, str(ckpt), tokens, timeout_s=300)
-    diff = (got - want).abs().max().item()
-    assert diff <= 1e-4, f"{arch}: max |logits diff| {diff:.2e}"
+    for ep in (1, 2):
+        # EP 2: each rank holds half the experts, its tokens reach the other half by all-to-all.
+        for got in run_local_ranks(_logits, ep, str(ckpt), tokens, timeout_s=300):
+            diff = (got - want).abs().max().item()
+            assert diff <= 1e-4, f"{arch} at EP {ep}: max |logits diff| {diff:.2e}"

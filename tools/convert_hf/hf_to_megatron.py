@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Convert a Hugging Face checkpoint directory into a megagrpo Megatron distributed checkpoint.
 
-    python tools/convert_hf/hf_to_megatron.py --hf-dir DIR --out DIR [--tp N] [--pp N]
+    python tools/convert_hf/hf_to_megatron.py --hf-dir DIR --out DIR [--tp N] [--pp N] [--ep N]
 
-The checkpoint loads at any TP/PP (not only the one it was written with); --tp/--pp only choose
-how many ranks share the conversion work and memory. Supported: Qwen2/Qwen2.5, Llama 3.x, Qwen3.
+The checkpoint loads at any TP/PP/EP (not only the one it was written with); --tp/--pp/--ep only
+choose how many ranks share the conversion work and memory. Supported: Qwen2/Qwen2.5, Llama 3.x,
+Qwen3, Qwen3-MoE, Qwen2-MoE.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks doing the conversion")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks doing the conversion")
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel ranks doing the conversion (MoE models)"
+    )
     args = parser.parse_args(argv)
 
     from megagrpo.ckpt.convert import hf_to_megatron
 
     try:
-        out = hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, in_process=True)
+        out = hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, in_process=True)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"hf_to_megatron: error: {err}", file=sys.stderr)
         return 1
