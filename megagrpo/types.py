@@ -52,6 +52,11 @@ class TrainBatch:
     sampled: torch.Tensor | None = None
     """[B, S - 1] bool: positions whose target token the engine sampled (None: every response token);
     multi-turn episodes have observation tokens between their turns, which are context, not loss."""
+    routing: torch.Tensor | None = None
+    """[B, S, MoE layers, top-k] integer (uint8, or int16 past 256 experts): the experts the engine
+    routed each input position to (rollout routing replay; None: the trainer's routers choose).
+    Positions past a sequence's length, and its last token, which the engine never forwarded, hold
+    experts too (any valid ones: no logprob depends on them)."""
 
     def __post_init__(self) -> None:
         batch, seq = self.input_ids.shape
@@ -76,6 +81,10 @@ class TrainBatch:
         ):
             shape, dtype = list(self.sampled.shape), self.sampled.dtype
             raise ValueError(f"sampled must be [{batch}, {seq - 1}] bool, got {shape} {dtype}")
+        if self.routing is not None and (self.routing.dim() != 4 or self.routing.shape[:2] != (batch, seq)):
+            raise ValueError(
+                f"routing must be [{batch}, {seq}, layers, top-k], got {list(self.routing.shape)}"
+            )
 
     @property
     def size(self) -> int:
@@ -119,6 +128,7 @@ class TrainBatch:
             gen_logprobs=take(self.gen_logprobs, seq - 1),
             in_loss=take(self.in_loss, None),
             sampled=take(self.sampled, seq - 1),
+            routing=take(self.routing, seq),
         )
 
     def replace(self, **fields) -> TrainBatch:

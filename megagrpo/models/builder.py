@@ -36,6 +36,8 @@ def transformer_config(
     recompute: str = "none",
     recompute_num_layers: int = 1,
     ep: int = 1,
+    moe_aux_loss_coeff: float = 0.0,
+    routing_replay: bool = False,
 ):
     """The Megatron ``TransformerConfig`` for ``shape`` (RMSNorm + SwiGLU + RoPE decoder; mixture-of-
     experts MLPs split over ``ep`` expert-parallel ranks when the shape has experts).
@@ -91,18 +93,22 @@ def transformer_config(
         perform_initialization=initialize,
         # Megatron scales attention scores in fp32 only under fp16; keep softmax in fp32 throughout.
         attention_softmax_in_fp32=True,
-        **moe_config(shape, ep=ep),
+        **moe_config(shape, ep=ep, aux_loss_coeff=moe_aux_loss_coeff, routing_replay=routing_replay),
     )
 
 
-def moe_config(shape: GPTShape, *, ep: int = 1) -> dict:
+def moe_config(
+    shape: GPTShape, *, ep: int = 1, aux_loss_coeff: float = 0.0, routing_replay: bool = False
+) -> dict:
     """TransformerConfig's mixture-of-experts fields for ``shape`` ({} for a dense model).
 
     The router as transformers computes it: softmax over the experts, top-k; Qwen3-MoE's renormalised
     top-k probabilities (``norm_topk_prob``) are Megatron's softmax over the top-k logits
     (``moe_router_pre_softmax`` False), Qwen2-MoE's plain probabilities its softmax before the top-k.
-    Dropless (no capacity factor), the all-to-all dispatcher, no load-balancing loss (RL runs train
-    without one; ``policy`` may ask for it), the shared expert's sigmoid gate as Qwen2-MoE has it."""
+    Dropless (no capacity factor), the all-to-all dispatcher, no load-balancing loss unless
+    ``aux_loss_coeff`` > 0 (RL runs train without one; then Switch's per-layer loss), the shared
+    expert's sigmoid gate as Qwen2-MoE has it; ``routing_replay``: routers that can replay given
+    experts (Megatron's router replay)."""
     if not shape.is_moe:
         return {}
     shared = shape.moe_shared_expert_ffn_hidden_size
@@ -113,8 +119,9 @@ def moe_config(shape: GPTShape, *, ep: int = 1) -> dict:
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not shape.moe_norm_topk_prob,
         moe_router_topk_scaling_factor=None,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_enable_routing_replay=routing_replay,
         moe_token_dispatcher_type="alltoall",
         moe_expert_capacity_factor=None,
         moe_grouped_gemm=False,

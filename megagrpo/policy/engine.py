@@ -36,6 +36,17 @@ class OptimizerSettings:
     use_distributed_optimizer: bool = False
 
 
+@dataclass(frozen=True)
+class MoESettings:
+    """A mixture-of-experts model's training options (``policy.moe_aux_loss_coeff``,
+    ``policy.freeze_router``, ``grpo.routing_replay``)."""
+
+    aux_loss_coeff: float = 0.0
+    freeze_router: bool = False
+    routing_replay: bool = False
+    """Build the routers able to replay given experts (micro-batches then carry ``routing``)."""
+
+
 @dataclass
 class TrainEngine:
     """This rank's model chunk(s), DDP wrapper and optimizer (frozen: the bare chunk, no optimizer)."""
@@ -67,10 +78,12 @@ def build_engine(
     recompute: str = "none",
     recompute_num_layers: int = 1,
     trainable: bool = True,
+    moe: MoESettings | None = None,
 ) -> TrainEngine:
     """``initialize=False`` skips random initialisation when weights are loaded right after;
     ``recompute`` is ``policy.recompute``. ``trainable=False`` builds a frozen model for forward passes
-    only (a distillation teacher): no DDP gradient buffers, no optimizer, no parameter needing grad."""
+    only (a distillation teacher): no DDP gradient buffers, no optimizer, no parameter needing grad.
+    ``moe``: a mixture-of-experts model's training options."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -88,7 +101,15 @@ def build_engine(
         recompute=recompute,
         recompute_num_layers=recompute_num_layers,
         ep=sizes.ep,
+        moe_aux_loss_coeff=moe.aux_loss_coeff if moe else 0.0,
+        routing_replay=bool(moe and moe.routing_replay),
     )
+    if config.moe_enable_routing_replay:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        # Every router registers itself in one class-wide list: a model built earlier in this
+        # process (a conversion, a test) must not stay in it.
+        RouterReplay.clear_global_router_replay_instances()
     # Micro-batches are packed by a token budget, so their [batch, seq] shapes differ; pipeline
     # stages then exchange shapes before activations.
     config.variable_seq_lengths = True
@@ -108,6 +129,10 @@ def build_engine(
             p.requires_grad_(False)
         module.eval()
         return TrainEngine(ctx, shape, config, [module], None, transformer_impl)
+    if moe and moe.freeze_router:
+        for name, p in module.named_parameters():
+            if name.endswith("mlp.router.weight"):
+                p.requires_grad_(False)  # out of DDP's buffers and the optimizer
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -182,17 +207,28 @@ def forward_backward(
     batches = list(micro_batches)
     if not batches:
         raise ValueError("forward_backward needs at least one micro-batch")
+    real = len(batches)
+    batches += _expert_parallel_padding(engine, batches)
     seq_len = max(b["tokens"].shape[1] for b in batches)
     micro_batch_size = max(b["tokens"].shape[0] for b in batches)
     device = engine.ctx.device
     takes_mask = engine.transformer_impl != "torch"
+    replay = _RouterReplay() if any("routing" in b or "record" in b for b in batches) else None
 
     def forward_step(data_iterator: Iterator[dict], model):
         batch = next(data_iterator)
         tokens = batch["tokens"].to(device)
         packed = batch.get("packed_seq_params")
         mask = causal_mask(tokens.shape[1], device) if takes_mask and packed is None else None
+        if replay is not None:
+            replay.forward(batch.get("routing"), record=batch.get("record") is not None)
         output = model(tokens, batch["position_ids"].to(device), mask, packed_seq_params=packed)
+        if replay is not None:
+            if batch.get("record") is not None:
+                batch["record"].append(replay.recorded())
+            replay.backward()
+        if batch.get("padding"):
+            return output, _padding_loss
         return output, lambda out: loss_fn(out, batch)
 
     if not forward_only:
@@ -202,17 +238,77 @@ def forward_backward(
     pp = engine.ctx.sizes.pp
     # With explicit process groups, the pipelined schedule also wants the p2p communicator.
     p2p = P2PCommunicator(engine.ctx.pgs.pp, engine.config) if pp > 1 else None
-    return get_forward_backward_func(pp_size=pp)(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=engine.model,
-        num_microbatches=len(batches),
-        seq_length=seq_len,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-        pg_collection=engine.ctx.pgs,
-        p2p_communicator=p2p,
-    )
+    try:
+        metrics = get_forward_backward_func(pp_size=pp)(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=engine.model,
+            num_microbatches=len(batches),
+            seq_length=seq_len,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+            pg_collection=engine.ctx.pgs,
+            p2p_communicator=p2p,
+        )
+    finally:
+        if replay is not None:
+            replay.done()
+    return metrics[:real] if metrics else metrics
+
+
+def _expert_parallel_padding(engine: TrainEngine, batches: list[dict]) -> list[dict]:
+    """Under expert parallelism every forward is an all-to-all over the EP group, so its ranks must run
+    as many micro-batches as one another; token-budget packing gives each rank its own count. The
+    ranks with fewer run copies of their last micro-batch that count for nothing (zero loss, zero
+    tokens, no metrics)."""
+    import torch.distributed as dist
+
+    if engine.config.expert_model_parallel_size == 1 or not engine.config.num_moe_experts:
+        return []
+    most = torch.tensor([len(batches)], dtype=torch.long)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=engine.ctx.pgs.ep)
+    return [dict(batches[-1], padding=True)] * (int(most) - len(batches))
+
+
+def _padding_loss(output: torch.Tensor):
+    zero = output.sum() * 0.0
+    return zero, torch.zeros((), dtype=torch.int, device=output.device), {}
+
+
+class _RouterReplay:
+    """Megatron's router replay over one schedule: a micro-batch carrying ``routing`` (per MoE layer of
+    the stage, ``[tokens, k]``) routes its tokens to those experts, and a recomputed forward in the
+    backward pops its own (first in, first out); one carrying a ``record`` list gets the experts its
+    routers chose appended to it (the same layout); others route as the routers choose."""
+
+    def __init__(self) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        self.replay, self.action = RouterReplay, RouterReplayAction
+        self.replaying = False
+
+    def forward(self, routing: list[torch.Tensor] | None, *, record: bool) -> None:
+        self.replaying = routing is not None
+        if routing is not None:
+            self.replay.set_replay_data(routing)
+            self.replay.set_global_router_replay_action(self.action.REPLAY_FORWARD)
+        elif record:
+            self.replay.set_global_router_replay_action(self.action.RECORD)
+        else:
+            self.replay.clear_global_router_replay_action()
+
+    def recorded(self) -> list[torch.Tensor]:
+        return [t.detach().clone() for t in self.replay.get_recorded_data()]
+
+    def backward(self) -> None:
+        if self.replaying:
+            self.replay.set_global_router_replay_action(self.action.REPLAY_BACKWARD)
+        else:
+            self.replay.clear_global_router_replay_action()
+
+    def done(self) -> None:
+        self.replay.clear_global_indices()
+        self.replay.clear_global_router_replay_action()
 
 
 def optimizer_step(engine: TrainEngine) -> tuple[bool, float]:

@@ -30,7 +30,13 @@ from megagrpo.config import Config
 from megagrpo.models.description import describe_model
 from megagrpo.models.shape import padded_vocab_size
 from megagrpo.parallel import ParallelSizes, init_parallel
-from megagrpo.policy.engine import OptimizerSettings, build_engine, build_lr_scheduler, forward_backward
+from megagrpo.policy.engine import (
+    MoESettings,
+    OptimizerSettings,
+    build_engine,
+    build_lr_scheduler,
+    forward_backward,
+)
 from megagrpo.policy.logprobs import vocab_parallel_logprobs
 from megagrpo.policy.offload import Offloader, grad_buffers, optimizer_tensors, release_cached_memory
 from megagrpo.policy.packing import (
@@ -40,6 +46,7 @@ from megagrpo.policy.packing import (
     place_positions,
     round_up,
 )
+from megagrpo.policy.routing import engine_routed_rows, filler, micro_batch_routing, routing_agreement
 from megagrpo.types import balanced_shards
 
 # Canonical per-parameter optimizer state: reloads at any TP/PP/DP (Megatron's default for the
@@ -121,6 +128,13 @@ class MegatronRank:
             recompute=pol.recompute,
             recompute_num_layers=pol.recompute_num_layers,
             trainable=trainable,
+            moe=MoESettings(
+                aux_loss_coeff=pol.moe_aux_loss_coeff,
+                freeze_router=pol.freeze_router,
+                routing_replay=cfg.grpo.routing_replay == "rollout",
+            )
+            if self.model_info.shape.is_moe
+            else None,
         )
         self.scheduler = (
             None
@@ -198,8 +212,30 @@ class MegatronRank:
             rows = [indices[g] for g in group]
             sub = batch.select(rows)
             make = self._packed_micro_batch if self.packed else self._padded_micro_batch
-            out.append((rows, make(sub)))
+            micro = make(sub)
+            if sub.routing is not None:
+                micro["routing"] = self._replayed_routing(sub, micro)
+            out.append((rows, micro))
         return out
+
+    def _replayed_routing(self, sub, micro: dict) -> list[torch.Tensor]:
+        """The engine's experts for this micro-batch's tokens, per MoE layer of this stage, in the rows
+        Megatron's routers see (``routing.micro_batch_routing``)."""
+        if self.ctx.sizes.cp > 1:
+            raise ValueError("grpo.routing_replay does not support context_parallel_size > 1 yet")
+        per_stage = self.model_info.shape.num_layers // self.ctx.sizes.pp
+        first = self.ctx.pp_rank * per_stage
+        routing = sub.routing
+        width = micro["tokens"].shape[1]
+        if not self.packed and width > routing.shape[1]:  # rounded up for sequence parallelism
+            extra = filler(routing.shape[2], routing.shape[3], routing.dtype)
+            routing = torch.cat([routing, extra.expand(sub.size, width - routing.shape[1], -1, -1)], dim=1)
+        return micro_batch_routing(
+            routing,
+            sub.lengths,
+            packed_tokens=width if self.packed else None,
+            layers=range(first, first + per_stage),
+        )
 
     def _padded_micro_batch(self, sub) -> dict:
         """[b, s] right-padded, s rounded up for sequence parallelism (a multiple of TP) and context
@@ -310,17 +346,60 @@ class MegatronRank:
             return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), {}
 
         micro = [{**m, "rows": rows} for rows, m in self.micro_batches(batch, mine)]
+        self._forward_only(micro, record)
+        for rows, lp in collected:
+            result[rows, : lp.shape[1]] = lp
+        return self._share_rows(result, mine)
+
+    def routing_check(self, batch) -> dict[str, float]:
+        """Rollout routing replay's health on ``batch`` (which carries the engine's ``routing`` and
+        ``gen_logprobs``), from one forward in which the trainer's routers choose for themselves:
+        ``moe/routing_agreement``, the share of (token, MoE layer) pairs the engine forwarded whose
+        top-k set the trainer picks too, and ``moe/token_mult_prob_error_no_replay``, the mean
+        exp|trainer - engine| logprob over response tokens without replay (all ranks)."""
+        self._on_device()
+        mine = self._my_shard(batch)
+        counts = torch.zeros(4, dtype=torch.float64)  # same, compared, error sum, tokens
+
+        def score(logits, micro):
+            lp, _ = self._token_logprobs(logits, micro, with_entropy=False)
+            sub, mask = micro["sub"], self._loss_mask(micro)
+            error = torch.exp((lp.detach().float().cpu() - sub.gen_logprobs[:, : lp.shape[1]]).abs())
+            counts[2] += float(error[mask[:, : lp.shape[1]]].sum())
+            counts[3] += float(mask.sum())
+            return torch.zeros((), device=logits.device), torch.tensor(1, dtype=torch.int), {}
+
+        micro = []
+        for _, m in self.micro_batches(batch, mine):
+            engine = m.pop("routing")  # the trainer's routers choose; what they chose is recorded
+            micro.append({**m, "engine_routing": engine, "record": []})
+        self._forward_only(micro, score)
+        for m in micro:
+            if m["record"]:
+                packed = m["tokens"].shape[1] if self.packed else None
+                rows = engine_routed_rows(m["sub"].lengths, packed_tokens=packed, width=m["tokens"].shape[1])
+                mine_r = [r[rows] for r in m["record"][0]]
+                same, total = routing_agreement(mine_r, [r[rows] for r in m["engine_routing"]])
+                counts[0] += same
+                counts[1] += total
+        dist.all_reduce(counts)  # TP ranks count alike: the shares are unchanged
+        return {
+            "moe/routing_agreement": float(counts[0] / counts[1]) if counts[1] else float("nan"),
+            "moe/token_mult_prob_error_no_replay": float(counts[2] / counts[3])
+            if counts[3]
+            else float("nan"),
+        }
+
+    def _forward_only(self, micro: list[dict], loss_fn) -> None:
+        """Forward passes in eval mode, no autograd (the caller's ``loss_fn`` collects what it needs)."""
         chunk = self.engine.model[0]
         training = chunk.training
         chunk.eval()
         try:
             with torch.no_grad():
-                forward_backward(self.engine, micro, record, forward_only=True)
+                forward_backward(self.engine, micro, loss_fn, forward_only=True)
         finally:
             chunk.train(training)
-        for rows, lp in collected:
-            result[rows, : lp.shape[1]] = lp
-        return self._share_rows(result, mine)
 
     def reference_logprobs(self, batch) -> torch.Tensor:
         """Logprobs under the frozen initial weights (swapped in from host memory)."""

@@ -291,10 +291,23 @@ def train_on(cfg: Config, policy: RankGroup, batch: TrainBatch, timings: dict) -
     with timed(timings, "logprobs_s"):
         if cfg.grpo.kl_coef > 0:
             batch = batch.replace(ref_logprobs=policy.call_first(PolicyWorker.reference_logprobs, batch))
+    checked = {}
+    if batch.routing is not None:
+        with timed(timings, "routing_check_s"):
+            checked = policy.call_first(PolicyWorker.routing_check, routing_sample(cfg, batch))
     with timed(timings, "train_s"):
         metrics = mean_metrics(policy.call_first(PolicyWorker.train, batch))
     timings["train_rank_s"] = policy.last_call_s  # inside the ranks: the rest is Ray
-    return batch, metrics
+    return batch, metrics | checked
+
+
+ROUTING_SAMPLE = 32
+"""Sequences of a step on which rollout routing replay's agreement is measured (one extra forward)."""
+
+
+def routing_sample(cfg: Config, batch: TrainBatch) -> TrainBatch:
+    """The first ``ROUTING_SAMPLE`` sequences of the step (at least one per data-parallel rank)."""
+    return batch.select(range(min(batch.size, max(ROUTING_SAMPLE, cfg.parallel.data_parallel_size))))
 
 
 def distill(

@@ -17,6 +17,7 @@ import torch
 from megagrpo.algorithms.grpo import group_advantages, overlong_penalty, zero_variance_groups
 from megagrpo.config import Config
 from megagrpo.data.prompts import Prompt, PromptSource
+from megagrpo.policy.routing import expert_load_max, routing_rows
 from megagrpo.types import PAD_ID, Completion, SamplingSettings, TrainBatch, TrainMetrics
 
 Generate = Callable[[Sequence[Prompt], SamplingSettings, Sequence[int]], list[Completion]]
@@ -185,7 +186,12 @@ def to_train_batch(cfg: Config, rollouts: Rollouts) -> TrainBatch:
         if sampled is not None:
             mask = comp.loss_mask if comp.loss_mask is not None else [True] * len(comp.token_ids)
             sampled[row, start : start + len(mask)] = torch.tensor(mask, dtype=torch.bool)
-    return batch.replace(advantages=advantages, gen_logprobs=gen, in_loss=in_loss, sampled=sampled)
+    routing = None
+    if cfg.grpo.routing_replay == "rollout":
+        routing = routing_rows([c.routed_experts for c in rollouts.completions], batch.input_ids.shape[1])
+    return batch.replace(
+        advantages=advantages, gen_logprobs=gen, in_loss=in_loss, sampled=sampled, routing=routing
+    )
 
 
 def step_metrics(
@@ -194,7 +200,9 @@ def step_metrics(
     """The step's reward, response-length, filtering, probe and train metrics."""
     lengths = torch.tensor([len(c.token_ids) for c in rollouts.completions], dtype=torch.float32)
     rewards = rollouts.rewards
-    return {
+    routed = [c.routed_experts for c in rollouts.completions if c.routed_experts is not None]
+    moe = {"moe/expert_load_max": expert_load_max(routed)} if routed else {}
+    return moe | {
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()),
         "reward/accuracy": float((rewards >= 1.0).float().mean()),

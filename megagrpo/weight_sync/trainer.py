@@ -1,6 +1,8 @@
 """Trainer side of weight sync: each pipeline stage streams its own layers to vLLM, in two ways.
 
-Within a stage, the ranks of data-parallel replica 0 (and CP rank 0) take part. The path is
+Within a stage, the ranks of data-parallel replica 0 (and CP rank 0) take part; under expert
+parallelism, so do the first ranks holding each other share of the experts (Megatron's expert
+data-parallel rank 0), which send their own experts only: no rank gathers another's experts. The path is
 :func:`megagrpo.weight_sync.shards.choose_path`'s:
 
 - **shard-wise**: every TP rank turns its own Megatron shards into HF layout (QKV de-interleaved per
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megagrpo.models.layout import is_gated_fc1, stage_param_names, tp_merge, tp_partition_dim
+from megagrpo.models.layout import is_expert, is_gated_fc1, stage_param_names, tp_merge, tp_partition_dim
 from megagrpo.models.mapping import hf_tensor_shapes, to_hf
 from megagrpo.parallel.local import free_port, node_ip
 from megagrpo.weight_sync.buckets import Bucket, SentBuckets, Slot, checksum, dtype_name, pack, plan_buckets
@@ -59,16 +61,23 @@ class WeightSender:
         names = stage_param_names(module, ctx, model_info.shape.num_layers)
         params = dict(module.named_parameters())
         by_global = {g: params[local] for local, g in names.items()}
+        self.sends_dense = ctx.dp_rank == 0 and ctx.cp_rank == 0
+        self.sends_experts = ctx.expert_dp_rank == 0 and ctx.cp_rank == 0
         # Rule order: embedding, layers in order, final norm, output layer.
         self.rules = [
-            r for r in model_info.arch.rules(model_info.shape) if r.export and r.megatron in by_global
+            r
+            for r in model_info.arch.rules(model_info.shape)
+            if r.export and r.megatron in by_global and (self.sends_dense or is_expert(r.megatron))
         ]
         self.params = [by_global[r.megatron] for r in self.rules]
+        # A link's sender within its stage: this rank's share of the experts, then its TP rank.
+        self.slot = ctx.ep_rank * ctx.sizes.tp + ctx.tp_rank
 
     @property
     def takes_part(self) -> bool:
-        """Ranks of DP replica 0 (and CP rank 0) send or gather; the others sit the sync out."""
-        return self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0
+        """Ranks of DP replica 0 (and CP rank 0) send or gather, and under expert parallelism those
+        holding the other shares of the experts; the others sit the sync out."""
+        return self.sends_dense or self.sends_experts
 
     @property
     def shard_wise(self) -> bool:
@@ -103,13 +112,13 @@ class WeightSender:
                     Slot(p.param, dtype_name(dtype), p.shape, 0, into=(p.dim, p.dst_start), pad=p.pad)
                     for _, _, p in self._link_pieces(j)
                 ]
-                links.append(self._link((stage, self.ctx.tp_rank, j), plan_buckets(slots, bucket_bytes, -1)))
+                links.append(self._link((stage, self.slot, j), plan_buckets(slots, bucket_bytes, -1)))
             return tuple(links)
         if self.ctx.tp_rank != 0:
             return ()
         shapes = hf_tensor_shapes(self.info.shape)
         tensors = [(name, dtype, shapes[name]) for rule in self.rules for name in rule.hf]
-        return (self._link((stage, 0, -1), plan_buckets(tensors, bucket_bytes, -1)),)
+        return (self._link((stage, self.slot, -1), plan_buckets(tensors, bucket_bytes, -1)),)
 
     def _link_pieces_all(self):
         return (x for j in range(self.engine_tp) for x in self._link_pieces(j))

@@ -29,7 +29,8 @@ from megagrpo.weight_sync.buckets import Bucket
 from megagrpo.weight_sync.ipc import IpcAddress
 
 LinkKey = tuple[int, int, int]
-"""(pipeline stage, trainer TP rank, engine TP rank or -1 for every worker of every engine)."""
+"""(pipeline stage, sender within the stage: EP rank x TP + TP rank, engine TP rank or -1 for every
+worker of every engine)."""
 
 
 @dataclass(frozen=True)
