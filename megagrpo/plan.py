@@ -109,7 +109,8 @@ def read_shape(cfg: Config, hf_config: str | None) -> tuple[GPTShape, str]:
 def _layer_params(s: GPTShape) -> int:
     d, a, g, h, f = s.head_dim, s.num_attention_heads, s.num_query_groups, s.hidden_size, s.ffn_hidden_size
     qkv = h * (a + 2 * g) * d + ((a + 2 * g) * d if s.qkv_bias else 0)
-    return qkv + a * d * h + 3 * h * f + 2 * h
+    qk_norms = 2 * d if s.qk_layernorm else 0  # Qwen3's per-head q and k RMSNorms
+    return qkv + a * d * h + 3 * h * f + 2 * h + qk_norms
 
 
 def _stage_params(s: GPTShape, pp: int, stage: int) -> int:
