@@ -14,6 +14,9 @@ sender puts on each link and each vLLM worker receives per sync, on the path the
 (shard-wise where trainer and engine TP nest: every TP rank sends its own shard; else gathered:
 TP rank 0 of each stage broadcasts its stage). With colocated engines, the bytes on one GPU in
 each phase of a step (train, sync, generation: ``colocated_phases``) under ``policy.offload``.
+A mixture-of-experts model's routed experts are counted by :mod:`megagrpo.plan_experts` (split over EP
+and ETP, their Adam states over the expert data-parallel group; the dispatcher's activations and
+all-to-all bytes; the engines' layouts of them) and added to each rank's numbers.
 These are estimates; ``python -m benchmarks.train`` compares them with measured peaks.
 """
 
@@ -21,10 +24,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megagrpo import plan_experts
 from megagrpo.config import rules
 from megagrpo.config.errors import ConfigError
 from megagrpo.config.resolution import packs_sequences
@@ -75,6 +79,8 @@ class Plan:
     colocated: dict[str, object] | None = None
     """Colocated placement: bytes per GPU in each phase of a step (train, sync, generation) and the peak."""
     errors: list[str] = field(default_factory=list)
+    experts: plan_experts.ExpertPlan | None = None
+    """A mixture-of-experts model: the experts' layout and their part of each rank's numbers."""
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -107,12 +113,15 @@ def read_shape(cfg: Config, hf_config: str | None) -> tuple[GPTShape, str]:
 
 
 def _layer_params(s: GPTShape) -> int:
-    d, a, g, h, f = s.head_dim, s.num_attention_heads, s.num_query_groups, s.hidden_size, s.ffn_hidden_size
+    """One layer's parameters but the routed experts (:func:`plan_experts.mlp_params`)."""
+    d, a, g, h = s.head_dim, s.num_attention_heads, s.num_query_groups, s.hidden_size
     qkv = h * (a + 2 * g) * d + ((a + 2 * g) * d if s.qkv_bias else 0)
-    return qkv + a * d * h + 3 * h * f + 2 * h
+    qk_norms = 2 * d if s.qk_layernorm else 0  # Qwen3's per-head q and k RMSNorms
+    return qkv + a * d * h + plan_experts.mlp_params(s) + 2 * h + qk_norms
 
 
 def _stage_params(s: GPTShape, pp: int, stage: int) -> int:
+    """A pipeline stage's parameters but the routed experts."""
     from megagrpo.models.shape import padded_vocab_size
 
     embed = padded_vocab_size(s.vocab_size) * s.hidden_size
@@ -130,7 +139,8 @@ def _activations(cfg: Config, s: GPTShape, impl: str, stage: int) -> int:
     Per token and layer, counted as Korthikanti et al. (2022) count them but for a gated MLP and
     grouped-query attention, in the model's dtype and without dropout: the two norms' inputs and the
     residual (not split over TP without SP), the QKV, projection and fc1 inputs (h each), q/k/v
-    ((heads + 2 groups) x head_dim), fc1's output (2 ffn) and the gated activation's (ffn). An unfused
+    ((heads + 2 groups) x head_dim), fc1's output (2 ffn) and the gated activation's (ffn); an MoE
+    layer's MLP as :mod:`megagrpo.plan_experts` counts it instead of the last two. An unfused
     attention (an implementation without ``thd`` in IMPL_FEATURES) also materialises fp32 scores and
     probabilities and their gradients, 16 bytes per [head, query, key] element; with core-attention
     recompute only one layer's are alive at a time. 1F1B keeps ``pp - stage`` micro-batches in flight.
@@ -142,20 +152,29 @@ def _activations(cfg: Config, s: GPTShape, impl: str, stage: int) -> int:
     seq = min(cfg.model.seq_length, pol.micro_batch_max_tokens) // cp
     h, layers = s.hidden_size, s.num_layers // pp
     qkv = (s.num_attention_heads + 2 * s.num_query_groups) * s.head_dim
-    split = 3 * h + qkv + 3 * s.ffn_hidden_size  # split over TP
+    mlp, routed = plan_experts.mlp_activation_elements(s, plan_experts.expert_tp(par))
+    split = 3 * h + qkv + mlp  # split over TP
     unsplit = 2 * h  # the norms' inputs: split over TP only with sequence parallelism
     per_token = wb * (split + unsplit) / tp if par.sequence_parallel else wb * (split / tp + unsplit)
+    per_token += wb * routed  # the router's and the top-k copies', whole on every TP rank
     unfused = "thd" not in backends.IMPL_FEATURES.get(impl, frozenset())
     attn_core = 16 * (s.num_attention_heads / tp) * seq * tokens if unfused else 0
-    in_flight = pp - stage
+    in_flight, alive = pp - stage, _layers_alive(cfg, layers, stage)
     if pol.recompute == "none":
-        return int(in_flight * layers * (per_token * tokens + attn_core))
+        return int(alive * (per_token * tokens + attn_core))
     if pol.recompute == "core_attention":
-        return int(in_flight * layers * per_token * tokens + attn_core)
+        return int(alive * per_token * tokens + attn_core)
     # full: each group's input kept, one group's activations alive in its backward
     groups = math.ceil(layers / pol.recompute_num_layers)
     kept = wb * h * tokens / (tp if par.sequence_parallel else 1)
-    return int(in_flight * groups * kept + pol.recompute_num_layers * (per_token * tokens + attn_core))
+    return int(in_flight * groups * kept + alive * (per_token * tokens + attn_core))
+
+
+def _layers_alive(cfg: Config, layers: int, stage: int) -> int:
+    """Layers whose activations a rank of ``stage`` keeps at its peak: every layer of the ``pp - stage``
+    micro-batches 1F1B keeps in flight, or with full recompute one group's."""
+    pol, pp = cfg.policy, cfg.parallel.pipeline_model_parallel_size
+    return pol.recompute_num_layers if pol.recompute == "full" else (pp - stage) * layers
 
 
 def _logits(cfg: Config, s: GPTShape, stage: int) -> int:
@@ -256,44 +275,95 @@ def make_plan(
             rule()
         except ConfigError as err:
             errors.append(str(err))
+    pairs = [_rank_memory(cfg, shape, impl, stage) for stage in range(par.pipeline_model_parallel_size)]
+    ranks = [rank for rank, _ in pairs]
+    wb = DTYPE_BYTES[cfg.model.dtype]
+    non_expert = _stage_params(shape, 1, 0)  # the whole model as one stage, but the routed experts
+    params = non_expert + shape.num_layers * plan_experts.routed_layer_params(shape)
+    engine = _engine_worker(cfg, shape, non_expert, gpu_memory_gib)
+    experts = None
+    if shape.is_moe:
+        experts = plan_experts.expert_plan(cfg, shape, [e for _, e in pairs], non_expert, wb)
+        sync = plan_experts.sync_bound(cfg, [r.weights for r in ranks], engine["weights"], link_gbps)
+    else:
+        sync = _sync_traffic(cfg, shape, wb, link_gbps)
+    gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    mem = int(gpu_memory_gib * GIB)
+    colocated = colocated_phases(cfg, ranks, engine) if gen.placement == "colocated" else None
+    plan = Plan(
+        par.world_size,
+        gpus,
+        mem,
+        impl,
+        cfg.resolved.backend,
+        params,
+        ranks,
+        engine,
+        sync,
+        colocated,
+        experts=experts,
+    )
+    plan.errors = errors
+    errors += memory_errors(cfg, ranks, engine, gpu_memory_gib, colocated)
+    return plan
+
+
+def _rank_memory(
+    cfg: Config, shape: GPTShape, impl: str, stage: int
+) -> tuple[RankMemory, plan_experts.ExpertRankMemory | None]:
+    """A trainer rank of ``stage``: the non-expert parameters split over TP, their Adam states divided
+    over DP with the distributed optimizer; an MoE model's routed experts added (and returned apart)."""
+    par = cfg.parallel
     tp, pp, dp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.data_parallel_size
     wb = DTYPE_BYTES[cfg.model.dtype]
     opt_per_param = 8 + (4 if wb < 4 else 0)  # Adam m, v (+ fp32 master weights)
-    ranks = []
-    for stage in range(pp):
-        n = math.ceil(_stage_params(shape, pp, stage) / tp)
-        full_opt = n * opt_per_param
-        ranks.append(
-            RankMemory(
-                stage=stage,
-                params=n,
-                weights=n * wb,
-                grads=n * 4,
-                optimizer=math.ceil(full_opt / dp) if par.use_distributed_optimizer else full_opt,
-                optimizer_without_distributed=full_opt,
-                activations=_activations(cfg, shape, impl, stage),
-                logits=_logits(cfg, shape, stage),
-            )
-        )
-    params = _stage_params(shape, 1, 0)  # the whole model as one stage
+    n = math.ceil(_stage_params(shape, pp, stage) / tp)
+    trained = n - plan_experts.frozen_params(cfg, shape, shape.num_layers // pp)
+    full_opt = trained * opt_per_param
+    rank = RankMemory(
+        stage=stage,
+        params=n,
+        weights=n * wb,
+        grads=trained * 4,
+        optimizer=math.ceil(full_opt / dp) if par.use_distributed_optimizer else full_opt,
+        optimizer_without_distributed=full_opt,
+        activations=_activations(cfg, shape, impl, stage),
+        logits=_logits(cfg, shape, stage),
+    )
+    if not shape.is_moe:
+        return rank, None
+    alive = _layers_alive(cfg, shape.num_layers // pp, stage)
+    e = plan_experts.expert_rank(cfg, shape, stage, wb=wb, opt_per_param=opt_per_param, layers_alive=alive)
+    with_experts = replace(
+        rank,
+        params=rank.params + e.params,
+        weights=rank.weights + e.weights,
+        grads=rank.grads + e.grads,
+        optimizer=rank.optimizer + e.optimizer,
+        optimizer_without_distributed=rank.optimizer_without_distributed + e.optimizer_without_distributed,
+    )
+    return with_experts, e
+
+
+def _engine_worker(cfg: Config, shape: GPTShape, non_expert: int, gpu_memory_gib: float) -> dict[str, int]:
+    """One vLLM worker: its weights (an MoE model's as :func:`plan_experts.engine_weights` lays them out),
+    the KV cache for ``model.seq_length`` at the engine's concurrency, and its claim on the GPU."""
+    gen, wb = cfg.generation, DTYPE_BYTES[cfg.model.dtype]
     etp = gen.engine_tensor_parallel_size
     kv_per_token = 2 * shape.num_layers * shape.num_query_groups * shape.head_dim * wb / etp
     per_engine = math.ceil(cfg.rollouts_per_step / gen.num_engines)
     concurrency = min(per_engine, VLLM_MAX_NUM_SEQS)
-    engine = {
-        "weights": int(params * wb / etp),
+    weights = (
+        plan_experts.engine_weights(shape, non_expert, etp, wb)
+        if shape.is_moe
+        else int(non_expert * wb / etp)
+    )
+    return {
+        "weights": weights,
         "kv_cache": int(kv_per_token * cfg.model.seq_length * concurrency),
         "concurrency": concurrency,
         "claimed": int(gen.gpu_memory_utilization * gpu_memory_gib * GIB),
     }
-    sync = _sync_traffic(cfg, shape, wb, link_gbps)
-    gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-    mem = int(gpu_memory_gib * GIB)
-    colocated = colocated_phases(cfg, ranks, engine) if gen.placement == "colocated" else None
-    plan = Plan(par.world_size, gpus, mem, impl, cfg.resolved.backend, params, ranks, engine, sync, colocated)
-    plan.errors = errors
-    errors += memory_errors(cfg, ranks, engine, gpu_memory_gib, colocated)
-    return plan
 
 
 def colocated_phases(cfg: Config, ranks: list[RankMemory], engine: dict) -> dict[str, object]:
@@ -367,20 +437,48 @@ def _size(n: float) -> str:
     return f"{n / GIB:.1f}G" if n >= GIB / 10 else f"{n / 2**20:.1f}M"
 
 
-def render(plan: Plan, cfg: Config) -> None:
-    """Print the run's layout and ``plan`` as tables (rich)."""
-    from rich.console import Console
+def _render_experts(con, x: plan_experts.ExpertPlan, cfg: Config) -> None:
+    """The experts' layout and their part of each trainer rank's bytes (in the trainer table too)."""
     from rich.table import Table
 
-    con = Console(width=120, highlight=False)
+    con.print(
+        f"experts        {x.num_experts} per layer, top-{x.router_topk}, expert MLP "
+        f"{x.expert_ffn_hidden_size}; EP {x.ep} x ETP {x.etp}: {x.local_experts} per rank, expert DP "
+        f"{x.expert_dp} (TP x DP x CP / EP x ETP)"
+    )
+    t = Table(
+        title=f"Routed experts, in the totals above (bytes per rank; optimizer over expert DP {x.expert_dp})"
+    )
+    for col in ("stage", "params", "weights", "grads", "optimizer", "optim. w/o dist.", "activations"):
+        t.add_column(col, justify="right")
+    for col in ("a2a/layer fwd", "a2a/step"):
+        t.add_column(col, justify="right")
+    for r in x.ranks:
+        g = (r.weights, r.grads, r.optimizer, r.optimizer_without_distributed, r.activations)
+        a2a = (r.all_to_all_layer_forward, r.all_to_all_step)
+        t.add_row(str(r.stage), f"{r.params / 1e6:.1f}M", *map(_size, (*g, *a2a)))
+    con.print(t)
+    passes = ["forward", "backward"] + ["full recompute"] * (cfg.policy.recompute == "full")
+    passes += ["old log-probs"] * (cfg.mini_batches_per_step > 1) + ["reference"] * (cfg.grpo.kl_coef > 0)
+    con.print(
+        f"               activations: the router's and the top-{x.router_topk} copies' (permuted hidden "
+        "states, expert MLPs), routing balanced"
+    )
+    con.print("               a2a: all-to-all bytes a rank sends to the other EP ranks (dispatch + combine)")
+    con.print(f"               a2a/step, at most: {', '.join(passes)}")
+
+
+def _render_run(con, plan: Plan, cfg: Config) -> None:
+    """The run's model, layouts and step, one line each."""
     par, gen, grpo = cfg.parallel, cfg.generation, cfg.grpo
     m = cfg.model
     model = (
         f"tiny {m.arch}" if m.tiny else f"HF {m.hf_dir}" if m.hf_dir else f"the result of run {m.init_from}"
     )
     con.print(f"run            {cfg.run_name}")
+    active = f" ({plan.experts.active_params / 1e9:.2f}B active)" if plan.experts else ""
     con.print(
-        f"model          {model}, {plan.params / 1e9:.2f}B parameters, {cfg.model.dtype}, "
+        f"model          {model}, {plan.params / 1e9:.2f}B parameters{active}, {cfg.model.dtype}, "
         f"seq_length {cfg.model.seq_length}"
     )
     con.print(
@@ -404,6 +502,16 @@ def render(plan: Plan, cfg: Config) -> None:
         f"{cfg.rollouts_per_step} rollouts, {cfg.mini_batches_per_step} optimizer step(s) of "
         f"{cfg.policy.mini_batch_size}"
     )
+
+
+def render(plan: Plan, cfg: Config) -> None:
+    """Print the run's layout and ``plan`` as tables (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=120, highlight=False)
+    gen = cfg.generation
+    _render_run(con, plan, cfg)
     t = Table(
         title=f"Trainer: {plan.world_size} ranks, {plan.transformer_impl}, {plan.backend} (bytes per rank)"
     )
@@ -423,11 +531,20 @@ def render(plan: Plan, cfg: Config) -> None:
         g = (r.weights, r.grads, r.optimizer, r.optimizer_without_distributed, r.activations, r.logits)
         t.add_row(str(r.stage), f"{r.params / 1e6:.1f}M", *map(_size, (*g, r.total)))
     con.print(t)
+    if plan.experts is not None:
+        _render_experts(con, plan.experts, cfg)
     e = plan.engine_worker_bytes
     con.print(
         f"engine worker: weights {_size(e['weights'])} + KV cache {_size(e['kv_cache'])} "
         f"({e['concurrency']} sequences) of {_size(e['claimed'])} claimed"
     )
+    if plan.experts is not None:
+        x, t = plan.experts, gen.engine_tensor_parallel_size
+        con.print(
+            f"engine experts: vLLM's default (TP {t}) all {x.num_experts} on each worker, "
+            f"{x.engine_expert_ffn} of {x.expert_ffn_hidden_size} wide; expert parallel: "
+            f"{x.engine_experts_ep} whole, weights {_size(x.engine_weights_ep)}"
+        )
     s = plan.sync
     con.print(
         f"weight sync, {s['path']} ({s['path_reason']}): {s['senders']} sender(s) -> {s['receivers']} "
