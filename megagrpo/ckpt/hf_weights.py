@@ -99,14 +99,18 @@ def load_hf_into_stage(
             if len(views) == 1 and views[0].shape[0] == plan.rows:  # not a padded vocabulary
                 mapped[local] = views[0]
                 continue
-        covered = 0
-        target = param.detach()
-        for read in plan.reads:
-            rows = read.stop - read.start
-            hf.read_rows_into(read.hf, read.start, read.stop, target[read.dest : read.dest + rows])
-            covered += rows
-        if covered < plan.rows:  # vocabulary padding: the reads cover the leading rows
-            target[covered:].zero_()
+        _read_rows(hf, plan, param.detach())
+
+
+def _read_rows(hf: HFCheckpoint, plan, target: torch.Tensor) -> None:
+    """Fill ``target`` (a shard) from the file, row range by row range, as ``plan`` places them."""
+    covered = 0
+    for read in plan.reads:
+        rows = read.stop - read.start
+        hf.read_rows_into(read.hf, read.start, read.stop, target[read.dest : read.dest + rows])
+        covered += rows
+    if covered < plan.rows:  # vocabulary padding: the reads cover the leading rows
+        target[covered:].zero_()
 
 
 def _tiles_rows(reads, rows: int) -> bool:

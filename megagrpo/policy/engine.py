@@ -105,11 +105,7 @@ def build_engine(
         routing_replay=bool(moe and moe.routing_replay),
     )
     if config.moe_enable_routing_replay:
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        # Every router registers itself in one class-wide list: a model built earlier in this
-        # process (a conversion, a test) must not stay in it.
-        RouterReplay.clear_global_router_replay_instances()
+        _forget_earlier_routers()
     # Micro-batches are packed by a token budget, so their [batch, seq] shapes differ; pipeline
     # stages then exchange shapes before activations.
     config.variable_seq_lengths = True
@@ -130,9 +126,7 @@ def build_engine(
         module.eval()
         return TrainEngine(ctx, shape, config, [module], None, transformer_impl)
     if moe and moe.freeze_router:
-        for name, p in module.named_parameters():
-            if name.endswith("mlp.router.weight"):
-                p.requires_grad_(False)  # out of DDP's buffers and the optimizer
+        _freeze_routers(module)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -151,6 +145,22 @@ def build_engine(
         optimizer=megatron_optimizer(opt, dtype, ddp, ctx),
         transformer_impl=transformer_impl,
     )
+
+
+def _forget_earlier_routers() -> None:
+    """Every router able to replay registers itself in one class-wide list: a model built earlier in
+    this process (a conversion, a test) must not stay in it."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def _freeze_routers(module: torch.nn.Module) -> None:
+    """``policy.freeze_router``: the routers' weights need no grad, so they stay out of DDP's buffers
+    and the optimizer."""
+    for name, p in module.named_parameters():
+        if name.endswith("mlp.router.weight"):
+            p.requires_grad_(False)
 
 
 def megatron_optimizer(opt: OptimizerSettings, dtype: torch.dtype, ddp, ctx: ParallelContext):
