@@ -185,9 +185,9 @@ def check_shape(cfg: Config, shape: Any, where: str, *, engines: bool = True) ->
 
 
 def _check_experts(cfg: Config, shape: Any, where: str) -> None:
-    """A mixture-of-experts model: EP splits the experts evenly and fits Megatron's expert groups;
-    Megatron's MoE layers with tensor parallelism need sequence parallelism, which the layers built
-    here do not give them yet."""
+    """A mixture-of-experts model: EP splits the experts evenly and fits Megatron's expert groups; the
+    experts are split over TP as the other layers are; Megatron's MoE layers with tensor parallelism
+    need sequence parallelism, which Megatron's local layers (their norms) refuse."""
     par = cfg.parallel
     tp, ep, experts = par.tensor_model_parallel_size, par.expert_model_parallel_size, shape.num_experts
     require(
@@ -204,16 +204,19 @@ def _check_experts(cfg: Config, shape: Any, where: str) -> None:
         f"of a pipeline stage, tensor x data x context parallel ({stage})",
     )
     require(
-        tp == 1 and etp == 1,
-        ("parallel.tensor_model_parallel_size", "parallel.expert_tensor_parallel_size"),
-        f"mixture-of-experts models train at tensor_model_parallel_size 1 for now, got {tp} (experts {etp})",
+        etp == tp,
+        ("parallel.expert_tensor_parallel_size", "parallel.tensor_model_parallel_size"),
+        f"expert_tensor_parallel_size {etp} differs from tensor_model_parallel_size {tp}: the experts are "
+        "split as the other layers are for now (leave it null)",
     )
-    require(
-        cfg.resolution is None or cfg.resolved.transformer_impl != "torch",
-        ("parallel.transformer_impl", f"{where}.num_experts"),
-        "mixture-of-experts models are built with the local or transformer_engine layers; set "
-        "parallel.transformer_impl=local (auto picks torch on this machine)",
-    )
+    if tp > 1:
+        impl = cfg.resolved.transformer_impl if cfg.resolution is not None else par.transformer_impl
+        require(
+            par.sequence_parallel and impl in ("torch", "transformer_engine"),
+            ("parallel.tensor_model_parallel_size", "parallel.sequence_parallel"),
+            f"mixture-of-experts layers at tensor_model_parallel_size {tp} need sequence_parallel true "
+            f"(Megatron's MoE layers) and transformer_impl torch or transformer_engine (got {impl!r})",
+        )
 
 
 def _check_dense(cfg: Config, where: str) -> None:

@@ -151,10 +151,6 @@ def layer_spec(config, transformer_impl: str = "auto", *, pp_rank: int = 0):
             num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=config.qk_layernorm
         )
     if impl == "torch":
-        if experts:
-            raise ValueError(
-                "mixture-of-experts models are built with the local or transformer_engine layers"
-            )
         return torch_layers.block_spec(config, pp_rank)
     return get_gpt_layer_local_spec(
         num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"

@@ -266,13 +266,21 @@ def layer_spec(qk_layernorm: bool = False):
 def block_spec(config, pp_rank: int):
     """This pipeline stage's ``TransformerBlockSubmodules``: its layers and a torch RMSNorm as the
     final norm (given a bare layer spec, Megatron would pick its own, which refuses sequence
-    parallelism)."""
+    parallelism). A mixture-of-experts model's layers take Megatron's MoE block (router, experts as
+    ``SequentialMLP`` of tensor-parallel linears, the shared expert) as their MLP: with tensor
+    parallelism Megatron's MoE layers need sequence parallelism, which these layers allow."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
+    layer = layer_spec(config.qk_layernorm)
+    if config.num_moe_experts:
+        from megatron.core.models.backends import LocalSpecProvider
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+        layer.submodules.mlp = get_moe_module_spec_for_backend(
+            LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False
+        )
     layers = get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(config.qk_layernorm)] * layers, layer_norm=RMSNorm
-    )
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm)

@@ -230,12 +230,20 @@ class MegatronRank:
         if not self.packed and width > routing.shape[1]:  # rounded up for sequence parallelism
             extra = filler(routing.shape[2], routing.shape[3], routing.dtype)
             routing = torch.cat([routing, extra.expand(sub.size, width - routing.shape[1], -1, -1)], dim=1)
-        return micro_batch_routing(
+        rows = micro_batch_routing(
             routing,
             sub.lengths,
             packed_tokens=width if self.packed else None,
             layers=range(first, first + per_stage),
         )
+        return [self._sequence_shard(r) for r in rows]
+
+    def _sequence_shard(self, rows: torch.Tensor) -> torch.Tensor:
+        """Under sequence parallelism a TP rank's routers see only its slice of the sequence dim, which
+        is a contiguous share of the router's rows (row = s_i x b + b_i)."""
+        if not self.cfg.parallel.sequence_parallel:
+            return rows
+        return rows.chunk(self.ctx.sizes.tp)[self.ctx.tp_rank]
 
     def _padded_micro_batch(self, sub) -> dict:
         """[b, s] right-padded, s rounded up for sequence parallelism (a multiple of TP) and context
@@ -378,6 +386,7 @@ class MegatronRank:
             if m["record"]:
                 packed = m["tokens"].shape[1] if self.packed else None
                 rows = engine_routed_rows(m["sub"].lengths, packed_tokens=packed, width=m["tokens"].shape[1])
+                rows = self._sequence_shard(rows)
                 mine_r = [r[rows] for r in m["record"][0]]
                 same, total = routing_agreement(mine_r, [r[rows] for r in m["engine_routing"]])
                 counts[0] += same

@@ -3,7 +3,7 @@
 With the routing replayed (``grpo.routing_replay: rollout``: each token goes to the experts the batch
 carries), the routing no longer depends on the layout, so one optimizer step's loss and grad norm, and the
 logprobs before and after it, are those of one rank at EP 2 (tokens dispatched by all-to-all over gloo,
-uneven micro-batch counts padded), DP 2 and PP 2. Replay is what it claims: replaying the routers' own
+uneven micro-batch counts padded), PP 2 and TP 2 (sequence parallel, packed). Replay is what it claims: replaying the routers' own
 choices changes nothing, other experts change the logprobs, and ``routing_check`` measures exactly that.
 Without replay, EP 2 equals one rank as well (the routers choose alike on every rank)."""
 
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.dist
 EXPERTS, TOPK, LAYERS = 8, 2, 2
 REPLAY = "grpo.routing_replay=rollout"
 LOCAL = "parallel.transformer_impl=local"
+TORCH = "parallel.transformer_impl=torch"
 
 
 def engine_routing(batch, seed: int = 3) -> list[np.ndarray]:
@@ -82,6 +83,9 @@ LAYOUTS = {
     "ep2-small": (dict(dp=2, budget=SMALL_BUDGET), (EP2,), True),
     "ep2-recompute-full": (dict(dp=2, budget=SMALL_BUDGET), (EP2, "policy.recompute=full"), True),
     "pp2-small": (dict(pp=2, budget=SMALL_BUDGET), (), True),
+    # TP 2: the torch layers with sequence parallelism (each TP rank routes its slice of the tokens),
+    # packed micro-batches (THD) against the padded reference.
+    "tp2-sp-torch": (dict(tp=2, budget=SMALL_BUDGET), (TORCH, "parallel.sequence_parallel=true"), True),
     "ep2-unreplayed": (dict(dp=2), (EP2,), False),
 }
 

@@ -91,8 +91,13 @@ def test_layout_rules_for_experts_name_their_keys():
     _, shape = shape_from_hf_config(QWEN3_MOE)
     ok = load_config(None, ["parallel.tensor_model_parallel_size=1", "parallel.transformer_impl=local"])
     check_shape(ok, shape, "config.json")
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size 1 for now"):
+    with pytest.raises(ConfigError, match="need sequence_parallel true"):
         check_shape(load_config(None, ["parallel.transformer_impl=local"]), shape, "config.json")
+    tp2 = ["parallel.transformer_impl=torch", "parallel.sequence_parallel=true"]
+    check_shape(load_config(None, tp2), shape, "config.json")
+    tiny_moe = ["model.arch=qwen3_moe", "model.tiny.num_experts=8"]
+    with pytest.raises(ConfigError, match="expert_tensor_parallel_size 1 differs"):
+        load_config(None, [*tiny_moe, *tp2, "parallel.expert_tensor_parallel_size=1"])
 
 
 def _moe_cfg(tmp_path, *overrides):
