@@ -9,7 +9,7 @@ STAMP := $(VENV)/.megagrpo-$(EXTRAS)-installed
 PYTEST_ARGS ?=
 SUITE ?= cpu
 
-.PHONY: setup demo sft-demo dpo-demo distill-demo agent-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-deps bench-readme bench-check clean
+.PHONY: setup demo sft-demo dpo-demo distill-demo agent-demo moe-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-deps bench-readme bench-check clean
 
 setup: $(STAMP)
 
@@ -78,6 +78,15 @@ agent-demo: setup runs/agent-model/hf_export/config.json
 	$(VENV)/bin/megagrpo train --config agent/grpo
 	$(PY) tools/compare_runs.py runs/agent-grpo --metric val/accuracy
 	$(PY) tools/compare_runs.py runs/agent-grpo --metric val/tool_use_frac
+
+# Mixture-of-experts GRPO (configs/tiny_moe.yaml): the tiny demo with a tiny Qwen3-MoE (8 experts, top-2),
+# its experts split over two expert-parallel trainer ranks, rollout routing replay; its own warm-up (cached
+# under runs/tiny-moe/warmup). Prints the greedy accuracy at every validation and the routing metrics.
+moe-demo: setup
+	rm -rf runs/tiny-moe/checkpoints
+	$(VENV)/bin/megagrpo train --config tiny_moe
+	$(PY) tools/compare_runs.py runs/tiny-moe --metric val/accuracy
+	$(PY) tools/compare_runs.py runs/tiny-moe --metric moe/routing_agreement
 
 runs/agent-model/hf_export/config.json: configs/agent/model.yaml
 	rm -rf runs/agent-model

@@ -213,7 +213,7 @@ class MegatronRank:
             sub = batch.select(rows)
             make = self._packed_micro_batch if self.packed else self._padded_micro_batch
             micro = make(sub)
-            if sub.routing is not None:
+            if getattr(sub, "routing", None) is not None:  # a TrainBatch with rollout routing
                 micro["routing"] = self._replayed_routing(sub, micro)
             out.append((rows, micro))
         return out
