@@ -28,6 +28,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from megagrpo.compat.vllm_moe_reload import forget_cpu_moe_kernels, restore_moe_kernels
 from megagrpo.weight_sync.buckets import Bucket, Slot, checksum, unpack
 from megagrpo.weight_sync.ipc import IpcReceiver
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
@@ -85,6 +86,7 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         self.received_bytes = 0  # bucket bytes this worker received in the last sync
         self._loaders: dict[int, tuple[torch.Tensor, dict]] = {}  # parameters given _copy_block, by id
         self._kept: list[torch.Tensor] = []  # receive buffers kept between syncs (CPU)
+        self._moe_kernels: list = []  # MoE kernels dropped for the reload (compat.vllm_moe_reload)
 
     def init_transfer_engine(self, init_info: MegagrpoInitInfo) -> None:
         self.shutdown()
@@ -110,6 +112,9 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._give_back_loaders()  # after a sync that failed half-way
+        restore_moe_kernels(self._moe_kernels)  # likewise
+        # vLLM's CPU MoE layers would keep their new expert weights unpacked (compat.vllm_moe_reload).
+        self._moe_kernels = forget_cpu_moe_kernels(self.model)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
@@ -117,6 +122,8 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
 
         finalize_layerwise_reload(self.model, self.model_config)
         self._give_back_loaders()
+        restore_moe_kernels(self._moe_kernels)  # layers no weights of arrived for
+        self._moe_kernels = []
         self._retie_embeddings()
 
     def _give_back_loaders(self) -> None:
