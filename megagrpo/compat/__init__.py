@@ -26,6 +26,8 @@ reads its private state or works around it through the environment.
 - ``vllm_weight_transfer`` (vllm): a weight transfer engine registered once per process (vLLM's
   private registry read);
 - ``vllm_eager_cpu`` (vllm): TorchDynamo off in eager CPU engines (``TORCH_COMPILE_DISABLE``);
+- ``vllm_moe_reload`` (vllm): the CPU MoE layers' kernels dropped before an in-place weight reload, so
+  the new expert weights are padded and prepacked (put back on layers the reload did not process);
 - ``megatron_moe`` (megatron-core): MoE routers without Transformer Engine;
 - ``process_exit`` (python): a finished command-line process ends without the interpreter's teardown.
 
@@ -136,6 +138,12 @@ PATCHES = (
         "vllm",
         ("0.32.0",),
         "vLLM compiles two sampler helpers even in eager mode: seconds of every CPU engine's first probe",
+    ),
+    Patch(
+        "vllm_moe_reload",
+        "vllm",
+        ("0.32.0",),
+        "a layerwise reload of a CPU MoE layer skips its experts' padding and prepacking (wrong outputs)",
     ),
     Patch(
         "process_exit",

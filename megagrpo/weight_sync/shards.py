@@ -5,7 +5,8 @@ trainer's senders, ``megagrpo plan`` and the tests.
 
 :func:`choose_path` is the one place that picks the path. ``shard`` when ``t`` and ``e`` divide one
 another and vLLM splits every tensor without replicating any of it (query groups divisible by ``e``:
-with fewer KV heads than engine ranks vLLM copies KV heads onto several ranks); otherwise, or when
+with fewer KV heads than engine ranks vLLM copies KV heads onto several ranks; an expert's and the
+shared expert's intermediate width divisible by both); otherwise, or when
 ``generation.weight_sync_path`` is ``gathered``, today's gathered path (all-gather over trainer TP,
 TP rank 0 of each stage broadcasts whole HF tensors, every vLLM worker cuts out its shard).
 
@@ -22,6 +23,19 @@ down_proj; norms are whole on every rank):
   KV heads, then KV heads: concatenated, not interleaved), ``gate_up_proj`` = ``[gate_j; up_j]``,
   ``embed_tokens`` / ``lm_head`` = rows ``[j P/e, (j + 1) P/e)`` of the vocabulary padded to a
   multiple of :data:`VLLM_VOCAB_PADDING` (``P``; rows past the real vocabulary are zero).
+
+Mixture-of-experts models (vLLM's Qwen3-MoE / Qwen2-MoE): the router ``mlp.gate`` and Qwen2-MoE's
+``mlp.shared_expert_gate`` are whole on every rank (vLLM's CPU build prepacks them, shape ``(0,)``
+after load, but its layerwise reload gives every parameter back its logical shape before loading, so
+they are sent whole like a norm); the shared expert is a dense MLP (``mlp.shared_expert.gate_up_proj``,
+``down_proj``). The experts of a layer are stacked into two parameters of ``mlp.experts.routed_experts``:
+``w13_weight`` ``[E, 2 f/e, h]`` (expert ``x``'s rows ``[gate_j; up_j]``) and ``w2_weight``
+``[E, h, f/e]`` (``f`` = ``moe_ffn_hidden_size``): without vLLM's expert parallelism, which the engines
+do not turn on, vLLM's TP splits every expert's intermediate dim and keeps all ``E`` experts on every
+rank. A piece of expert ``x`` goes into ``param[x]``; so that a piece keeps one ``(dim, start)``, the
+expert is folded into the start: ``dst_start = x * extent + offset``, ``extent`` being the per-expert
+parameter's size along ``dim`` (``2 f/e`` rows of ``w13``, ``f/e`` columns of ``w2``), which the
+engine unfolds (``vllm_engine.load_block``).
 
 A trainer rank's share of an HF tensor (its Megatron shard turned into HF layout by
 :func:`local_hf_tensors`: no gather) and an engine rank's share are intervals along ``dim``; every
@@ -88,6 +102,12 @@ def choose_path(shape: GPTShape, trainer_tp: int, engine_tp: int, requested: str
             "gathered",
             f"{heads} heads / FFN {ffn} / hidden {shape.hidden_size} do not split over engine TP {e}",
         )
+    for key, width in (
+        ("expert FFN", shape.moe_ffn_hidden_size if shape.is_moe else None),
+        ("shared expert FFN", shape.moe_shared_expert_ffn_hidden_size),
+    ):
+        if width is not None and (width % e or width % t):
+            return SyncPath("gathered", f"{key} {width} does not split over trainer TP {t} and engine TP {e}")
     per_engine_rank = vllm_padded_vocab(shape.vocab_size) // e
     if shape.vocab_size <= (e - 1) * per_engine_rank:
         return SyncPath(
@@ -103,8 +123,11 @@ def choose_path(shape: GPTShape, trainer_tp: int, engine_tp: int, requested: str
 
 # ------------------------------------------------------------------------------------ vLLM layout
 
-_FUSED = re.compile(r"^(.*\.)(?:self_attn\.([qkv])_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
-_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_FUSED = re.compile(
+    r"^(.*\.)(?:self_attn\.([qkv])_proj|(mlp\.(?:shared_expert\.)?)(gate|up)_proj)\.(weight|bias)$"
+)
+_EXPERT = re.compile(r"^(.*\.mlp\.)experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.shared_expert.down_proj.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -118,15 +141,25 @@ class Placement:
     """The dim TP splits (0 rows, 1 columns); -1: the whole tensor on every rank."""
     block: int
     """Index of this tensor's block in the fused per-rank parameter (q, k, v: 0, 1, 2; gate, up: 0, 1)."""
+    expert: int = -1
+    """The expert's index in the stacked expert parameter (``w13_weight``, ``w2_weight``); -1: not an
+    expert's tensor."""
 
 
 def vllm_placement(hf_name: str) -> Placement:
+    expert = _EXPERT.match(hf_name)
+    if expert:
+        prefix, index, proj = expert.groups()
+        stacked = f"{prefix}experts.routed_experts."
+        if proj == "down":
+            return Placement(stacked + "w2_weight", 1, 0, int(index))
+        return Placement(stacked + "w13_weight", 0, ("gate", "up").index(proj), int(index))
     match = _FUSED.match(hf_name)
     if match:
-        prefix, qkv, gate_up, kind = match.groups()
+        prefix, qkv, mlp, gate_up, kind = match.groups()
         if qkv:
             return Placement(f"{prefix}self_attn.qkv_proj.{kind}", 0, "qkv".index(qkv))
-        return Placement(f"{prefix}mlp.gate_up_proj.{kind}", 0, ("gate", "up").index(gate_up))
+        return Placement(f"{prefix}{mlp}gate_up_proj.{kind}", 0, ("gate", "up").index(gate_up))
     if hf_name.endswith(_ROW_PARALLEL):
         return Placement(hf_name, 1, 0)
     if hf_name in _VOCAB:
@@ -134,15 +167,29 @@ def vllm_placement(hf_name: str) -> Placement:
     return Placement(hf_name, -1, 0)
 
 
+def _mlp_width(hf_name: str, placement: Placement, shape: GPTShape) -> int:
+    """The intermediate width of the MLP a gate/up/down tensor belongs to."""
+    if placement.expert >= 0:
+        return shape.moe_ffn_hidden_size
+    if ".shared_expert." in hf_name:
+        return shape.moe_shared_expert_ffn_hidden_size
+    return shape.ffn_hidden_size
+
+
 def _block_offset(hf_name: str, placement: Placement, shape: GPTShape, engine_tp: int) -> int:
-    """Start of the tensor's block along ``dim`` in an engine rank's fused parameter."""
+    """Start of the tensor's block along ``dim`` in an engine rank's fused parameter; for an expert, with
+    the expert folded in (``expert x extent``, see the module's docstring)."""
+    start = 0
+    if placement.expert >= 0:
+        extent = _mlp_width(hf_name, placement, shape) // engine_tp
+        start = placement.expert * (2 * extent if placement.dim == 0 else extent)
     if placement.block == 0:
-        return 0
+        return start
     if ".self_attn." in hf_name:  # k after q, v after q and k
         q_rows = shape.num_attention_heads * shape.head_dim // engine_tp
         kv_rows = shape.num_query_groups * shape.head_dim // engine_tp
         return q_rows + (placement.block - 1) * kv_rows
-    return shape.ffn_hidden_size // engine_tp  # up after gate
+    return start + _mlp_width(hf_name, placement, shape) // engine_tp  # up after gate
 
 
 def _share(length: int, parts: int, index: int) -> tuple[int, int]:
@@ -180,7 +227,8 @@ class Piece:
     src_start: int
     """Start along ``dim`` in the trainer rank's share of the HF tensor (:func:`local_hf_tensors`)."""
     dst_start: int
-    """Start along ``dim`` in the engine rank's parameter."""
+    """Start along ``dim`` in the engine rank's parameter; in a stacked expert parameter, with the expert
+    folded in: ``expert x (per-expert size along dim) + start in param[expert]``."""
     length: int
     """Its extent along ``dim``."""
     shape: tuple[int, ...]

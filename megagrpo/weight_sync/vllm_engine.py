@@ -28,6 +28,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from megagrpo.compat.vllm_moe_reload import forget_cpu_moe_kernels, restore_moe_kernels
 from megagrpo.weight_sync.buckets import Bucket, Slot, checksum, unpack
 from megagrpo.weight_sync.ipc import IpcReceiver
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
@@ -85,6 +86,7 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         self.received_bytes = 0  # bucket bytes this worker received in the last sync
         self._loaders: dict[int, tuple[torch.Tensor, dict]] = {}  # parameters given _copy_block, by id
         self._kept: list[torch.Tensor] = []  # receive buffers kept between syncs (CPU)
+        self._moe_kernels: list = []  # MoE kernels dropped for the reload (compat.vllm_moe_reload)
 
     def init_transfer_engine(self, init_info: MegagrpoInitInfo) -> None:
         self.shutdown()
@@ -110,6 +112,9 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._give_back_loaders()  # after a sync that failed half-way
+        restore_moe_kernels(self._moe_kernels)  # likewise
+        # vLLM's CPU MoE layers would keep their new expert weights unpacked (compat.vllm_moe_reload).
+        self._moe_kernels = forget_cpu_moe_kernels(self.model)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
@@ -117,6 +122,8 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
 
         finalize_layerwise_reload(self.model, self.model_config)
         self._give_back_loaders()
+        restore_moe_kernels(self._moe_kernels)  # layers no weights of arrived for
+        self._moe_kernels = []
         self._retie_embeddings()
 
     def _give_back_loaders(self) -> None:
@@ -197,13 +204,24 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         self.groups, self.ipc = {}, {}
 
 
+def _block_target(param: torch.Tensor, block: torch.Tensor, dim: int, start: int) -> tuple[torch.Tensor, int]:
+    """(the tensor ``block`` goes into, its start there along ``dim``): the parameter itself, or for a
+    stacked expert parameter ``[E, ...]`` (a block of one dim fewer) the expert's ``param[x]``, ``x``
+    being folded into ``start`` (``shards.Piece.dst_start``)."""
+    if param.dim() == block.dim():
+        return param.data, start
+    per_expert = param.shape[1 + dim]
+    return param.data[start // per_expert], start % per_expert
+
+
 def _copy_block(param: torch.Tensor, loaded_weight: torch.Tensor, dim: int, start: int, pad: bool) -> None:
     """A weight loader for a block of this rank's own shard: no TP slicing, only the offset."""
+    target, start = _block_target(param, loaded_weight, dim, start)
     size = loaded_weight.shape[dim]
-    param.data.narrow(dim, start, size).copy_(loaded_weight)
+    target.narrow(dim, start, size).copy_(loaded_weight)
     if pad:  # vLLM's vocabulary padding rows, zeroed as its own embedding loader does
         end = start + size
-        param.data.narrow(dim, end, param.shape[dim] - end).zero_()
+        target.narrow(dim, end, target.shape[dim] - end).zero_()
 
 
 _LOADER_ATTRS = ("weight_loader", "_weight_loader")  # plain parameters; vLLM's BasevLLMParameter
@@ -240,9 +258,16 @@ def load_block(model: torch.nn.Module, slot: Slot, block: torch.Tensor, touched:
     except AttributeError as err:
         raise RuntimeError(f"shard-wise weight sync: vLLM's model has no parameter {slot.name}") from err
     dim, start = slot.into
-    want = list(param.shape)
-    want[dim] = block.shape[dim]
-    if list(block.shape) != want or start + block.shape[dim] > param.shape[dim]:
+    stacked = param.dim() == block.dim() + 1
+    if stacked:
+        _check_experts_unpadded(layer, slot.name)
+    fits = not stacked or start // param.shape[1 + dim] < param.shape[0]
+    if fits:
+        target, at = _block_target(param, block, dim, start)
+        want = list(target.shape)
+        want[dim] = block.shape[dim]
+        fits = list(block.shape) == want and at + block.shape[dim] <= target.shape[dim]
+    if not fits:
         raise RuntimeError(
             f"shard-wise weight sync: block {list(block.shape)} at {start} along dim {dim} does not fit "
             f"{slot.name} {list(param.shape)} of this vLLM worker"
@@ -251,3 +276,18 @@ def load_block(model: torch.nn.Module, slot: Slot, block: torch.Tensor, touched:
     param.weight_loader = _copy_block
     param.weight_loader = make_online_process_loader(layer, attr)
     param.weight_loader(param, block, dim, start, slot.pad)
+
+
+def _check_experts_unpadded(layer: torch.nn.Module, name: str) -> None:
+    """Shard-wise expert blocks are placed by the experts' real intermediate size. vLLM's CUDA
+    FlashInfer TRT-LLM and ROCm AITER backends pad it when they create the parameters (vLLM's CPU
+    kernel pads only its processed copy, after loading), which would shift every expert's rows."""
+    config = getattr(layer, "moe_config", None)
+    padded = getattr(config, "intermediate_size_per_partition", None)
+    real = getattr(config, "intermediate_size_per_partition_unpadded", None)
+    if padded != real:
+        raise RuntimeError(
+            f"shard-wise weight sync: this vLLM worker pads the experts' intermediate dim ({real} -> "
+            f"{padded}) in {name}, so blocks cannot be placed by the model's shape; set "
+            "generation.weight_sync_path=gathered"
+        )

@@ -31,7 +31,9 @@ def test_another_megatron_version_names_its_unverified_patches_in_one_warning():
     assert named == {p.name for p in compat.PATCHES if p.library == "megatron-core"}
     assert named >= {"cuda_on_cpu", "megatron_writer", "megatron_optimizer", "startup"}
     vllm_part = message.split("vllm 0.33.1 (pinned 0.32.0; patches not verified for it: ")[1]
-    assert set(vllm_part.split(")")[0].split(", ")) == {"vllm_weight_transfer", "vllm_eager_cpu"}
+    named = set(vllm_part.split(")")[0].split(", "))
+    assert named == {p.name for p in compat.PATCHES if p.library == "vllm"}
+    assert named >= {"vllm_weight_transfer", "vllm_eager_cpu", "vllm_moe_reload"}
     assert "torch" not in message and "python" not in message
 
 
@@ -244,3 +246,19 @@ def test_a_program_silences_the_noise_here_and_in_the_processes_it_starts():
     assert env_line == ",".join([*pythonwarnings_entries(), "error::DeprecationWarning"])
     assert caught == "['kept']"
     assert child == "1 True"  # the child shows only the unrelated warning
+
+
+def test_vllm_still_skips_the_cpu_experts_processing_on_a_weight_update():
+    # The reason for vllm_moe_reload holds for the installed vLLM: a second processing of an MoE layer
+    # (the kernel set) is taken for a weight update, which skips the experts' own step, and the CPU
+    # experts are the ones whose step pads and prepacks.
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    setup = inspect.getsource(UnquantizedFusedMoEMethod._setup_kernel)
+    assert "is_weight_update = self.moe_kernel is not None" in setup
+    assert "fused_experts.process_weights_after_loading(layer)" in setup
+    processing = inspect.getsource(CPUUnquantizedExperts.process_weights_after_loading)
+    assert "_pad_moe_intermediate" in processing and "cpu_prepack_moe_weight" in processing

@@ -14,7 +14,7 @@ from megagrpo.weight_sync import shards
 pytestmark = pytest.mark.unit
 
 
-def _shape(heads=8, groups=4, vocab=300, tie=False, qk_norm=False, bias=True) -> GPTShape:
+def _shape(heads=8, groups=4, vocab=300, tie=False, qk_norm=False, bias=True, **moe) -> GPTShape:
     return GPTShape(
         num_layers=2,
         hidden_size=64,
@@ -26,7 +26,15 @@ def _shape(heads=8, groups=4, vocab=300, tie=False, qk_norm=False, bias=True) ->
         qkv_bias=bias,
         qk_layernorm=qk_norm,
         tie_word_embeddings=tie,
+        **moe,
     )
+
+
+# Qwen3-MoE-like (no shared expert) and Qwen2-MoE-like (a gated shared expert) shapes.
+_QWEN3_MOE = dict(num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, qk_norm=True, bias=False)
+_QWEN2_MOE = dict(
+    num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, moe_shared_expert_ffn_hidden_size=48
+)
 
 
 @pytest.mark.parametrize(
@@ -51,6 +59,36 @@ def test_path_for_tp_pairs_and_head_counts(heads, groups, t, e, kind, words):
     assert words in path.reason
 
 
+def test_experts_that_do_not_split_over_engine_tp_take_the_gathered_path():
+    moe = dict(num_experts=4, moe_router_topk=2)
+    assert shards.choose_path(_shape(8, 8, moe_ffn_hidden_size=16, **moe), 1, 8).kind == "shard"
+    path = shards.choose_path(_shape(8, 8, moe_ffn_hidden_size=12, **moe), 1, 8)
+    assert path.kind == "gathered" and "expert FFN 12 does not split" in path.reason
+    shared = _shape(8, 8, moe_ffn_hidden_size=16, moe_shared_expert_ffn_hidden_size=20, **moe)
+    path = shards.choose_path(shared, 1, 8)
+    assert path.kind == "gathered" and "shared expert FFN 20 does not split" in path.reason
+
+
+def test_expert_tensors_go_into_vllms_stacked_expert_parameters():
+    layer = "model.layers.1.mlp."
+    stacked = layer + "experts.routed_experts."
+    assert shards.vllm_placement(layer + "experts.3.gate_proj.weight") == shards.Placement(
+        stacked + "w13_weight", 0, 0, 3
+    )
+    assert shards.vllm_placement(layer + "experts.3.up_proj.weight") == shards.Placement(
+        stacked + "w13_weight", 0, 1, 3
+    )
+    assert shards.vllm_placement(layer + "experts.3.down_proj.weight") == shards.Placement(
+        stacked + "w2_weight", 1, 0, 3
+    )
+    assert shards.vllm_placement(layer + "shared_expert.up_proj.weight") == shards.Placement(
+        layer + "shared_expert.gate_up_proj.weight", 0, 1
+    )
+    assert shards.vllm_placement(layer + "shared_expert.down_proj.weight").dim == 1
+    for whole in ("gate.weight", "shared_expert_gate.weight"):  # the router, the shared expert's gate
+        assert shards.vllm_placement(layer + whole) == shards.Placement(layer + whole, -1, 0)
+
+
 def test_gathered_on_request_and_unknown_request_refused():
     assert shards.choose_path(_shape(), 2, 2, "gathered").kind == "gathered"
     with pytest.raises(ValueError, match="weight_sync_path"):
@@ -71,7 +109,9 @@ def _vllm_rank_params(
     out = {}
     hd = shape.head_dim
     for name, full in hf.items():
-        if ".self_attn.q_proj." in name:
+        if ".mlp.experts." in name:
+            _vllm_experts(out, name, full, shape, e, j)
+        elif ".self_attn.q_proj." in name:
             prefix, kind = name.split(".self_attn.q_proj.")
             parts = []
             for proj, heads in (
@@ -82,9 +122,14 @@ def _vllm_rank_params(
                 rows = heads // e * hd
                 parts.append(hf[f"{prefix}.self_attn.{proj}_proj.{kind}"].narrow(0, j * rows, rows))
             out[f"{prefix}.self_attn.qkv_proj.{kind}"] = torch.cat(parts)
-        elif name.endswith("mlp.gate_proj.weight"):
+        elif name.endswith(("mlp.gate_proj.weight", "mlp.shared_expert.gate_proj.weight")):
             prefix = name.removesuffix("gate_proj.weight")
-            rows = shape.ffn_hidden_size // e
+            ffn = (
+                shape.moe_shared_expert_ffn_hidden_size
+                if ".shared_expert." in name
+                else shape.ffn_hidden_size
+            )
+            rows = ffn // e
             gate, up = hf[name], hf[prefix + "up_proj.weight"]
             out[prefix + "gate_up_proj.weight"] = torch.cat(
                 [gate.narrow(0, j * rows, rows), up.narrow(0, j * rows, rows)]
@@ -105,6 +150,23 @@ def _vllm_rank_params(
     return out
 
 
+def _vllm_experts(out: dict, name: str, full: torch.Tensor, shape: GPTShape, e: int, j: int) -> None:
+    """Expert ``x``'s gate/up/down into engine rank j's stacked ``w13_weight`` [E, 2 f/e, h] (rows
+    [gate_j; up_j]) and ``w2_weight`` [E, h, f/e], as vLLM 0.32's ``RoutedExperts`` loaders place them
+    (``_load_w13``, ``_load_w2``: the expert's intermediate dim split over TP, no expert parallelism)."""
+    prefix, rest = name.split("experts.", 1)
+    x, proj = int(rest.split(".")[0]), rest.split(".")[1]
+    stacked = prefix + "experts.routed_experts."
+    f, h, E = shape.moe_ffn_hidden_size, shape.hidden_size, shape.num_experts
+    per = f // e
+    if proj == "down_proj":
+        w2 = out.setdefault(stacked + "w2_weight", torch.zeros(E, h, per))
+        w2[x] = full.narrow(1, j * per, per)
+    else:
+        w13 = out.setdefault(stacked + "w13_weight", torch.zeros(E, 2 * per, h))
+        w13[x].narrow(0, 0 if proj == "gate_proj" else per, per).copy_(full.narrow(0, j * per, per))
+
+
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (4, 4), (1, 4)]
 
 
@@ -115,14 +177,16 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (4, 4), (1, 4)]
         _shape(vocab=300),
         _shape(vocab=512, tie=True, qk_norm=True, bias=False),
         _shape(heads=4, groups=4, vocab=260),
+        _shape(**_QWEN3_MOE),
+        _shape(**_QWEN2_MOE, tie=True),
     ],
-    ids=["qwen2-vocab300", "qwen3-tied-vocab512", "mha-vocab260"],
+    ids=["qwen2-vocab300", "qwen3-tied-vocab512", "mha-vocab260", "qwen3-moe", "qwen2-moe-shared-expert"],
 )
 def test_pieces_rebuild_vllms_per_rank_parameters(shape, t, e):
     """Each trainer rank's Megatron shard (made as Megatron splits the whole tensor) -> its HF-layout share
     -> pieces; put together per engine rank, they equal vLLM's slicing of the whole HF tensors, every
     element written once, and an engine rank receives exactly its parameters' real rows."""
-    from megagrpo.weight_sync.vllm_engine import _copy_block
+    from megagrpo.weight_sync.vllm_engine import _block_target, _copy_block
 
     assert shards.choose_path(shape, t, e).kind == "shard"
     gen = torch.Generator().manual_seed(t * 10 + e)
@@ -145,7 +209,8 @@ def test_pieces_rebuild_vllms_per_rank_parameters(shape, t, e):
                     assert tuple(block.shape) == piece.shape
                     j = piece.engine_rank
                     _copy_block(got[j][piece.param], block, piece.dim, piece.dst_start, piece.pad)
-                    written[j][piece.param].narrow(piece.dim, piece.dst_start, piece.length).add_(1)
+                    target, at = _block_target(written[j][piece.param], block, piece.dim, piece.dst_start)
+                    target.narrow(piece.dim, at, piece.length).add_(1)
                     received[j] += block.numel()
     for j in range(e):
         assert got[j].keys() == want[j].keys()
