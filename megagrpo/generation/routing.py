@@ -9,8 +9,10 @@ picked by :func:`routing_capture`:
 - :class:`EngineRouting` (GPUs): vLLM's own capture, ``enable_return_routed_experts`` (Model Runner V2,
   prefix caching on: a cached prompt's rows are kept per KV block), which returns with a finished
   request ``CompletionOutput.routed_experts`` ``[tokens, decoder layers, k]`` (uint8, uint16 past 256
-  experts); the MoE layers' rows are kept. Written from vLLM 0.32's code, not run: this machine has no
-  GPU.
+  experts); the MoE layers' rows are kept. Rows kept for cached blocks were routed by the weights that
+  computed them: a weight sync resets the prefix cache (``GenerationWorker.receive_weights``), which
+  also starts a new namespace of vLLM's routing store. Written from vLLM 0.32's code, not run: this
+  machine has no GPU.
 - :class:`HookedRouting` (vLLM's CPU build, which cannot run vLLM's own capture): megagrpo's hook on
   every MoE router (``compat.vllm_routed_experts``) with prefix caching off, rows placed by position,
   so a request vLLM preempted and computed again keeps the rows of its last computation.
