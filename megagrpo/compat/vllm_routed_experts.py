@@ -79,6 +79,8 @@ class _Recorder:
                 if counts.get(req_id, 0) > 0
             ]
             self._step = (layout, {})
+        if layer_id in self._step[1]:  # a step split into several forwards (vLLM's micro-batching)
+            raise RuntimeError(f"routed experts: MoE layer {layer_id} routed twice in one step")
         self._step[1][layer_id] = topk_ids.detach().to("cpu", self.dtype, copy=True)
 
     def _close_step(self) -> None:
