@@ -386,6 +386,12 @@ class Completion:
     """Episodes: the reward the environment gave; None: the reward function scores the response."""
     stats: dict[str, float] | None = None
     """Episodes: turns, tool_calls, tool_errors, env_s (environment seconds), env_failed, truncated."""
+    routed_experts: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    """[P + N - 1, L, k] (P prompt tokens, L the model's MoE layers in order, k experts per token) uint8,
+    int16 past 256 experts; with grpo.routing_replay "rollout" (``generation.routing``). Row t: the
+    experts token t of prompt + response was routed to in each MoE layer, as the engine's router listed
+    them; the last response token is never fed forward, so it has none. P + N - 1 rows x L x k bytes:
+    384 KB per 1K tokens for Qwen3-30B-A3B (48 layers, top-8). None: not asked for (or an episode)."""
 
 
 def balanced_shards(lengths: Sequence[int], num_shards: int) -> list[list[int]]:

@@ -115,3 +115,35 @@ def make_tiny_teacher(out: Path, *, num_layers: int = 3, seed: int = 7, tokenize
     )
     save_tokenizer(tokenizer if tokenizer is not None else char_tokenizer(), out)
     return out
+
+
+def transformers_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+    """transformers' greedy continuation of ``prompt`` by ``model`` (fp32, eval), ``new_tokens`` long (no
+    stop at EOS, as vLLM's ``ignore_eos``), and its closest call: the smallest top-1 minus top-2 logit
+    along the way (a comparison through a near-tie would test rounding, not weights)."""
+    with torch.no_grad():
+        # eos_token_id=None: no early stop and no EOS masking (min_new_tokens would change the argmax).
+        gen = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    top2_S2 = torch.cat(gen.logits).float().topk(2, dim=-1).values  # [steps, 2]
+    return gen.sequences[0, len(prompt) :].tolist(), float((top2_S2[:, 0] - top2_S2[:, 1]).min())
+
+
+def router_topk(model, tokens: list[int]) -> tuple[torch.Tensor, float]:
+    """The experts each of ``tokens`` is routed to by an MoE ``model`` (fp32, eval): [len(tokens), MoE
+    layers, k], each row's top-k of its router's softmax; and the smallest gap between a row's k-th and
+    (k + 1)-th probability (a near-tie would make the choice rounding's)."""
+    k = model.config.num_experts_per_tok
+    with torch.no_grad():
+        router_logits = model(torch.tensor([tokens]), output_router_logits=True).router_logits
+    probs_LTE = torch.stack([logits.float().softmax(-1) for logits in router_logits])  # [layers, T, E]
+    top = probs_LTE.topk(k + 1, dim=-1)
+    gap = float((top.values[..., k - 1] - top.values[..., k]).min())
+    return top.indices[..., :k].transpose(0, 1), gap

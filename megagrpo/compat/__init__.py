@@ -28,6 +28,9 @@ reads its private state or works around it through the environment.
 - ``vllm_eager_cpu`` (vllm): TorchDynamo off in eager CPU engines (``TORCH_COMPILE_DISABLE``);
 - ``vllm_moe_reload`` (vllm): the CPU MoE layers' kernels dropped before an in-place weight reload, so
   the new expert weights are padded and prepacked (put back on layers the reload did not process);
+- ``vllm_routed_experts`` (vllm): a capture fn on every MoE router and the model runner's
+  ``execute_model`` wrapped, recording each token's routed experts where vLLM's own capture cannot
+  run (its CPU build); ``uninstall`` takes both away;
 - ``megatron_moe`` (megatron-core): MoE routers without Transformer Engine;
 - ``process_exit`` (python): a finished command-line process ends without the interpreter's teardown.
 
@@ -144,6 +147,12 @@ PATCHES = (
         "vllm",
         ("0.32.0",),
         "a layerwise reload of a CPU MoE layer skips its experts' padding and prepacking (wrong outputs)",
+    ),
+    Patch(
+        "vllm_routed_experts",
+        "vllm",
+        ("0.32.0",),
+        "vLLM returns routed experts only through Model Runner V2, which its CPU build cannot run",
     ),
     Patch(
         "process_exit",

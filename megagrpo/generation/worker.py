@@ -20,6 +20,7 @@ from pathlib import Path
 from megagrpo.compat.torch_store import stores_listen_on_their_host
 from megagrpo.compat.vllm_eager_cpu import eager_cpu_engine_env
 from megagrpo.config import Config
+from megagrpo.generation.routing import engine_routing
 from megagrpo.types import Completion, SamplingSettings
 from megagrpo.weight_sync.buckets import Bucket
 from megagrpo.weight_sync.plugin import BACKEND
@@ -106,6 +107,8 @@ class GenerationWorker:
         self.cfg, self.model_dir = cfg, model_dir
         self.engine_index = engine_index
         self._episodes = None  # the episode runner's renderer and environment pool, made on first use
+        # Routed experts with every completion (grpo.routing_replay), else None.
+        self.routing = engine_routing(cfg, model_dir)
         has_tokenizer = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
         # vLLM's own process group: its store listens on VLLM_HOST_IP only (loopback on a local run).
         with stores_listen_on_their_host():
@@ -127,7 +130,10 @@ class GenerationWorker:
                 # on CPU they share the host's memory and stay up).
                 enable_sleep_mode=gen.placement == "colocated" and cfg.cluster.gpus_per_node > 0,
                 **scheduler_args(cfg),
+                **(self.routing.engine_args() if self.routing is not None else {}),
             )
+        if self.routing is not None:
+            self.routing.install(self.llm)
 
     # ---------------------------------------------------------------------------------- generation
 
@@ -169,10 +175,13 @@ class GenerationWorker:
             )
 
         per_prompt = [params(s) for s in seeds] if seeds is not None else params(settings.seed)
+        if self.routing is not None:
+            self.routing.start(self.llm)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False)
+        routed = self.routing.collect(self.llm, outputs) if self.routing is not None else None
         completions = []
         for index, out in enumerate(outputs):
-            for comp in out.outputs:
+            for c, comp in enumerate(out.outputs):
                 ids = list(comp.token_ids)
                 # Greedy requests (temperature 0) report no sampling distribution.
                 lps = (
@@ -180,7 +189,10 @@ class GenerationWorker:
                     if comp.logprobs
                     else []
                 )
-                completions.append(Completion(index, ids, lps, comp.finish_reason or "length"))
+                experts = routed[index][c] if routed is not None else None
+                completions.append(
+                    Completion(index, ids, lps, comp.finish_reason or "length", routed_experts=experts)
+                )
         return completions
 
     def run_episodes(

@@ -33,7 +33,7 @@ def test_another_megatron_version_names_its_unverified_patches_in_one_warning():
     vllm_part = message.split("vllm 0.33.1 (pinned 0.32.0; patches not verified for it: ")[1]
     named = set(vllm_part.split(")")[0].split(", "))
     assert named == {p.name for p in compat.PATCHES if p.library == "vllm"}
-    assert named >= {"vllm_weight_transfer", "vllm_eager_cpu", "vllm_moe_reload"}
+    assert named >= {"vllm_weight_transfer", "vllm_eager_cpu", "vllm_moe_reload", "vllm_routed_experts"}
     assert "torch" not in message and "python" not in message
 
 

@@ -1,0 +1,148 @@
+"""Routed experts per completion, for rollout routing replay (``grpo.routing_replay``).
+
+An engine asked for them returns, with each completion, the experts its MoE routers chose for every
+token it forwarded: ``Completion.routed_experts``, ``[P + N - 1, MoE layers, k]`` (prompt tokens, then
+response tokens; the last response token is never fed forward). The trainer replays them, so that its
+forwards of a rollout route every token as the engine that sampled it did. Two ways to the same result,
+picked by :func:`routing_capture`:
+
+- :class:`EngineRouting` (GPUs): vLLM's own capture, ``enable_return_routed_experts`` (Model Runner V2,
+  prefix caching on: a cached prompt's rows are kept per KV block), which returns with a finished
+  request ``CompletionOutput.routed_experts`` ``[tokens, decoder layers, k]`` (uint8, uint16 past 256
+  experts); the MoE layers' rows are kept. Rows kept for cached blocks were routed by the weights that
+  computed them: a weight sync resets the prefix cache (``GenerationWorker.receive_weights``), which
+  also starts a new namespace of vLLM's routing store. Written from vLLM 0.32's code, not run: this
+  machine has no GPU.
+- :class:`HookedRouting` (vLLM's CPU build, which cannot run vLLM's own capture): megagrpo's hook on
+  every MoE router (``compat.vllm_routed_experts``) with prefix caching off, rows placed by position,
+  so a request vLLM preempted and computed again keeps the rows of its last computation.
+
+Multi-turn episodes (``env.environment``) return none: the config refuses ``grpo.routing_replay`` with
+them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from megagrpo.compat import vllm_routed_experts
+
+if TYPE_CHECKING:
+    from megagrpo.config import Config
+
+
+def routed_experts_dtype(num_experts: int) -> torch.dtype:
+    """uint8 up to 256 experts, as vLLM stores them; int16 past that (torch's uint16 has few ops)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+def place_rows(chunks: Sequence[tuple[int, torch.Tensor]], length: int, what: str) -> torch.Tensor:
+    """``[length, layers, k]`` from ``(first position, rows)`` chunks, later chunks replacing earlier ones
+    at the same positions (a recomputed request); every position must be covered."""
+    first_rows = chunks[0][1]
+    out = first_rows.new_zeros((length, *first_rows.shape[1:]))
+    covered = torch.zeros(length, dtype=torch.bool)
+    for first, rows in chunks:
+        end = first + rows.shape[0]
+        if end > length:
+            raise RuntimeError(f"routed experts of {what}: rows up to position {end}, expected {length}")
+        out[first:end] = rows
+        covered[first:end] = True
+    if not bool(covered.all()):
+        missing = int((~covered).sum())
+        raise RuntimeError(f"routed experts of {what}: {missing} of {length} positions were not routed")
+    return out
+
+
+class HookedRouting:
+    """vLLM's CPU build: megagrpo's capture hook on every MoE router (``compat.vllm_routed_experts``)."""
+
+    def __init__(self, num_experts: int):
+        self.dtype = routed_experts_dtype(num_experts)
+
+    def engine_args(self) -> dict:
+        # Prompt tokens found in the prefix cache are never forwarded: they would have no rows.
+        return {"enable_prefix_caching": False}
+
+    def install(self, llm) -> None:
+        if not llm.collective_rpc(vllm_routed_experts.install, args=(self.dtype,))[0]:
+            raise ValueError("routed experts were asked of a model without mixture-of-experts layers")
+
+    def start(self, llm) -> None:
+        llm.collective_rpc(vllm_routed_experts.start)
+
+    def collect(self, llm, outputs) -> list[list[torch.Tensor]]:
+        """Per ``RequestOutput`` of ``outputs``, per completion: its ``[P + N - 1, layers, k]``."""
+        recorded: dict = {}
+        for worker in llm.collective_rpc(vllm_routed_experts.take):
+            recorded.update(worker)
+        chunks = {vllm_routed_experts.request_key(req_id): c for req_id, c in recorded.items()}
+        result = []
+        for out in outputs:
+            per = []
+            for comp in out.outputs:
+                length = len(out.prompt_token_ids) + len(comp.token_ids) - 1
+                what = f"request {out.request_id} completion {comp.index}"
+                if (out.request_id, comp.index) not in chunks:
+                    raise RuntimeError(f"routed experts of {what} were not recorded")
+                per.append(place_rows(chunks[out.request_id, comp.index], length, what))
+            result.append(per)
+        return result
+
+
+class EngineRouting:
+    """vLLM's own capture (``enable_return_routed_experts``, GPUs); not run here (no GPU)."""
+
+    def __init__(self, num_experts: int):
+        self.dtype = routed_experts_dtype(num_experts)
+        self.moe_layers: list[int] = []
+
+    def engine_args(self) -> dict:
+        return {"enable_return_routed_experts": True}
+
+    def install(self, llm) -> None:
+        self.moe_layers = llm.collective_rpc(vllm_routed_experts.moe_layer_ids)[0]
+        if not self.moe_layers:
+            raise ValueError("routed experts were asked of a model without mixture-of-experts layers")
+
+    def start(self, llm) -> None:
+        pass
+
+    def collect(self, llm, outputs) -> list[list[torch.Tensor]]:
+        result = []
+        for out in outputs:
+            per = []
+            for comp in out.outputs:
+                length = len(out.prompt_token_ids) + len(comp.token_ids) - 1
+                routed = comp.routed_experts  # numpy [tokens, decoder layers, k], the finished request's
+                if routed is None or routed.shape[0] < length:
+                    rows = None if routed is None else routed.shape[0]
+                    raise RuntimeError(
+                        f"vLLM returned {rows} routed-expert rows for request {out.request_id} completion "
+                        f"{comp.index}, expected {length}"
+                    )
+                moe = routed[:length, self.moe_layers].astype("int32")
+                per.append(torch.from_numpy(moe).to(self.dtype))
+            result.append(per)
+        return result
+
+
+def routing_capture(num_experts: int, *, on_cpu: bool) -> HookedRouting | EngineRouting:
+    """How an engine returns routed experts: vLLM's own capture, or on its CPU build megagrpo's hook."""
+    return HookedRouting(num_experts) if on_cpu else EngineRouting(num_experts)
+
+
+def engine_routing(cfg: Config, model_dir: str) -> HookedRouting | EngineRouting | None:
+    """An engine's capture of routed experts: with grpo.routing_replay "rollout" (the model at
+    ``model_dir`` has experts: the config checks it at load), on this machine's vLLM; else None."""
+    if cfg.grpo.routing_replay != "rollout":
+        return None
+    from vllm.platforms import current_platform
+
+    from megagrpo.models.registry import load_hf_config, shape_from_hf_config
+
+    _, shape = shape_from_hf_config(load_hf_config(model_dir), f"{model_dir}/config.json")
+    return routing_capture(shape.num_experts, on_cpu=current_platform.is_cpu())
