@@ -215,7 +215,8 @@ def step_metrics(
         "data/filtered_groups": filtered,
         **episode_metrics(rollouts.completions),
         "sync/probe_error": probe_error,
-        **{f"train/{k}": v for k, v in train.items()},
+        # The optimizer steps' metrics under train/; the trainer's other step metrics (moe/*) as named.
+        **{k if "/" in k else f"train/{k}": v for k, v in train.items()},
     }
 
 
