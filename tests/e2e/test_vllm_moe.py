@@ -9,7 +9,8 @@ its worker; vLLM's CPU kernel pads an expert's 16 columns per rank, where the re
 without the fix). After the sync the engine decodes exactly transformers' greedy tokens for the
 trainer's weights, and each completion's routed experts (``grpo.routing_replay``:
 ``megagrpo.generation.routing``) are transformers' router top-k for every token of prompt + response,
-for concurrent requests with two samples each, through Ray.
+for concurrent requests with two samples each, through Ray; also for a request vLLM preempted and
+computed again.
 """
 
 from __future__ import annotations
