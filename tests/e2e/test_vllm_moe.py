@@ -9,7 +9,8 @@ its worker; vLLM's CPU kernel pads an expert's 16 columns per rank, where the re
 without the fix). After the sync the engine decodes exactly transformers' greedy tokens for the
 trainer's weights, and each completion's routed experts (``grpo.routing_replay``:
 ``megagrpo.generation.routing``) are transformers' router top-k for every token of prompt + response,
-for concurrent requests with two samples each, through Ray.
+for concurrent requests with two samples each, through Ray; also for a request vLLM preempted and
+computed again.
 """
 
 from __future__ import annotations
@@ -135,3 +136,26 @@ def test_engine_decodes_and_routes_as_transformers_after_a_sync(arch, path, moe)
     cfg = _engine_config(hf_dir, arch, f"generation.weight_sync_path={path}")
     _sync(cfg, engines[arch], "gathered" if path == "gathered" else "shard")
     _assert_matches_transformers(engines[arch], hf_dir)
+
+
+def test_routed_experts_of_a_preempted_request_are_those_of_its_last_computation(moe):
+    """Four concurrent requests of 37 + 40 tokens in a KV cache of 6 blocks of 32 tokens: vLLM preempts
+    one and computes it again from its first token; every completion's rows are still transformers'
+    routing of its tokens (the rows of the last computation replace the earlier ones)."""
+    from _preempting_engine import PreemptingEngine
+    from transformers import AutoModelForCausalLM
+
+    dirs, _ = moe
+    hf_dir = dirs["qwen3_moe", SEEDS["gathered"]]
+    engine = ray.remote(PreemptingEngine).options(num_cpus=1).remote(str(hf_dir), 8, 6)
+    try:
+        prompts = [list(range(3 + i, 40 + i)) for i in range(4)]
+        tokens, routed, preemptions = ray.get(engine.generate.remote(prompts, 40))
+    finally:
+        ray.kill(engine)
+    assert preemptions >= 1, "the KV cache held every request: nothing was recomputed"
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    for prompt, response, got in zip(prompts, tokens, routed, strict=True):
+        want, gap = router_topk(model, prompt + response)
+        assert gap > MIN_ROUTER_GAP and got.shape == want[:-1].shape, (gap, got.shape)
+        assert torch.equal(got.long().sort(-1).values, want[:-1].sort(-1).values)
