@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -197,12 +198,20 @@ def _stage_of(rule_name: str, shape: GPTShape, pp: int) -> int:
     return int(rule_name.split(".")[2]) * pp // shape.num_layers
 
 
+def _expert_of(rule_name: str) -> int:
+    """A routed expert's global index (-1 for every other tensor)."""
+    match = re.search(r"\.local_experts\.(\d+)\.", rule_name)
+    return int(match.group(1)) if match else -1
+
+
 def _sync_traffic(cfg: Config, shape: GPTShape, itemsize: int, link_gbps: float) -> dict:
     """Bytes per sender and per receiving vLLM worker of one sync on the path the runtime takes
     (``weight_sync.shards.choose_path``): shard-wise, every trainer TP rank of each stage sends its
     pieces and each worker receives its shard; gathered, TP rank 0 of each stage sends the stage's
-    whole HF tensors and every worker receives the whole model. A broadcast carries each byte once
-    per link, so the time is the larger of the two over ``link_gbps``."""
+    whole HF tensors and every worker receives the whole model. Under expert parallelism each of a
+    stage's EP shares of the experts has senders of its own, which send only its experts (the first
+    share's also send the rest of the stage: the most any sender sends). A broadcast carries each byte
+    once per link, so the time is the larger of the two over ``link_gbps``."""
     from megagrpo.models.mapping import decoder_rules
     from megagrpo.weight_sync.shards import SyncPath, choose_path, shard_bytes
 
@@ -225,17 +234,21 @@ def _sync_traffic(cfg: Config, shape: GPTShape, itemsize: int, link_gbps: float)
     rules = [r for r in decoder_rules(shape) if r.export]
     shard_wise = path.kind == "shard"
     t, e = (tp, etp) if shard_wise else (1, 1)
+    ep = par.expert_model_parallel_size if shape.is_moe else 1
     per_sender, per_worker = 0, [0] * e
     for stage in range(pp):
         stage_rules = [r for r in rules if _stage_of(r.megatron, shape, pp) == stage]
-        sent, received = shard_bytes(shape, stage_rules, t, e, itemsize)
+        _, received = shard_bytes(shape, stage_rules, t, e, itemsize)
+        # What the first EP share's senders send: the stage's dense tensors and their own experts.
+        first = [r for r in stage_rules if _expert_of(r.megatron) < shape.num_experts // ep]
+        sent, _ = shard_bytes(shape, first, t, e, itemsize)
         per_sender = max(per_sender, *sent)
         per_worker = [a + b for a, b in zip(per_worker, received, strict=True)]
     worst = max(per_sender, *per_worker)
     return {
         "path": path.kind,
         "path_reason": path.reason,
-        "senders": pp * t,
+        "senders": pp * t * ep,
         "receivers": gen.num_engines * etp,
         "bytes_per_sender": per_sender,
         "bytes_per_worker": max(per_worker),
@@ -284,9 +297,7 @@ def make_plan(
     experts = None
     if shape.is_moe:
         experts = plan_experts.expert_plan(cfg, shape, [e for _, e in pairs], non_expert, wb)
-        sync = plan_experts.sync_bound(cfg, [r.weights for r in ranks], engine["weights"], link_gbps)
-    else:
-        sync = _sync_traffic(cfg, shape, wb, link_gbps)
+    sync = _sync_traffic(cfg, shape, wb, link_gbps)
     gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     mem = int(gpu_memory_gib * GIB)
     colocated = colocated_phases(cfg, ranks, engine) if gen.placement == "colocated" else None

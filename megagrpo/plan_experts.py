@@ -30,8 +30,8 @@ its own all-gathers; the rules keep it at 1 for now.)
 vLLM engines: the routers are replicated on every worker (vLLM's ``ReplicatedLinear``); by default every
 worker holds all experts with their intermediate dim split over the engine's TP t; with vLLM's expert
 parallelism (``enable_expert_parallel``) each holds ceil(E / t) experts whole, the same bytes when t
-divides E and f. The weight sync of expert weights into vLLM has not landed: :func:`sync_bound` estimates
-what one would move.
+divides E and f. The weight sync's bytes (each EP share's senders sending their own experts) are
+``plan._sync_traffic``'s.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ __all__ = [
     "mlp_activation_elements",
     "mlp_params",
     "routed_layer_params",
-    "sync_bound",
 ]
 
 
@@ -217,28 +216,3 @@ def engine_weights(s: GPTShape, non_expert: int, t: int, wb: int) -> int:
     routers = s.num_layers * router_layer_params(s)
     experts = s.num_layers * s.num_experts * 3 * s.hidden_size * -(-s.moe_ffn_hidden_size // t)
     return int(((non_expert - routers) / t + routers + experts) * wb)
-
-
-def sync_bound(cfg: Config, rank_weights: list[int], worker_weights: int, link_gbps: float) -> dict:
-    """An estimate, in the keys of ``plan._sync_traffic``, for an MoE model, whose weight sync into vLLM
-    has not landed: each vLLM worker receives its own weights (the least any sync delivers), and each
-    expert-parallel rank of each stage, which holds experts no other rank of its stage does, sends what it
-    holds (its weights)."""
-    par, gen = cfg.parallel, cfg.generation
-    per_sender, etp = max(rank_weights), gen.engine_tensor_parallel_size
-    senders = (
-        par.pipeline_model_parallel_size * par.tensor_model_parallel_size * par.expert_model_parallel_size
-    )
-    return {
-        "path": "none yet",
-        "path_reason": "no weight sync of MoE models into vLLM yet; estimated: each EP rank of a stage sends "
-        "its weights, each worker receives its own",
-        "senders": senders,
-        "receivers": gen.num_engines * etp,
-        "bytes_per_sender": per_sender,
-        "bytes_per_worker": worker_weights,
-        "bytes_per_link": per_sender,
-        "total_bytes": worker_weights * etp,
-        "link_gbps": link_gbps,
-        "est_seconds": max(per_sender, worker_weights) * 8 / (link_gbps * 1e9),
-    }

@@ -131,6 +131,13 @@ def test_qwen3_30b_a3b_on_4_nodes_of_8_gpus_by_hand(tmp_path):
     7247757312; x 2 bytes = 15284935680 (with vLLM's expert parallelism 32 whole experts per worker: the
     same). KV cache: 2 x 48 x 4 x 128 x 2 / 4 = 24576 bytes a token, x 8192 x 128 sequences =
     25769803776, of 0.9 x 80 GiB = 77309411328 claimed.
+
+    Weight sync, shard-wise (trainer TP 1, engine TP 4; each expert's 768 split 4 ways): per stage, the
+    8 EP shares' senders (EP rank x TP 1 x PP 1 = 8); the first share's also sends the dense tensors.
+    Its bytes: its weights, 10329944064, plus what goes whole to each of the 4 engine ranks, 3 copies
+    more: the routers 48 x 262144 x 2 = 25165824 and the norms (48 x (4096 + 256) + 2048) x 2 = 421888,
+    3 x 25587712 = 76763136: 10406707200. Each worker: its weights above, 15284935680, with the norms
+    whole instead of a quarter, 3/4 x 421888 = 316416 more: 15285252096.
     """
     model = hf_dir(tmp_path, QWEN3_30B_A3B)
     plan = plan_of([*ON_4_NODES, f"model.hf_dir={model}"])
@@ -154,9 +161,8 @@ def test_qwen3_30b_a3b_on_4_nodes_of_8_gpus_by_hand(tmp_path):
         77309411328,
     )
     assert (x.engine_expert_ffn, x.engine_experts_ep, x.engine_weights_ep) == (192, 32, 15284935680)
-    # No weight sync of expert weights exists yet: the plan says so; each worker receives its weights.
-    assert plan.sync["path"] == "none yet" and plan.sync["senders"] == 8
-    assert (plan.sync["bytes_per_sender"], plan.sync["bytes_per_worker"]) == (10329944064, 15284935680)
+    assert plan.sync["path"] == "shard" and plan.sync["senders"] == 8
+    assert (plan.sync["bytes_per_sender"], plan.sync["bytes_per_worker"]) == (10406707200, 15285252096)
 
 
 def test_pipeline_stages_hold_half_the_experts_and_expert_dp_1_keeps_their_whole_states(tmp_path):
@@ -212,7 +218,7 @@ EXPERT_RULES = [  # (overrides, config.json changes, keys the error names)
     (
         ["parallel.tensor_model_parallel_size=2", "parallel.data_parallel_size=8"],
         {},
-        ["parallel.tensor_model_parallel_size", "parallel.expert_tensor_parallel_size"],
+        ["parallel.tensor_model_parallel_size", "parallel.sequence_parallel"],
     ),
     (
         ["parallel.expert_tensor_parallel_size=2"],
