@@ -13,7 +13,7 @@ CPU engine generating, the weights synced into the engine after every step:
 from __future__ import annotations
 
 import pytest
-from _grpo_runs import metrics
+from _grpo_runs import metrics, run_overrides
 
 from megagrpo.config import load_config
 
@@ -21,23 +21,14 @@ pytestmark = pytest.mark.e2e
 
 
 def _overrides(root, name: str, *extra: str) -> list[str]:
-    return [
-        f"logging.dir={root / 'runs'}",
-        f"run_name={name}",
-        "logging.tensorboard=false",
-        "logging.progress_bar=false",
-        "logging.val_every=2",
-        "data.num_val_prompts=8",
+    """The e2e runs' overrides for two steps, a shorter warm-up and no checkpoints."""
+    short = [
         "warmup.steps=20",
         "warmup.num_eval_prompts=8",
-        "grpo.num_prompts_per_step=4",
-        "grpo.num_steps=2",
-        "policy.mini_batch_size=16",
-        f"checkpoint.dir={root / name / 'ckpt'}",
+        "data.num_val_prompts=8",
         "checkpoint.save_every=0",
-        "checkpoint.export_hf_at_end=false",
-        *extra,
     ]
+    return run_overrides(root, name, root / name / "ckpt", steps=2, extra=[*short, *extra])
 
 
 def _assert_synced(run: dict) -> None:
