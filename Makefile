@@ -81,12 +81,11 @@ agent-demo: setup runs/agent-model/hf_export/config.json
 
 # Mixture-of-experts GRPO (configs/tiny_moe.yaml): the tiny demo with a tiny Qwen3-MoE (8 experts, top-2),
 # its experts split over two expert-parallel trainer ranks, rollout routing replay; its own warm-up (cached
-# under runs/tiny-moe/warmup). Prints the greedy accuracy at every validation and the routing metrics.
+# under runs/tiny-moe/warmup). Prints the greedy accuracy at every validation (routing metrics: metrics.jsonl).
 moe-demo: setup
 	rm -rf runs/tiny-moe/checkpoints
 	$(VENV)/bin/megagrpo train --config tiny_moe
 	$(PY) tools/compare_runs.py runs/tiny-moe --metric val/accuracy
-	$(PY) tools/compare_runs.py runs/tiny-moe --metric moe/routing_agreement
 
 runs/agent-model/hf_export/config.json: configs/agent/model.yaml
 	rm -rf runs/agent-model

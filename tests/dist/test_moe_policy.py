@@ -5,7 +5,8 @@ carries), the routing no longer depends on the layout, so one optimizer step's l
 logprobs before and after it, are those of one rank at EP 2 (tokens dispatched by all-to-all over gloo,
 uneven micro-batch counts padded), PP 2 and TP 2 (sequence parallel, packed). Replay is what it claims: replaying the routers' own
 choices changes nothing, other experts change the logprobs, and ``routing_check`` measures exactly that.
-Without replay, EP 2 equals one rank as well (the routers choose alike on every rank)."""
+Without replay, EP 2 equals one rank as well (the routers choose alike on every rank), and so does a DPO
+step."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from hf_models import make_tiny_hf
 from policy_cases import SMALL_BUDGET, policy_batch, policy_config
+from supervised_cases import dpo_batch
 
 from megagrpo.parallel import destroy_parallel
 from megagrpo.parallel.local import run_local_ranks
@@ -59,10 +61,22 @@ def _one_step(cfg, replay: bool) -> dict:
         destroy_parallel(keep_world=True)
 
 
-def _steps(rank: int, world_size: int, cases: list) -> list[dict]:
-    """One step per (config, replay) case, one after another in the same processes."""
+def _dpo_step(cfg) -> dict:
+    from megagrpo.policy.supervised import DPOWorker
+
+    worker = DPOWorker(cfg)
     try:
-        return [_one_step(cfg, replay) for cfg, replay in cases]
+        batch = dpo_batch(0)
+        return {"metrics": [worker.train_step(batch.replace(ref_logps=worker.reference_logps(batch)))]}
+    finally:
+        destroy_parallel(keep_world=True)
+
+
+def _steps(rank: int, world_size: int, cases: list) -> list[dict]:
+    """One step per (config, replay) case, one after another in the same processes; replay "dpo": a DPO
+    step instead."""
+    try:
+        return [_dpo_step(cfg) if replay == "dpo" else _one_step(cfg, replay) for cfg, replay in cases]
     finally:
         destroy_parallel()
 
@@ -78,6 +92,7 @@ def _cfg(hf_dir: str, *extra, **layout):
 
 
 EP2 = "parallel.expert_model_parallel_size=2"
+DPO = ("dpo.num_steps=4", "dpo.beta=0.5")
 LAYOUTS = {
     # EP 2 with a small token budget: the ranks pack different numbers of micro-batches.
     "ep2-small": (dict(dp=2, budget=SMALL_BUDGET), (EP2,), True),
@@ -87,22 +102,23 @@ LAYOUTS = {
     # packed micro-batches (THD) against the padded reference.
     "tp2-sp-torch": (dict(tp=2, budget=SMALL_BUDGET), (TORCH, "parallel.sequence_parallel=true"), True),
     "ep2-unreplayed": (dict(dp=2), (EP2,), False),
+    "ep2-dpo": (dict(dp=2, budget=SMALL_BUDGET), (EP2, *DPO), "dpo"),
 }
 
 
 @pytest.fixture(scope="module")
 def one_rank(hf_dir) -> dict:
     """The reference steps on one rank, replayed and not."""
-    cases = [(_cfg(hf_dir, REPLAY), True), (_cfg(hf_dir), False)]
+    cases = [(_cfg(hf_dir, REPLAY), True), (_cfg(hf_dir), False), (_cfg(hf_dir, *DPO), "dpo")]
     (res,) = run_local_ranks(_steps, 1, cases, timeout_s=600)
-    return {True: res[0], False: res[1]}
+    return {True: res[0], False: res[1], "dpo": res[2]}
 
 
 @pytest.fixture(scope="module")
 def two_ranks(hf_dir) -> dict:
     """Every layout of ``LAYOUTS``, run by the same two ranks one after another."""
     cases = [
-        (_cfg(hf_dir, *extra, *((REPLAY,) if replay else ()), **layout), replay)
+        (_cfg(hf_dir, *extra, *((REPLAY,) if replay is True else ()), **layout), replay)
         for layout, extra, replay in LAYOUTS.values()
     ]
     results = run_local_ranks(_steps, 2, cases, timeout_s=900)
@@ -125,7 +141,7 @@ def _assert_same_step(results: list[dict], reference: dict) -> None:
         torch.testing.assert_close(res["new"][mask], reference["new"][mask], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("layout", [name for name, case in LAYOUTS.items() if case[2]])
+@pytest.mark.parametrize("layout", [name for name, case in LAYOUTS.items() if case[2] is True])
 def test_replayed_step_does_not_depend_on_layout(layout, one_rank, two_ranks):
     _assert_same_step(two_ranks[layout], one_rank[True])
 
@@ -190,3 +206,11 @@ def test_replay_routes_through_the_given_experts(hf_dir):
     assert (res["other"][mask] - res["chosen"][mask]).abs().max() > 1e-3
     assert res["check_other"]["moe/routing_agreement"] < 0.5
     assert res["check_other"]["moe/token_mult_prob_error_no_replay"] > 1.0 + 1e-4
+
+
+def test_dpo_step_at_ep2_equals_one_rank(one_rank, two_ranks):
+    (want,) = one_rank["dpo"]["metrics"]
+    for res in two_ranks["ep2-dpo"]:
+        (got,) = res["metrics"]
+        assert _rel(got.loss, want.loss) <= 1e-5, (got.loss, want.loss)
+        assert _rel(got.grad_norm, want.grad_norm) <= 1e-5, (got.grad_norm, want.grad_norm)
