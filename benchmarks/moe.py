@@ -279,7 +279,7 @@ def run_engine(args, hf_dir, policy, engine_tp: int, base_pids: list[int]) -> di
     import ray
 
     from megagrpo.runtime.engines import start_engines
-    from megagrpo.runtime.watchdog import stop_processes
+    from megagrpo.runtime.watchdog import alive, start_time, stop_processes
 
     from .sync import BenchEngine
 
@@ -287,6 +287,7 @@ def run_engine(args, hf_dir, policy, engine_tp: int, base_pids: list[int]) -> di
     start = time.perf_counter()
     (engine,) = start_engines(cfgs["auto"], str(hf_dir), engine_cls=BenchEngine, timeout_s=args.timeout)
     workers = ray.get(engine.worker_pids.remote())
+    started = {pid: start_time(pid) for pid in workers}
     print(f"[moe] engine at TP {engine_tp} up in {time.perf_counter() - start:.0f}s", flush=True)
     pids = [*base_pids, ray.get(engine.pid.remote()), *workers]
     rounds: dict[str, list[dict]] = {p: [] for p in PATHS}
@@ -296,7 +297,10 @@ def run_engine(args, hf_dir, policy, engine_tp: int, base_pids: list[int]) -> di
                 rounds[p].append(measure_path(args, cfgs[p], policy, engine, pids))
     finally:
         ray.kill(engine, no_restart=True)
-        stop_processes(workers)  # vLLM's worker processes, if they outlive their engine
+        deadline = time.monotonic() + 10.0  # vLLM's workers follow their engine out; the next one waits
+        while time.monotonic() < deadline and any(alive(p, started[p]) for p in workers):
+            time.sleep(0.2)
+        stop_processes([p for p in workers if alive(p, started[p])])
     return rounds
 
 
