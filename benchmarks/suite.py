@@ -108,6 +108,7 @@ BENCHMARKS: tuple[Bench, ...] = (
     Bench("step", ("cpu",)),
     Bench("sync", ("cpu",)),
     Bench("shard_sync", ("cpu",)),
+    Bench("moe", ("cpu",)),
     # The 256 MB sync point is the sync benchmark's one-engine row (the same run).
     Bench("scaling", ("cpu",), args={"cpu": ["--sync-from", "{out}/sync.json"]}),
     Bench("peer", ("cpu",)),

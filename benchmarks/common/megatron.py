@@ -1,10 +1,13 @@
-"""The bare Megatron step, the bound of every trainer benchmark (train, sft_dpo, the step's bound),
-and the model shapes and rank options those benchmarks share.
+"""The bare Megatron step, the bound of every trainer benchmark (train, sft_dpo, moe, the step's
+bound), and the model shapes and rank options those benchmarks share.
 
 ``bare_step(engine, micro)`` is Megatron's forward+backward schedule over a worker's own
 micro-batches with Megatron's ``vocab_parallel_cross_entropy`` summed over the trained tokens, then
 the optimizer step: what a plain Megatron step costs on the same model, buffers and tokens, with no
-megagrpo loss, metrics or batch handling.
+megagrpo loss, metrics or batch handling. On a mixture-of-experts model it is the same model too (the
+worker's engine: its TransformerConfig, MoE layers and expert-parallel groups); under expert
+parallelism its schedule pads the EP ranks to equal micro-batch counts as the worker's does, which
+the all-to-all needs of any Megatron step.
 """
 
 from __future__ import annotations
@@ -28,8 +31,17 @@ PRESETS = {
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
         vocab_size=1000,
     ),
+    "tiny_moe": dict(  # make moe-demo's Qwen3-MoE (tiny_moe.yaml): 8 experts of width 64, top-2
+        num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
+        vocab_size=512, num_experts=8, moe_ffn_hidden_size=64, moe_router_topk=2,
+    ),
+    "moe": dict(  # a Qwen3-MoE whose experts are ~70% of its weights: 16 experts of width 128, top-2
+        num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_query_groups=4,
+        vocab_size=8192, num_experts=16, moe_ffn_hidden_size=128, moe_router_topk=2,
+    ),
 }  # fmt: skip
-"""Model shapes (Megatron's names) of the trainer benchmarks."""
+"""Model shapes (Megatron's names) of the trainer benchmarks; those with ``num_experts`` are Qwen3-MoE
+models (``model.arch`` qwen3_moe: no QKV bias, QK norm, top-k probabilities renormalised)."""
 
 
 def cross_entropy_loss(logits, micro: dict):
@@ -66,13 +78,16 @@ def device_sync(device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
-def add_model_args(p: argparse.ArgumentParser, *, tp: list[int], seq: int, budget: int, seqs=False) -> None:
+def add_model_args(
+    p: argparse.ArgumentParser, *, tp: list[int] | None, seq: int, budget: int, seqs=False, preset="cpu"
+) -> None:
     """The model, layout and rank options of a trainer benchmark (``shape_of`` applies ``--shape``);
-    ``seqs``: ``--seq`` takes several lengths (one run each)."""
-    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="model shape")
+    ``seqs``: ``--seq`` takes several lengths (one run each); ``tp`` None: no ``--tp`` (TP 1)."""
+    p.add_argument("--preset", choices=sorted(PRESETS), default=preset, help="model shape")
     p.add_argument("--shape", action="append", default=[], metavar="KEY=INT", help="override a preset key")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--tp", type=int, nargs="+", default=tp, help="one run (of TP ranks) per value")
+    if tp is not None:
+        p.add_argument("--tp", type=int, nargs="+", default=tp, help="one run (of TP ranks) per value")
     if seqs:
         p.add_argument("--seq", type=int, nargs="+", default=[seq], help="longest sequence; a run each")
     else:
@@ -97,20 +112,23 @@ def shape_of(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, 
     return shape
 
 
-def rank_threads(args: argparse.Namespace, tp: int) -> int:
-    """``--threads``, else on CPU the usable cores shared among the TP ranks; 0 (torch's) on GPU."""
+def rank_threads(args: argparse.Namespace, ranks: int) -> int:
+    """``--threads``, else on CPU the usable cores shared among the ranks; 0 (torch's) on GPU."""
     import os
 
     import torch
 
     if args.threads or torch.cuda.is_available():
         return args.threads
-    return max(1, len(os.sched_getaffinity(0)) // tp)
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
 def model_overrides(args: argparse.Namespace, shape: dict, tp: int) -> dict[str, object]:
-    """The config keys every trainer benchmark sets: shape, sequence, dtype, layout, budget."""
+    """The config keys every trainer benchmark sets: shape, sequence, dtype, layout, budget (a shape
+    with experts: a Qwen3-MoE)."""
+    moe = {"model.arch": "qwen3_moe", "model.tiny.qkv_bias": False} if shape.get("num_experts") else {}
     return {
+        **moe,
         **{f"model.tiny.{k}": v for k, v in shape.items()},
         "model.tiny.tie_word_embeddings": True,
         "model.tiny.max_position_embeddings": args.seq,
