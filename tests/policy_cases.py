@@ -46,9 +46,10 @@ def policy_config(hf_dir: str, *, tp=1, pp=1, dp=1, budget=LARGE_BUDGET, mini=8,
     )
 
 
-def load_then_continue(rank: int, world_size: int, cfg, path: str) -> dict:
+def load_then_continue(rank: int, world_size: int, cfg, path: str, keep_world: bool = False) -> dict:
     """A rank that loads a saved policy, scores ``policy_batch()`` and trains one step on the next
-    batch: what a resumed run sees (compared with the run that saved)."""
+    batch: what a resumed run sees (compared with the run that saved). ``keep_world``: the ranks go on
+    to other layouts (``destroy_parallel``)."""
     from megagrpo.parallel import destroy_parallel
     from megagrpo.policy.worker import PolicyWorker
 
@@ -61,4 +62,4 @@ def load_then_continue(rank: int, world_size: int, cfg, path: str) -> dict:
         next_metrics = worker.train(next_batch.replace(old_logprobs=worker.logprobs(next_batch)))
         return {"loaded": loaded_logprobs, "next": next_metrics, "steps": steps_after_load}
     finally:
-        destroy_parallel()
+        destroy_parallel(keep_world=keep_world)

@@ -1,5 +1,6 @@
 """HF -> Megatron -> HF is bit-identical at TP x PP 1 x 1 and 2 x 2; Megatron logits match transformers at
-TP=1 and TP=2."""
+TP=1 and TP=2. The cases that load checkpoints into Megatron share one spawned world per rank count
+(``one_rank``, ``two_ranks``; ``rank_cases``)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import ARCHS, make_tiny_hf
+from rank_cases import case, run_cases
 
 from megagrpo.ckpt.convert import hf_to_megatron, megatron_to_hf
 from megagrpo.ckpt.hf_files import HFCheckpoint
 from megagrpo.ckpt.megatron import load_megatron, mapped_checkpoint_tensors, read_model
 from megagrpo.models.builder import build_stage
 from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
-from megagrpo.parallel.local import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -67,32 +68,54 @@ def test_round_trip_is_bit_identical(arch, tp, pp, hf_dirs, converted, tmp_path)
     assert (out / "generation_config.json").is_file()
 
 
-def _mapped_and_loaded(rank: int, world_size: int, ckpt: str) -> tuple[list[str], dict[str, bool], int]:
+def _mapped_and_loaded(ckpt: str) -> tuple[list[str], dict[str, bool], int]:
     """What an export maps from the checkpoint files, compared with what Megatron loads."""
     source = read_model(Path(ckpt))
     ctx = init_parallel(ParallelSizes(), backend="gloo")
-    try:
-        model = build_stage(ctx, source.shape, source.dtype)
-        _, mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
-        load_megatron(model, Path(ckpt) / "megatron")
-        params = {name: p.detach() for name, p in model.named_parameters()}
-        same = {}
-        for name, tensor in mapped.items():
-            got = torch.cat(tensor) if isinstance(tensor, tuple) else tensor
-            same[name] = got.dtype == params[name].dtype and torch.equal(got, params[name])
-        return sorted(rest), same, len(params)
-    finally:
-        destroy_parallel()
+    model = build_stage(ctx, source.shape, source.dtype)
+    _, mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
+    load_megatron(model, Path(ckpt) / "megatron")
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    same = {}
+    for name, tensor in mapped.items():
+        got = torch.cat(tensor) if isinstance(tensor, tuple) else tensor
+        same[name] = got.dtype == params[name].dtype and torch.equal(got, params[name])
+    return sorted(rest), same, len(params)
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+@pytest.fixture(scope="module")
+def bf16_ckpts(tmp_path_factory) -> dict[int, tuple[Path, Path]]:
+    """(source HF directory, its Megatron checkpoint) of a bf16 model, saved at TP 1 and at TP 2."""
+    root = tmp_path_factory.mktemp("bf16")
+    src_dir = make_tiny_hf("qwen2", root / "src", dtype=torch.bfloat16)
+    return {tp: (src_dir, hf_to_megatron(src_dir, root / f"ckpt-tp{tp}", tp=tp)) for tp in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def one_rank(hf_dirs, converted, bf16_ckpts, tmp_path_factory) -> list[dict]:
+    """The single-rank cases of this module on one spawned rank (``rank_cases``)."""
+    cases = {
+        f"mapped/{arch}-{tp}-{pp}": (_mapped_and_loaded, str(converted(arch, tp, pp)))
+        for arch in ARCHS
+        for tp, pp in LAYOUTS
+    }
+    cases["one_chunk_refused"] = (_one_chunk_refused, str(converted("qwen2", 1, 1)))
+    for tp, (_, ckpt) in bf16_ckpts.items():
+        cases[f"bf16/{tp}"] = (_stage_param_dtypes, str(ckpt))
+    out = tmp_path_factory.mktemp("unfilled") / "ckpt"
+    cases["unfilled"] = (_unfilled_qkv_written_without_the_copier, str(hf_dirs["qwen2"]), str(out))
+    cases["groups_left"] = (_groups_left,)  # last: it ends with no process group at all
+    return run_cases(1, cases)
+
+
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_export_maps_the_stored_chunks(arch, tp, pp, converted):
+def test_export_maps_the_stored_chunks(arch, tp, pp, converted, one_rank):
     """An export takes each weight straight from the mapped checkpoint files (the chunks stacked
     where the checkpoint was saved at TP=2) and equals what Megatron loads; only row-parallel weights
     saved at TP=2 (split along their columns) are left to Megatron."""
     ckpt = converted(arch, tp, pp)
-    ((rest, same, count),) = run_local_ranks(_mapped_and_loaded, 1, str(ckpt), timeout_s=300)
+    ((rest, same, count),) = case(one_rank, f"mapped/{arch}-{tp}-{pp}")
     assert same and all(same.values()), [name for name, ok in same.items() if not ok]
     assert len(same) + len(rest) == count
     row_parallel = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
@@ -100,7 +123,7 @@ def test_export_maps_the_stored_chunks(arch, tp, pp, converted):
     assert len(rest) == (0 if tp == 1 else 2 * read_model(ckpt).shape.num_layers)
 
 
-def _one_chunk_refused(rank: int, world_size: int, ckpt: str) -> tuple[list[str], bool]:
+def _one_chunk_refused(ckpt: str) -> tuple[list[str], bool]:
     """An export where the reader cannot map layer 1's QKV weight: Megatron loads that key whole."""
     from unittest import mock
 
@@ -115,46 +138,39 @@ def _one_chunk_refused(rank: int, world_size: int, ckpt: str) -> tuple[list[str]
 
     source = read_model(Path(ckpt))
     ctx = init_parallel(ParallelSizes(), backend="gloo")
-    try:
-        model = build_stage(ctx, source.shape, source.dtype)
-        with mock.patch.object(MappedDistCheckpoint, "read", read):
-            _, mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
-        load_megatron(model, Path(ckpt) / "megatron", keys=set(rest))
-        filled = {name: p.detach().clone() for name, p in model.named_parameters() if name in rest}
-        load_megatron(model, Path(ckpt) / "megatron")
-        params = dict(model.named_parameters())
-        same = all(torch.equal(filled[name], params[name]) for name in rest)
-        return sorted(rest), same and not set(rest) & set(mapped)
-    finally:
-        destroy_parallel()
+    model = build_stage(ctx, source.shape, source.dtype)
+    with mock.patch.object(MappedDistCheckpoint, "read", read):
+        _, mapped, rest = mapped_checkpoint_tensors(model, Path(ckpt) / "megatron")
+    load_megatron(model, Path(ckpt) / "megatron", keys=set(rest))
+    filled = {name: p.detach().clone() for name, p in model.named_parameters() if name in rest}
+    load_megatron(model, Path(ckpt) / "megatron")
+    params = dict(model.named_parameters())
+    same = all(torch.equal(filled[name], params[name]) for name in rest)
+    return sorted(rest), same and not set(rest) & set(mapped)
 
 
-def test_an_unmapped_chunk_sends_its_whole_key_to_megatron(converted):
+def test_an_unmapped_chunk_sends_its_whole_key_to_megatron(converted, one_rank):
     ckpt = converted("qwen2", 1, 1)
-    ((rest, same),) = run_local_ranks(_one_chunk_refused, 1, str(ckpt), timeout_s=300)
+    ((rest, same),) = case(one_rank, "one_chunk_refused")
     layers = read_model(ckpt).shape.num_layers
     assert rest == sorted(f"decoder.layers.{i}.self_attention.linear_qkv.weight" for i in range(layers))
     assert same
 
 
-def _stage_param_dtypes(rank: int, world_size: int, ckpt: str) -> dict:
+def _stage_param_dtypes(ckpt: str) -> dict:
     source = read_model(Path(ckpt))
     ctx = init_parallel(ParallelSizes(), backend="gloo")
-    try:
-        model = build_stage(ctx, source.shape, source.dtype)
-        load_megatron(model, Path(ckpt) / "megatron")
-        return {name: p.dtype for name, p in model.named_parameters()}
-    finally:
-        destroy_parallel()
+    model = build_stage(ctx, source.shape, source.dtype)
+    load_megatron(model, Path(ckpt) / "megatron")
+    return {name: p.dtype for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_bf16_round_trip_keeps_every_dtype(tp, tmp_path):
+def test_bf16_round_trip_keeps_every_dtype(tp, bf16_ckpts, one_rank, tmp_path):
     """A bf16 checkpoint is bf16 throughout: in Megatron (whose local norms are made in fp32) and
     back in HF."""
-    src_dir = make_tiny_hf("qwen2", tmp_path / "src", dtype=torch.bfloat16)
-    ckpt = hf_to_megatron(src_dir, tmp_path / "ckpt", tp=tp)
-    (dtypes,) = run_local_ranks(_stage_param_dtypes, 1, str(ckpt), timeout_s=300)
+    src_dir, ckpt = bf16_ckpts[tp]
+    (dtypes,) = case(one_rank, f"bf16/{tp}")
     assert any("layernorm" in name for name in dtypes)
     assert set(dtypes.values()) == {torch.bfloat16}, dtypes
     out = megatron_to_hf(ckpt, tmp_path / "hf")
@@ -190,22 +206,30 @@ def megatron_logits(
         destroy_parallel(keep_world=keep_world)
 
 
-def _megatron_logits(rank: int, world_size: int, ckpt: str, tokens: torch.Tensor) -> dict:
+def _megatron_logits(ckpt: str, tokens: torch.Tensor) -> dict:
     return {tp: megatron_logits(ckpt, tokens, tp, keep_world=True) for tp in (1, 2)}
 
 
+LOGITS_TOKENS = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(converted) -> list[dict]:
+    """Each architecture's logits, saved with TP=2 x PP=2 and loaded at TP=1 and TP=2 (one spawn)."""
+    return run_cases(
+        2, {arch: (_megatron_logits, str(converted(arch, 2, 2)), LOGITS_TOKENS) for arch in ARCHS}
+    )
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_megatron_logits_match_transformers(arch, hf_dirs, converted):
+def test_megatron_logits_match_transformers(arch, hf_dirs, two_ranks):
     from transformers import AutoModelForCausalLM
 
-    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
     ref = AutoModelForCausalLM.from_pretrained(hf_dirs[arch], dtype=torch.float32).eval()
     with torch.no_grad():
-        want = ref(tokens).logits
+        want = ref(LOGITS_TOKENS).logits
     # Saved with TP=2 x PP=2 and loaded at TP=1 and TP=2: the checkpoint reshards on load.
-    ckpt = converted(arch, 2, 2)
-    results = run_local_ranks(_megatron_logits, 2, str(ckpt), tokens, timeout_s=300)
-    for res in results:
+    for res in case(two_ranks, arch):
         for tp in (1, 2):
             diff = (res[tp] - want).abs().max().item()
             assert diff <= 1e-4, f"{arch} TP={tp}: max |logits diff| {diff:.2e}"
@@ -244,7 +268,7 @@ def test_killed_conversion_leaves_no_output_directory(hf_dirs, tmp_path):
         assert torch.equal(src.read(name).view(torch.uint8), back.read(name).view(torch.uint8)), name
 
 
-def _groups_left(_rank: int, _world_size: int) -> tuple[bool, bool, bool]:
+def _groups_left() -> tuple[bool, bool, bool]:
     from megagrpo.ckpt.convert import _rank_groups
 
     left = []
@@ -258,37 +282,32 @@ def _groups_left(_rank: int, _world_size: int) -> tuple[bool, bool, bool]:
     return left[0], left[1], torch.distributed.is_initialized()
 
 
-def test_a_rank_that_exits_next_leaves_its_groups_only_on_success():
-    (torn_down, exiting, failed) = run_local_ranks(_groups_left, 1, timeout_s=300)[0]
+def test_a_rank_that_exits_next_leaves_its_groups_only_on_success(one_rank):
+    ((torn_down, exiting, failed),) = case(one_rank, "groups_left")
     assert (torn_down, exiting, failed) == (False, True, False)
 
 
-def _unfilled_qkv_written_without_the_copier(_rank: int, _world_size: int, hf_dir: str, out: str) -> str:
+def _unfilled_qkv_written_without_the_copier(hf_dir: str, out: str) -> str:
     from megagrpo.ckpt import convert, megatron
     from megagrpo.models.registry import load_hf_config, shape_from_hf_config
 
     arch, shape = shape_from_hf_config(load_hf_config(hf_dir), hf_dir)
     hf = HFCheckpoint(hf_dir)
     ctx = init_parallel(ParallelSizes(), backend="gloo")
+    model = build_stage(ctx, shape, hf.validate(convert.hf_tensor_shapes(shape)))
+    mapped, pieces = {}, {}
+    convert.load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), mapped=mapped, pieces=pieces)
+    assert pieces and all("linear_qkv" in key for key in pieces)  # Q/K/V left unfilled
+    can_copy = megatron.writers_can_copy
+    megatron.writers_can_copy = lambda: False  # as if Megatron opened its files another way
     try:
-        model = build_stage(ctx, shape, hf.validate(convert.hf_tensor_shapes(shape)))
-        mapped, pieces = {}, {}
-        convert.load_hf_into_stage(model, ctx, hf, shape, arch.rules(shape), mapped=mapped, pieces=pieces)
-        assert pieces and all("linear_qkv" in key for key in pieces)  # Q/K/V left unfilled
-        megatron.writers_can_copy = lambda: False  # as if Megatron opened its files another way
         with pytest.raises(RuntimeError) as err:
             megatron.save_megatron(model, Path(out), mapped=mapped, pieces=pieces, maps=hf.maps)
-        return str(err.value)
     finally:
-        destroy_parallel()
+        megatron.writers_can_copy = can_copy  # the cases after this one write as usual
+    return str(err.value)
 
 
-def test_a_checkpoint_with_unfilled_tensors_the_writer_did_not_copy_is_refused(hf_dirs, tmp_path):
-    (message,) = run_local_ranks(
-        _unfilled_qkv_written_without_the_copier,
-        1,
-        str(hf_dirs["qwen2"]),
-        str(tmp_path / "ckpt"),
-        timeout_s=300,
-    )
+def test_a_checkpoint_with_unfilled_tensors_the_writer_did_not_copy_is_refused(one_rank):
+    (message,) = case(one_rank, "unfilled")
     assert "linear_qkv" in message and "never filled" in message

@@ -7,35 +7,31 @@ import pytest
 import torch
 from hf_models import make_tiny_hf
 from policy_cases import policy_batch, policy_config
+from rank_cases import case, run_cases
 
-from megagrpo.parallel import destroy_parallel
-from megagrpo.parallel.local import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
 
-def _three_steps(rank: int, world_size: int, cfg, offload: bool) -> dict:
+def _three_steps(cfg, offload: bool) -> dict:
     from megagrpo.policy.worker import PolicyWorker
 
     worker = PolicyWorker(cfg)
-    try:
-        freed, metrics = [], []
-        for step in range(3):
-            batch = policy_batch(seed=step)
-            metrics += worker.train(batch.replace(old_logprobs=worker.logprobs(batch)))
-            if offload:  # as the GRPO loop does around a colocated sync and generation
-                sync = worker.offload("sync")
-                after_sync = [p.untyped_storage().nbytes() for p in worker.engine.module.parameters()]
-                generation = worker.offload("generation")
-                parked = [p.untyped_storage().nbytes() for p in worker.engine.module.parameters()]
-                freed.append((sync, generation, min(after_sync), max(parked)))
-                if step == 1:  # the next forward brings them back by itself
-                    assert worker.reload() == sync + generation
-        worker.reload()  # the last step's parked states
-        weights = {n: p.detach().clone() for n, p in worker.engine.module.named_parameters()}
-        return {"metrics": [(m.loss, m.grad_norm) for m in metrics], "weights": weights, "freed": freed}
-    finally:
-        destroy_parallel()
+    freed, metrics = [], []
+    for step in range(3):
+        batch = policy_batch(seed=step)
+        metrics += worker.train(batch.replace(old_logprobs=worker.logprobs(batch)))
+        if offload:  # as the GRPO loop does around a colocated sync and generation
+            sync = worker.offload("sync")
+            after_sync = [p.untyped_storage().nbytes() for p in worker.engine.module.parameters()]
+            generation = worker.offload("generation")
+            parked = [p.untyped_storage().nbytes() for p in worker.engine.module.parameters()]
+            freed.append((sync, generation, min(after_sync), max(parked)))
+            if step == 1:  # the next forward brings them back by itself
+                assert worker.reload() == sync + generation
+    worker.reload()  # the last step's parked states
+    weights = {n: p.detach().clone() for n, p in worker.engine.module.named_parameters()}
+    return {"metrics": [(m.loss, m.grad_norm) for m in metrics], "weights": weights, "freed": freed}
 
 
 def test_training_after_offload_and_reload_equals_training_without(tmp_path):
@@ -43,8 +39,8 @@ def test_training_after_offload_and_reload_equals_training_without(tmp_path):
     extra = ["generation.placement=colocated", "policy.offload=all"]
     cfg = policy_config(hf, dp=2, extra=extra)
     assert cfg.parallel.use_distributed_optimizer
-    plain = run_local_ranks(_three_steps, 2, cfg, False, timeout_s=300)
-    moved = run_local_ranks(_three_steps, 2, cfg, True, timeout_s=300)
+    results = run_cases(2, {"plain": (_three_steps, cfg, False), "moved": (_three_steps, cfg, True)})
+    plain, moved = case(results, "plain"), case(results, "moved")  # one spawn for both
     for a, b in zip(plain, moved, strict=True):
         assert a["metrics"] == b["metrics"]  # loss and grad norm, bit for bit, every step
         for name, tensor in a["weights"].items():

@@ -9,36 +9,32 @@ import pytest
 import torch
 from hf_models import make_tiny_hf
 from policy_cases import LARGE_BUDGET, SMALL_BUDGET
+from rank_cases import case, run_cases
 from supervised_cases import dpo_batch, sft_batch, supervised_config
 
-from megagrpo.parallel import destroy_parallel
-from megagrpo.parallel.local import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
 
-def _steps(rank: int, world_size: int, cfg, kind: str) -> dict:
+def _steps(cfg, kind: str) -> dict:
     """Two SFT steps and a validation pass, or two DPO steps with their reference logprobs."""
     from megagrpo.policy.supervised import DPOWorker, SFTWorker
 
     out = {}
-    try:
-        if kind == "sft":
-            worker = SFTWorker(cfg)
-            out["steps"] = [worker.train_step(sft_batch(0)), worker.train_step(sft_batch(1))]
-            out["val"] = worker.evaluate(sft_batch(2))
-            return out
-        worker = DPOWorker(cfg)
-        batch, nxt = dpo_batch(0), dpo_batch(1)
-        out["pair_rows"] = [rows for rows, _ in worker.pair_micro_batches(batch)]
-        out["ref"] = worker.reference_logps(batch)
-        out["steps"] = [worker.train_step(batch.replace(ref_logps=out["ref"]))]
-        out["ref_again"] = worker.reference_logps(batch)
-        out["steps"].append(worker.train_step(nxt.replace(ref_logps=worker.reference_logps(nxt))))
-        out["val"] = worker.evaluate(batch.replace(ref_logps=out["ref"]))
+    if kind == "sft":
+        worker = SFTWorker(cfg)
+        out["steps"] = [worker.train_step(sft_batch(0)), worker.train_step(sft_batch(1))]
+        out["val"] = worker.evaluate(sft_batch(2))
         return out
-    finally:
-        destroy_parallel()
+    worker = DPOWorker(cfg)
+    batch, nxt = dpo_batch(0), dpo_batch(1)
+    out["pair_rows"] = [rows for rows, _ in worker.pair_micro_batches(batch)]
+    out["ref"] = worker.reference_logps(batch)
+    out["steps"] = [worker.train_step(batch.replace(ref_logps=out["ref"]))]
+    out["ref_again"] = worker.reference_logps(batch)
+    out["steps"].append(worker.train_step(nxt.replace(ref_logps=worker.reference_logps(nxt))))
+    out["val"] = worker.evaluate(batch.replace(ref_logps=out["ref"]))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +42,30 @@ def hf_dir(tmp_path_factory) -> str:
     return str(make_tiny_hf("qwen2", tmp_path_factory.mktemp("supervised") / "qwen2"))
 
 
+KINDS = ("sft", "dpo")
+LAYOUTS = {
+    "tp2-small": dict(tp=2, budget=SMALL_BUDGET),
+    "pp2-small": dict(pp=2, budget=SMALL_BUDGET),
+    "dp2-large": dict(dp=2, budget=LARGE_BUDGET),
+}
+
+
 @pytest.fixture(scope="module")
 def reference(hf_dir) -> dict:
-    return {kind: run_local_ranks(_steps, 1, supervised_config(hf_dir), kind, timeout_s=600)[0] for kind in KINDS}
+    """One rank, one micro-batch per step: each kind's steps (one spawn for both)."""
+    (res,) = run_cases(1, {kind: (_steps, supervised_config(hf_dir), kind) for kind in KINDS})
+    return {kind: case([res], kind)[0] for kind in KINDS}
 
 
-KINDS = ("sft", "dpo")
+@pytest.fixture(scope="module")
+def two_ranks(hf_dir) -> list[dict]:
+    """Every layout and kind on one spawn of two ranks."""
+    cases = {
+        f"{layout}/{kind}": (_steps, supervised_config(hf_dir, **LAYOUTS[layout]), kind)
+        for layout in LAYOUTS
+        for kind in KINDS
+    }
+    return run_cases(2, cases)
 
 
 def _rel(a: float, b: float) -> float:
@@ -59,14 +73,10 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(
-    "layout",
-    [dict(tp=2, budget=SMALL_BUDGET), dict(pp=2, budget=SMALL_BUDGET), dict(dp=2, budget=LARGE_BUDGET)],
-    ids=["tp2-small", "pp2-small", "dp2-large"],
-)
-def test_loss_and_grad_norm_do_not_depend_on_layout_or_budget(kind, layout, hf_dir, reference):
-    want = reference[kind]
-    results = run_local_ranks(_steps, 2, supervised_config(hf_dir, **layout), kind, timeout_s=600)
+@pytest.mark.parametrize("layout_id", list(LAYOUTS))
+def test_loss_and_grad_norm_do_not_depend_on_layout_or_budget(kind, layout_id, two_ranks, reference):
+    want, layout = reference[kind], LAYOUTS[layout_id]
+    results = case(two_ranks, f"{layout_id}/{kind}")
     for res in results:
         for got, exp in zip(res["steps"], want["steps"], strict=True):
             assert _rel(got.loss, exp.loss) <= 1e-5, (got.loss, exp.loss)

@@ -1,10 +1,12 @@
-"""``megagrpo sft`` and ``megagrpo dpo`` end to end on spawned gloo ranks: a run stopped at a checkpoint
-and resumed logs the same next steps as the run that went straight through; outputs of a finished run."""
+"""``megagrpo sft`` and ``megagrpo dpo`` end to end on spawned gloo ranks: a run resumed from a checkpoint
+(the straight run's own, copied) logs the same next steps as the run that went straight through; outputs of a
+finished run."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,17 +32,26 @@ def _problems(n: int, seed: int) -> list[tuple[str, str]]:
     return [(p.prompt, p.answer) for p in ArithmeticTask(max_operand=20, ops="+").problems(n, seed=seed)]
 
 
-def _run_three_ways(run, cfg_for, tmp_path: Path) -> tuple[dict, dict, Path]:
-    """(straight run's metrics, stopped-then-resumed run's metrics, resumed run's directory)."""
+def _run_and_resume(run, cfg_for, tmp_path: Path, run_name: str) -> tuple[dict, dict, Path]:
+    """(straight run's metrics, resumed run's metrics, resumed run's directory).
+
+    The straight run saves at steps 2 and 4; the resumed run starts from a copy of its step-2 checkpoint
+    and of what it had logged by then, as a run that had stopped there would have left them.
+    """
     want = _metrics(Path(run(cfg_for(tmp_path / "a", steps=4)).run_dir))
-    run(cfg_for(tmp_path / "b", steps=2))
-    assert sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir()) == ["step_2"]
+    assert sorted(p.name for p in (tmp_path / "a" / "ckpt").iterdir()) == ["step_2", "step_4"]
     # Every rank's shards are in the manifest with the digests their writers computed, and they match.
-    ckpt = tmp_path / "b" / "ckpt" / "step_2"
+    ckpt = tmp_path / "a" / "ckpt" / "step_2"
     listed = set(json.loads((ckpt / "manifest.json").read_text())["files"])
     on_disk = {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"}
     assert listed == on_disk and any(name.endswith(".distcp") for name in listed)
     manifest.verify(ckpt)
+    shutil.copytree(ckpt, tmp_path / "b" / "ckpt" / "step_2")
+    logged = (tmp_path / "a" / run_name / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "b" / run_name).mkdir(parents=True)
+    (tmp_path / "b" / run_name / "metrics.jsonl").write_text(
+        "".join(line + "\n" for line in logged if json.loads(line)["step"] <= 2)
+    )
     resumed = cfg_for(tmp_path / "b", steps=4, export=True)
     resumed = dataclasses.replace(resumed, checkpoint=dataclasses.replace(resumed.checkpoint, resume=True))
     res = run(resumed)
@@ -74,8 +85,8 @@ def test_sft_resume_reproduces_the_next_steps(tmp_path):
                 "sft.batch_size=8",
                 f"sft.num_steps={steps}",
                 "sft.num_val_examples=8",
-                # The stopped run is configured for 2 steps, so a schedule that depends on the run's length
-                # (cosine) would differ; a warm-up over 3 steps checks that the scheduler state comes back.
+                # A warm-up over 3 steps checks that the scheduler state comes back: the resumed run starts
+                # inside it.
                 "policy.lr_schedule=constant",
                 "policy.lr_warmup_steps=3",
                 f"checkpoint.dir={root / 'ckpt'}",
@@ -85,7 +96,7 @@ def test_sft_resume_reproduces_the_next_steps(tmp_path):
             trainer="sft",
         )
 
-    want, got, run_dir = _run_three_ways(run_sft, cfg_for, tmp_path)
+    want, got, run_dir = _run_and_resume(run_sft, cfg_for, tmp_path, "tiny-sft")
     assert sorted(got) == [0, 1, 2, 3, 4]
     for step in (3, 4):
         for key in _SAME:
@@ -135,7 +146,7 @@ def test_dpo_resume_reproduces_the_next_steps(tmp_path):
             trainer="dpo",
         )
 
-    want, got, run_dir = _run_three_ways(run_dpo, cfg_for, tmp_path)
+    want, got, run_dir = _run_and_resume(run_dpo, cfg_for, tmp_path, "tiny-dpo")
     assert sorted(got) == [0, 1, 2, 3, 4]
     for step in (3, 4):
         for key in (*_SAME, "train/margin_mean", "train/accuracy"):
