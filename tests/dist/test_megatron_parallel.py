@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rank_cases import case, run_cases
 
 from megagrpo.models.shape import GPTShape
 from megagrpo.models.layout import (
@@ -15,7 +16,6 @@ from megagrpo.models.layout import (
     tp_shard,
 )
 from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
-from megagrpo.parallel.local import run_local_ranks
 from megagrpo.policy.engine import OptimizerSettings, build_engine, forward_backward, optimizer_step
 
 pytestmark = pytest.mark.dist
@@ -125,7 +125,7 @@ def _run(sizes: ParallelSizes, init_state, num_micro: int, opt: OptimizerSetting
         destroy_parallel(keep_world=True)
 
 
-def _tp1_vs_tp2(rank: int, world_size: int) -> dict:
+def _tp1_vs_tp2() -> dict:
     opt = OptimizerSettings(lr=1e-3, clip_grad=1.0)
     # World of 2 at TP=1 is DP=2 with the same data on both replicas: the DP average equals one replica.
     ref = _run(ParallelSizes(tp=1), None, num_micro=1, opt=opt, steps=1)
@@ -133,7 +133,7 @@ def _tp1_vs_tp2(rank: int, world_size: int) -> dict:
     return {"ref": ref, "tp2": tp2}
 
 
-def _pp1_vs_pp2(rank: int, world_size: int) -> dict:
+def _pp1_vs_pp2() -> dict:
     # clip_grad well under the measured grad norm (~1.7) so clipping is exercised on both sides.
     opt = OptimizerSettings(lr=1e-3, clip_grad=0.5, use_distributed_optimizer=True)
     ref = _run(ParallelSizes(pp=1), None, num_micro=2, opt=opt, steps=2)
@@ -151,8 +151,14 @@ def _assert_states_close(got: dict, want: dict, *, atol: float, rtol: float) -> 
         torch.testing.assert_close(got[name], tensor, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_tp2_forward_backward_matches_tp1():
-    results = run_local_ranks(_tp1_vs_tp2, 2, timeout_s=300)
+@pytest.fixture(scope="module")
+def compared() -> list[dict]:
+    """Both comparisons on one spawn of two ranks (``rank_cases``)."""
+    return run_cases(2, {"tp": (_tp1_vs_tp2,), "pp": (_pp1_vs_pp2,)})
+
+
+def test_tp2_forward_backward_matches_tp1(compared):
+    results = case(compared, "tp")
     for res in results:
         ref, tp2 = res["ref"], res["tp2"]
         _assert_states_close(tp2["initial"], ref["initial"], atol=0, rtol=0)
@@ -163,12 +169,14 @@ def test_tp2_forward_backward_matches_tp1():
         # up to ~lr * 1e-2, hence the looser tolerance on the updated weights.
         _assert_states_close(tp2["final"], ref["final"], atol=1e-5, rtol=1e-4)
     # The step moved the weights (the comparison above is not between two untouched models).
-    moved = max((results[0]["ref"]["final"][k] - v).abs().max() for k, v in results[0]["ref"]["initial"].items())
+    moved = max(
+        (results[0]["ref"]["final"][k] - v).abs().max() for k, v in results[0]["ref"]["initial"].items()
+    )
     assert moved > 1e-4
 
 
-def test_pp2_schedule_and_optimizer_step_match_pp1():
-    results = run_local_ranks(_pp1_vs_pp2, 2, timeout_s=300)
+def test_pp2_schedule_and_optimizer_step_match_pp1(compared):
+    results = case(compared, "pp")
     last_stage = next(r for r in results if r["pp2"]["pp_rank"] == 1)
     ref, pp2 = last_stage["ref"], last_stage["pp2"]
     assert len(pp2["losses"]) == 2 and len(ref["losses"]) == 2

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from rank_cases import case, run_cases
 
 from megagrpo.ckpt import manifest
 from megagrpo.ckpt.run import CheckpointWriteError
 from megagrpo.config import load_config
-from megagrpo.parallel.local import run_local_ranks
 from megagrpo.runtime.spmd import LocalGroup
 from megagrpo.trainers.checkpoints import save_checkpoint
 
@@ -36,26 +36,38 @@ class ShardWriter:
         return {}
 
 
-def _save_twice(rank: int, world_size: int, root: str, on_error: str) -> list:
+def _save_twice(root: str, on_error: str) -> list:
     """Step 1 written by both ranks, then step 2 with rank 1's write failing: what each rank saw."""
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    cfg = load_config(None, [f"checkpoint.dir={root}", f"checkpoint.on_error={on_error}"])
+    seen = [save_checkpoint(cfg, LocalGroup(ShardWriter(None)), ShardWriter.save, 1, 8)]
     try:
-        cfg = load_config(None, [f"checkpoint.dir={root}", f"checkpoint.on_error={on_error}"])
-        seen = [save_checkpoint(cfg, LocalGroup(ShardWriter(None)), ShardWriter.save, 1, 8)]
-        try:
-            seen.append(save_checkpoint(cfg, LocalGroup(ShardWriter(1)), ShardWriter.save, 2, 16))
-        except CheckpointWriteError as err:
-            seen.append(f"stopped: {err}")
-        dist.barrier()  # every rank got here: none is stuck in the writer's collectives
-        return seen
-    finally:
-        dist.destroy_process_group()
+        seen.append(save_checkpoint(cfg, LocalGroup(ShardWriter(1)), ShardWriter.save, 2, 16))
+    except CheckpointWriteError as err:
+        seen.append(f"stopped: {err}")
+    dist.barrier()  # every rank got here: none is stuck in the writer's collectives
+    return seen
 
 
-@pytest.mark.parametrize("on_error", ["stop", "continue"])
-def test_a_write_failing_on_one_rank_is_one_decision_on_every_rank(on_error, tmp_path):
-    root = tmp_path / "ckpt"
-    seen = run_local_ranks(_save_twice, 2, str(root), on_error, timeout_s=300)
+ON_ERROR = ("stop", "continue")
+
+
+@pytest.fixture(scope="module")
+def decisions(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """(checkpoint root by ``on_error``'s value, what each rank saw): both settings on one spawn of two
+    ranks (``rank_cases``)."""
+    root = tmp_path_factory.mktemp("save_checkpoint")
+    return root, run_cases(
+        2, {on_error: (_save_twice, str(root / on_error / "ckpt"), on_error) for on_error in ON_ERROR}
+    )
+
+
+@pytest.mark.parametrize("on_error", ON_ERROR)
+def test_a_write_failing_on_one_rank_is_one_decision_on_every_rank(on_error, decisions):
+    root, results = decisions
+    root = root / on_error / "ckpt"
+    seen = case(results, on_error)
     assert [s[0] for s in seen] == [root.absolute() / "step_1"] * 2
     manifest.verify(root / "step_1")
     assert sorted(p.name for p in root.iterdir()) == ["step_1"]  # step 2's partial write is gone

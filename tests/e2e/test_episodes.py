@@ -36,7 +36,7 @@ def _config(root: Path, name: str, ckpt: Path, *, steps: int = 3, resume: bool =
         "env.max_new_tokens=6",
         "env.max_turns=4",
         "env.max_episode_tokens=60",
-        "env.num_workers=2",
+        "env.num_workers=8",  # the hanging environments wait out their deadline side by side
         "env.step_timeout_s=3",
         "checkpoint.keep_last=3",
         f"checkpoint.resume={str(resume).lower()}",

@@ -1,11 +1,14 @@
 """The CPU twin's path end to end: the project-made model (BPE tokenizer, ChatML, SFT warm-up) loaded as an
 HF model, GRPO stage 1 -> stage 2 chained through model.init_from, and ``megagrpo eval`` on vLLM.
 
-Short versions of ``make twin``: the made model gets 40 SFT steps, each stage 1-2 GRPO steps on 4 prompts.
+Short versions of ``make twin``: the made model gets 40 SFT steps, each stage 1-2 GRPO steps on 4 prompts; the
+two evaluations (a checkpoint and its export, the same weights) are also the same-seed-twice check.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -74,7 +77,16 @@ def _weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_stage_2_starts_from_stage_1s_result(twin):
+def _stage_2(root: Path, run1: Path) -> list[str]:
+    """Stage 2 with a longer context but stage 1's response budget, so its greedy and seeded samples of the
+    validation problems can be compared; an lr so small its one step leaves the weights as loaded."""
+    extra = ("grpo.num_steps=1", "logging.val_every=1", "generation.max_new_tokens=48")
+    return [*_stage(root, 2, run1, *extra), "policy.lr=1.0e-12", "policy.min_lr=1.0e-12"]
+
+
+@pytest.fixture(scope="module")
+def stages(twin) -> tuple[Path, Path]:
+    """(stage 1's run directory, stage 2's): 2 GRPO steps from the made model, then 1 from stage 1's."""
     from megagrpo.trainers.grpo import train
 
     made = twin / "cpu-twin-model"
@@ -88,13 +100,15 @@ def test_stage_2_starts_from_stage_1s_result(twin):
             _stage(twin, 1, made, "grpo.num_steps=2", "logging.val_every=2", *sampling),
         )
     )
+    run2 = train(load_config("deepscaler/cpu_twin_2", _stage_2(twin, run1)))
+    return run1, run2
+
+
+def test_stage_2_starts_from_stage_1s_result(twin, stages):
+    run1, run2 = stages
+    made = twin / "cpu-twin-model"
     assert run1 == twin / "cpu-twin-1"
-    # Stage 2 with a longer context but stage 1's response budget, so its greedy and seeded samples of
-    # the validation problems can be compared; an lr so small its one step leaves the weights as loaded.
-    stage2 = _stage(twin, 2, run1, "grpo.num_steps=1", "logging.val_every=1", "generation.max_new_tokens=48")
-    cfg2 = load_config("deepscaler/cpu_twin_2", [*stage2, "policy.lr=1.0e-12", "policy.min_lr=1.0e-12"])
-    assert cfg2.model.seq_length == 160
-    run2 = train(cfg2)
+    assert load_config("deepscaler/cpu_twin_2", _stage_2(twin, run1)).model.seq_length == 160
     saved = yaml.safe_load((run2 / "config.yaml").read_text())["model"]
     assert saved["hf_dir"] == str(run1 / "hf_export") and saved["init_from"] is None
 
@@ -111,46 +125,55 @@ def test_stage_2_starts_from_stage_1s_result(twin):
     assert trained > 1e-5  # stage 1 moved away from the made model (Adam steps of ~lr = 1e-4)
     assert kept < 1e-7  # stage 2 began where stage 1 ended
 
-    # `eval --checkpoint step_N` verifies and exports that checkpoint, then scores what the run's own
-    # HF export (the same weights) scores.
+
+@pytest.fixture(scope="module")
+def evals(twin, stages) -> dict[str, dict]:
+    """``megagrpo eval`` of stage 1's step-2 checkpoint (``eval_ckpt``) and of its HF export
+    (``eval_export``): the same weights, the same seed, 4 samples per problem. By output directory: its
+    ``eval.json`` (``json``), ``eval.md`` (``md``), the evaluated model's path (``model``) and what the
+    command printed (``printed``)."""
     from megagrpo.cli import main
 
-    step = twin / "ckpt1" / "step_2"
-    common = ["eval", "--config", "deepscaler/cpu_twin_1", "--samples", "2", f"logging.dir={twin}"]
+    run1, _ = stages
+    common = ["eval", "--config", "deepscaler/cpu_twin_1", "--samples", "4", f"logging.dir={twin}"]
     common.append(f"data.val_path={twin / 'val.jsonl'}")  # the evaluated model replaces the config's
-    assert main([*common, "--checkpoint", str(step), "--out", str(twin / "eval_ckpt")]) == 0
-    export = run1 / "hf_export"
-    assert main([*common, "--model", str(export), "--out", str(twin / "eval_export")]) == 0
-    by_ckpt, by_export = (
-        json.loads((twin / d / "eval.json").read_text()) for d in ("eval_ckpt", "eval_export")
-    )
+    models = {"eval_ckpt": twin / "eval_ckpt" / "hf", "eval_export": run1 / "hf_export"}
+    given = {
+        "eval_ckpt": ["--checkpoint", str(twin / "ckpt1" / "step_2")],
+        "eval_export": ["--model", str(run1 / "hf_export")],
+    }
+    out = {}
+    for name, model in models.items():
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert main([*common, *given[name], "--out", str(twin / name)]) == 0
+        out[name] = {
+            "json": json.loads((twin / name / "eval.json").read_text()),
+            "md": (twin / name / "eval.md").read_text(),
+            "model": str(model),
+            "printed": printed.getvalue(),
+        }
+    return out
+
+
+def test_eval_of_a_checkpoint_scores_what_its_export_scores(twin, evals):
+    """`eval --checkpoint step_N` verifies and exports that checkpoint, then scores what the run's own
+    HF export (the same weights) scores."""
+    by_ckpt, by_export = evals["eval_ckpt"]["json"], evals["eval_export"]["json"]
     assert (twin / "eval_ckpt" / "hf" / "config.json").is_file()
+    assert evals["eval_ckpt"]["json"]["settings"]["model"] == evals["eval_ckpt"]["model"]
     assert by_ckpt["summary"] == by_export["summary"] and by_ckpt["problems"] == by_export["problems"]
 
 
-def test_eval_twice_with_the_same_seed_gives_the_same_table(twin, capsys):
-    from megagrpo.cli import main
-
-    model = twin / "cpu-twin-model" / "hf_export"
-    common = [
-        "eval",
-        "--config",
-        "deepscaler/cpu_twin_1",
-        "--model",
-        str(model),
-        "--samples",
-        "4",
-        f"logging.dir={twin}",
-        f"data.val_path={twin / 'val.jsonl'}",
-        "model.init_from=null",
-        f"model.hf_dir={model}",
-    ]
-    for out in ("eval_a", "eval_b"):
-        assert main([*common, "--out", str(twin / out)]) == 0
-    a, b = (json.loads((twin / out / "eval.json").read_text()) for out in ("eval_a", "eval_b"))
-    assert a == b
-    assert list(a["summary"]) == ["pass@1", "pass@2", "pass@4"]
-    assert len(a["problems"]) == 8 and all(p["samples"] == 4 for p in a["problems"])
-    assert a["summary"]["pass@1"] == pytest.approx(sum(p["correct"] for p in a["problems"]) / 32)
-    assert (twin / "eval_a" / "eval.md").read_text() == (twin / "eval_b" / "eval.md").read_text()
-    assert "| pass@1 | pass@2 | pass@4 |" in capsys.readouterr().out
+def test_eval_twice_with_the_same_seed_gives_the_same_table(evals):
+    """The two evaluations of the same weights with the same seed: the same report and table, but for the
+    path each loaded the model from."""
+    a, b = evals["eval_ckpt"], evals["eval_export"]
+    assert {**a["json"], "settings": {**a["json"]["settings"], "model": b["model"]}} == b["json"]
+    assert a["md"].replace(a["model"], b["model"]) == b["md"]
+    summary, problems = b["json"]["summary"], b["json"]["problems"]
+    assert list(summary) == ["pass@1", "pass@2", "pass@4"]
+    assert len(problems) == 8 and all(p["samples"] == 4 for p in problems)
+    assert summary["pass@1"] == pytest.approx(sum(p["correct"] for p in problems) / 32)
+    for run in (a, b):
+        assert "| pass@1 | pass@2 | pass@4 |" in run["printed"]

@@ -40,6 +40,36 @@ def stack(tmp_path_factory):
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def policy_group(stack):
+    """``get(cfg)``: a policy group of ``cfg``'s layout (TP, PP, layers), kept for the next tests that ask
+    for the same layout (the tests are ordered so that they follow one another). Starting one is two Ray
+    actors importing Megatron and building the model; ``WeightSync`` takes its settings (path, buckets,
+    timeout, placement) from its own config, the group only its layout. One group at a time: the Ray of
+    ``stack`` has CPUs for one."""
+    from megagrpo.runtime.groups import RankGroup
+
+    held: dict[tuple, RankGroup] = {}
+
+    def get(cfg) -> RankGroup:
+        par = cfg.parallel
+        key = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.transformer_impl)
+        if key not in held:
+            for group in held.values():
+                group.shutdown()
+            held.clear()
+            # Disaggregated: a colocated group's bundles would only reserve room for engines these tests
+            # start elsewhere (``stack``).
+            generation = dataclasses.replace(cfg.generation, placement="disaggregated")
+            cfg = dataclasses.replace(cfg, generation=generation)
+            held[key] = RankGroup(cfg, PolicyWorker, timeout_s=300)
+        return held[key]
+
+    yield get
+    for group in held.values():
+        group.shutdown()
+
+
 def _sampled_logprob_error(sync, group, engines, cfg) -> float:
     """Sample with vLLM, score the same tokens with the trainer: mean exp|delta| over sampled tokens."""
     from megagrpo.types import SamplingSettings, TrainBatch
@@ -61,20 +91,21 @@ def _sampled_logprob_error(sync, group, engines, cfg) -> float:
     return worst
 
 
+# Ordered by the policy group each needs (``policy_group``); test_engine_with_tensor_parallel_workers
+# starts with PP 2, this list's last layout.
 @pytest.mark.parametrize(
     "layout",
     [
         dict(),
-        dict(tp=2),
-        dict(pp=2),
-        dict(tp=2, layers="torch"),
-        dict(tp=2, colocated=True),
         dict(path="gathered", colocated=True),
+        dict(tp=2, layers="torch"),
+        dict(tp=2),
+        dict(tp=2, colocated=True),
+        dict(pp=2),
     ],
-    ids=["tp1", "tp2", "pp2", "tp2-torch-layers", "tp2-colocated", "gathered-colocated"],
+    ids=["tp1", "gathered-colocated", "tp2-torch-layers", "tp2", "tp2-colocated", "pp2"],
 )
-def test_engines_match_trainer_after_real_updates(layout, stack):
-    from megagrpo.runtime.groups import RankGroup
+def test_engines_match_trainer_after_real_updates(layout, stack, policy_group):
     from megagrpo.weight_sync.sync import WeightSync
 
     hf_dir, engines = stack
@@ -94,113 +125,155 @@ def test_engines_match_trainer_after_real_updates(layout, stack):
         f"generation.placement={'colocated' if colocated else 'disaggregated'}",
     ]
     cfg = policy_config(hf_dir, **sizes, extra=extra)
-    group = RankGroup(cfg, PolicyWorker, timeout_s=300)
+    group = policy_group(cfg)
+    for targets in (engines[:1], engines):
+        sync = WeightSync(cfg, group, targets, vocab_size=300)
+        assert sync.path.kind == ("gathered" if path == "gathered" else "shard")
+        assert sync.transport.startswith("colocated: engine(s) 0") == colocated, sync.transport
+        batch = policy_batch(seed=len(targets))
+        metrics = group.call_first(
+            PolicyWorker.train, batch.replace(old_logprobs=group.call_first(PolicyWorker.logprobs, batch))
+        )
+        assert metrics[0].update_applied == 1.0  # a real optimizer step changed the weights
+        sync.sync(with_checksums=True)  # debug mode: every bucket's digest matches on arrival
+        probe = sync.probe()
+        assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4
+        assert _sampled_logprob_error(sync, group, targets, cfg) <= 1.001
+
+
+def _model_rules(hf_dir: str):
+    from megagrpo.models.registry import load_hf_config, shape_from_hf_config
+
+    arch, shape = shape_from_hf_config(load_hf_config(hf_dir))
+    return shape, [r for r in arch.rules(shape) if r.export]
+
+
+def test_engine_with_tensor_parallel_workers(stack, policy_group):
+    """An engine with two TP workers (vLLM worker processes) fed by trainers of TP 2 (shard-wise: each
+    trainer rank feeds one worker; and gathered), and of PP 2 (shard-wise: each stage's rank feeds
+    both workers): the workers join their groups through the plugin, each receives exactly its shard
+    (shard-wise) or the whole model (gathered), and after a real optimizer step the engine scores and
+    samples exactly like the trainer."""
+    from megagrpo.runtime.engines import start_engines
+    from megagrpo.weight_sync.shards import shard_bytes
+    from megagrpo.weight_sync.sync import WeightSync
+
+    hf_dir, _ = stack
+    shape, rules = _model_rules(hf_dir)
+    engine_cfg = [
+        "generation.num_engines=1",
+        "generation.engine_tensor_parallel_size=2",
+        "generation.sync_timeout_s=60",
+        "generation.sync_bucket_mb=0.25",
+    ]
+    (engine,) = start_engines(policy_config(hf_dir, extra=engine_cfg), hf_dir)
     try:
-        for targets in (engines[:1], engines):
-            sync = WeightSync(cfg, group, targets, vocab_size=300)
-            assert sync.path.kind == ("gathered" if path == "gathered" else "shard")
-            assert sync.transport.startswith("colocated: engine(s) 0") == colocated, sync.transport
-            batch = policy_batch(seed=len(targets))
-            metrics = group.call_first(
-                PolicyWorker.train, batch.replace(old_logprobs=group.call_first(PolicyWorker.logprobs, batch))
+        # PP 2 first: the group test_engines_match_trainer_after_real_updates ended with.
+        for tp, pp, path in ((1, 2, "auto"), (2, 1, "auto"), (2, 1, "gathered")):
+            cfg = policy_config(
+                hf_dir, tp=tp, pp=pp, extra=[*engine_cfg, f"generation.weight_sync_path={path}"]
             )
-            assert metrics[0].update_applied == 1.0  # a real optimizer step changed the weights
-            sync.sync(with_checksums=True)  # debug mode: every bucket's digest matches on arrival
+            group = policy_group(cfg)
+            sync = WeightSync(cfg, group, [engine], vocab_size=300)
+            batch = policy_batch(seed=7 + tp)
+            metrics = group.call_first(
+                PolicyWorker.train,
+                batch.replace(old_logprobs=group.call_first(PolicyWorker.logprobs, batch)),
+            )
+            assert metrics[0].update_applied == 1.0
+            sync.sync(with_checksums=True)
+            received = ray.get(engine.received_bytes.remote())
+            itemsize = torch.empty(0, dtype=getattr(torch, sync.plan[0].slots[0].dtype)).element_size()
+            whole = itemsize * sum(math.prod(s) for s in hf_tensor_shapes(shape).values())
+            if path == "gathered":
+                assert sync.path.kind == "gathered" and received == [whole, whole]
+            else:
+                assert sync.path.kind == "shard"
+                assert received == shard_bytes(shape, rules, tp, 2, itemsize)[1] == sync.worker_bytes
+                assert all(r < 0.55 * whole for r in received)  # half the model, plus the norms
             probe = sync.probe()
             assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4
-            assert _sampled_logprob_error(sync, group, targets, cfg) <= 1.001
+            assert _sampled_logprob_error(sync, group, [engine], cfg) <= 1.001
     finally:
-        group.shutdown()
+        ray.kill(engine)
 
 
-def test_corrupted_bucket_is_caught_by_the_probe(stack):
-    from megagrpo.runtime.groups import RankGroup
+def test_corrupted_bucket_is_caught_by_the_probe(stack, policy_group):
     from megagrpo.weight_sync.sync import WeightSync, WeightSyncError
 
     hf_dir, engines = stack
     cfg = policy_config(hf_dir, extra=["generation.sync_bucket_mb=0.25"])
-    group = RankGroup(cfg, PolicyWorker, timeout_s=300)
-    try:
-        sync = WeightSync(cfg, group, engines[:1], vocab_size=300)
-        assert len(sync.plan) >= 2  # the damaged bucket is one of several
+    sync = WeightSync(cfg, policy_group(cfg), engines[:1], vocab_size=300)
+    assert len(sync.plan) >= 2  # the damaged bucket is one of several
+    sync.sync()
+    assert sync.verified_buckets == len(sync.plan) and sync.probe().error <= 1.001
+    # Digests off: the probe alone catches it, and cannot say more.
+    ray.get(engines[0].damage_next_sync.remote(1))
+    sync.sync(with_checksums=False)
+    with pytest.raises(WeightSyncError, match=r"probe failed.*engine 0.*digests were not checked"):
+        sync.probe()
+    # Digests on (every sync of a run): the damaged bucket is named, with its tensors.
+    ray.get(engines[0].damage_next_sync.remote(1))
+    with pytest.raises(WeightSyncError, match=r"bucket 1 \(model\..*\) differs on engine 0 worker 0"):
         sync.sync()
-        assert sync.verified_buckets == len(sync.plan) and sync.probe().error <= 1.001
-        # Digests off: the probe alone catches it, and cannot say more.
-        ray.get(engines[0].damage_next_sync.remote(1))
-        sync.sync(with_checksums=False)
-        with pytest.raises(WeightSyncError, match=r"probe failed.*engine 0.*digests were not checked"):
-            sync.probe()
-        # Digests on (every sync of a run): the damaged bucket is named, with its tensors.
-        ray.get(engines[0].damage_next_sync.remote(1))
-        with pytest.raises(WeightSyncError, match=r"bucket 1 \(model\..*\) differs on engine 0 worker 0"):
-            sync.sync()
-        sync.sync()  # a clean sync repairs the engine
-        assert sync.probe().error <= 1.001
-        # Intact bytes, different logprobs: reported as numerics, with the position.
-        ray.get(engines[0].drift_loaded_weights.remote())
-        with pytest.raises(
-            WeightSyncError, match=r"at engine 0, probe sequence .*digests match\), so this is numerics"
-        ):
-            sync.probe()
-        sync.sync()
-        assert sync.probe().error <= 1.001
-    finally:
-        group.shutdown()
+    sync.sync()  # a clean sync repairs the engine
+    assert sync.probe().error <= 1.001
+    # Intact bytes, different logprobs: reported as numerics, with the position.
+    ray.get(engines[0].drift_loaded_weights.remote())
+    with pytest.raises(
+        WeightSyncError, match=r"at engine 0, probe sequence .*digests match\), so this is numerics"
+    ):
+        sync.probe()
+    sync.sync()
+    assert sync.probe().error <= 1.001
 
 
-def test_dead_engine_is_an_error_within_the_timeout(stack):
-    from megagrpo.runtime.groups import RankGroup
-    from megagrpo.weight_sync.sync import WeightSync, WeightSyncError
-
-    hf_dir, engines = stack
-    cfg = policy_config(hf_dir, extra=["generation.sync_timeout_s=20"])
-    group = RankGroup(cfg, PolicyWorker, timeout_s=300)
-    try:
-        sync = WeightSync(cfg, group, engines, vocab_size=300)
-        sync.sync()
-        ray.kill(engines[1])
-        start = time.monotonic()
-        with pytest.raises(WeightSyncError, match=r"weight sync (failed on vLLM engine 1|did not finish)"):
-            sync.sync()
-        elapsed = time.monotonic() - start
-        # A generous deadline for two loaded cores, still short of the rank group's own 300 s: the sync's
-        # configured 20 s is what ended it, not the group's timeout nor a hang.
-        assert math.isfinite(elapsed) and elapsed < 20 + 200, f"a dead engine took {elapsed:.0f}s to report"
-    finally:
-        group.shutdown()
-
-
-def test_a_stuck_engine_ends_the_sync_on_the_trainer_rank_naming_the_link(stack):
+def test_a_stuck_engine_ends_the_sync_on_the_trainer_rank_naming_the_link(stack, policy_group):
     """An engine that is alive but does not receive: the sending rank stops waiting by itself at the
     timeout (host-side, as on NCCL, where ``Work.wait`` does not block), aborts the group and names
     it; the rank is free for the next call, and re-formed groups sync again."""
-    from megagrpo.runtime.groups import RankGroup
     from megagrpo.weight_sync.sync import WeightSync, WeightSyncError
 
     hf_dir, engines = stack
     cfg = policy_config(hf_dir, extra=["generation.sync_timeout_s=6"])
-    group = RankGroup(cfg, PolicyWorker, timeout_s=300)
-    try:
-        sync = WeightSync(cfg, group, engines[:1], vocab_size=300)
+    group = policy_group(cfg)
+    sync = WeightSync(cfg, group, engines[:1], vocab_size=300)
+    sync.sync()
+    ray.get(engines[0].stall_next_sync.remote(15))
+    with pytest.raises(WeightSyncError) as err:
         sync.sync()
-        ray.get(engines[0].stall_next_sync.remote(15))
-        with pytest.raises(WeightSyncError) as err:
-            sync.sync()
-        said = str(err.value)
-        assert "weight sync failed on trainer 0" in said, said
-        assert "weight sync link (0, 0, 0) (trainer rank 0 -> engine(s) 0): the broadcast of bucket 0" in said
-        assert "did not finish within 6s" in said and "engine(s) 0 still receiving" in said
-        assert err.value.engine == 0  # the one a pool would replace
-        batch = policy_batch()
-        assert group.call_first(PolicyWorker.logprobs, batch).shape == (
-            batch.size,
-            batch.input_ids.shape[1] - 1,
-        )
-        sync = WeightSync(cfg, group, engines[:1], vocab_size=300)  # once the engine is back
+    said = str(err.value)
+    assert "weight sync failed on trainer 0" in said, said
+    assert "weight sync link (0, 0, 0) (trainer rank 0 -> engine(s) 0): the broadcast of bucket 0" in said
+    assert "did not finish within 6s" in said and "engine(s) 0 still receiving" in said
+    assert err.value.engine == 0  # the one a pool would replace
+    batch = policy_batch()
+    assert group.call_first(PolicyWorker.logprobs, batch).shape == (
+        batch.size,
+        batch.input_ids.shape[1] - 1,
+    )
+    sync = WeightSync(cfg, group, engines[:1], vocab_size=300)  # once the engine is back
+    sync.sync()
+    assert sync.probe().error <= 1.001
+
+
+def test_dead_engine_is_an_error_within_the_timeout(stack, policy_group):
+    """Runs after every other test of the group's layout: it kills the module's engine 1 and leaves the
+    group's ranks with a failed sync."""
+    from megagrpo.weight_sync.sync import WeightSync, WeightSyncError
+
+    hf_dir, engines = stack
+    cfg = policy_config(hf_dir, extra=["generation.sync_timeout_s=20"])
+    sync = WeightSync(cfg, policy_group(cfg), engines, vocab_size=300)
+    sync.sync()
+    ray.kill(engines[1])
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"weight sync (failed on vLLM engine 1|did not finish)"):
         sync.sync()
-        assert sync.probe().error <= 1.001
-    finally:
-        group.shutdown()
+    elapsed = time.monotonic() - start
+    # A generous deadline for two loaded cores, still short of the rank group's own 300 s: the sync's
+    # configured 20 s is what ended it, not the group's timeout nor a hang.
+    assert math.isfinite(elapsed) and elapsed < 20 + 200, f"a dead engine took {elapsed:.0f}s to report"
 
 
 def test_seeded_rollouts_longer_than_one_scheduler_step(stack):
@@ -241,63 +314,3 @@ def test_ignore_eos_generates_max_tokens_past_stop_tokens(stack):
     ran = ray.get(engines[0].generate.remote(prompts, running, seeds))
     assert [len(c.token_ids) for c in ran] == [6] * 4
     assert all(c.finish_reason == "length" for c in ran)
-
-
-def _model_rules(hf_dir: str):
-    from megagrpo.models.registry import load_hf_config, shape_from_hf_config
-
-    arch, shape = shape_from_hf_config(load_hf_config(hf_dir))
-    return shape, [r for r in arch.rules(shape) if r.export]
-
-
-def test_engine_with_tensor_parallel_workers(stack):
-    """An engine with two TP workers (vLLM worker processes) fed by trainers of TP 2 (shard-wise: each
-    trainer rank feeds one worker; and gathered), and of PP 2 (shard-wise: each stage's rank feeds
-    both workers): the workers join their groups through the plugin, each receives exactly its shard
-    (shard-wise) or the whole model (gathered), and after a real optimizer step the engine scores and
-    samples exactly like the trainer."""
-    from megagrpo.runtime.engines import start_engines
-    from megagrpo.runtime.groups import RankGroup
-    from megagrpo.weight_sync.shards import shard_bytes
-    from megagrpo.weight_sync.sync import WeightSync
-
-    hf_dir, _ = stack
-    shape, rules = _model_rules(hf_dir)
-    engine_cfg = [
-        "generation.num_engines=1",
-        "generation.engine_tensor_parallel_size=2",
-        "generation.sync_timeout_s=60",
-        "generation.sync_bucket_mb=0.25",
-    ]
-    (engine,) = start_engines(policy_config(hf_dir, extra=engine_cfg), hf_dir)
-    try:
-        for tp, pp, path in ((2, 1, "auto"), (2, 1, "gathered"), (1, 2, "auto")):
-            cfg = policy_config(
-                hf_dir, tp=tp, pp=pp, extra=[*engine_cfg, f"generation.weight_sync_path={path}"]
-            )
-            group = RankGroup(cfg, PolicyWorker, timeout_s=300)
-            try:
-                sync = WeightSync(cfg, group, [engine], vocab_size=300)
-                batch = policy_batch(seed=7 + tp)
-                metrics = group.call_first(
-                    PolicyWorker.train,
-                    batch.replace(old_logprobs=group.call_first(PolicyWorker.logprobs, batch)),
-                )
-                assert metrics[0].update_applied == 1.0
-                sync.sync(with_checksums=True)
-                received = ray.get(engine.received_bytes.remote())
-                itemsize = torch.empty(0, dtype=getattr(torch, sync.plan[0].slots[0].dtype)).element_size()
-                whole = itemsize * sum(math.prod(s) for s in hf_tensor_shapes(shape).values())
-                if path == "gathered":
-                    assert sync.path.kind == "gathered" and received == [whole, whole]
-                else:
-                    assert sync.path.kind == "shard"
-                    assert received == shard_bytes(shape, rules, tp, 2, itemsize)[1] == sync.worker_bytes
-                    assert all(r < 0.55 * whole for r in received)  # half the model, plus the norms
-                probe = sync.probe()
-                assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4
-                assert _sampled_logprob_error(sync, group, [engine], cfg) <= 1.001
-            finally:
-                group.shutdown()
-    finally:
-        ray.kill(engine)
