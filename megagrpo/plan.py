@@ -226,29 +226,31 @@ def _sync_traffic(cfg: Config, shape: GPTShape, itemsize: int, link_gbps: float)
         and shape.num_query_groups % tp == 0
         and shape.num_attention_heads % tp == 0
     )
+    et = plan_experts.expert_tp(par) if shape.is_moe else tp
     path = (
-        choose_path(shape, tp, etp, gen.weight_sync_path)
+        choose_path(shape, tp, etp, gen.weight_sync_path, expert_tp=et)
         if fits
         else SyncPath("gathered", "the trainer layout does not fit the model (see the errors)")
     )
     rules = [r for r in decoder_rules(shape) if r.export]
     shard_wise = path.kind == "shard"
-    t, e = (tp, etp) if shard_wise else (1, 1)
+    t, e, et = (tp, etp, et) if shard_wise else (1, 1, 1)
     ep = par.expert_model_parallel_size if shape.is_moe else 1
     per_sender, per_worker = 0, [0] * e
     for stage in range(pp):
         stage_rules = [r for r in rules if _stage_of(r.megatron, shape, pp) == stage]
-        _, received = shard_bytes(shape, stage_rules, t, e, itemsize)
+        _, received = shard_bytes(shape, stage_rules, t, e, itemsize, expert_tp=et)
         # What the first EP share's senders send: the stage's dense tensors and their own experts.
         first = [r for r in stage_rules if _expert_of(r.megatron) < shape.num_experts // ep]
-        sent, _ = shard_bytes(shape, first, t, e, itemsize)
+        sent, _ = shard_bytes(shape, first, t, e, itemsize, expert_tp=et)
         per_sender = max(per_sender, *sent)
         per_worker = [a + b for a, b in zip(per_worker, received, strict=True)]
     worst = max(per_sender, *per_worker)
     return {
         "path": path.kind,
         "path_reason": path.reason,
-        "senders": pp * t * ep,
+        # A stage's dense senders are its first TP ranks, its expert senders its first EP x ETP ranks.
+        "senders": pp * max(t, ep * et),
         "receivers": gen.num_engines * etp,
         "bytes_per_sender": per_sender,
         "bytes_per_worker": max(per_worker),

@@ -77,25 +77,26 @@ def import_rank(
     tp: int,
     pp: int,
     ep: int = 1,
+    etp: int | None = None,
     exits_after: bool = False,
 ) -> None:
     """One rank of ``hf_to_megatron``, as ``run_local_ranks`` calls it (``out``: the directory the
     checkpoint's ``megatron/`` goes into; no validation, metadata or atomic publish, which are the
     caller's). ``exits_after``: the process exits next, so its process groups are left to the exit."""
     with weights_only_process():
-        _import_stage(hf_dir, out, tp, pp, ep, exits_after)
+        _import_stage(hf_dir, out, ParallelSizes(tp=tp, pp=pp, ep=ep, etp=etp), exits_after)
 
 
-def _import_stage(hf_dir: str, out: str, tp: int, pp: int, ep: int, exits_after: bool) -> None:
+def _import_stage(hf_dir: str, out: str, sizes: ParallelSizes, exits_after: bool) -> None:
     arch, shape = shape_from_hf_config(load_hf_config(hf_dir), f"{hf_dir}/config.json")
     hf = HFCheckpoint(hf_dir)
     dtype = hf.validate(hf_tensor_shapes(shape))
-    with _rank_groups(ParallelSizes(tp=tp, pp=pp, ep=ep), exits_after) as ctx:
+    with _rank_groups(sizes, exits_after) as ctx:
         model = build_stage(ctx, shape, dtype)
         mapped: dict[str, Mapped] = {}
         pieces: dict[str, list[Piece]] | None = {} if writers_can_copy() else None
         # Under EP, the data-parallel ranks hold the same dense weights (replicas, written by the first)
-        # and their own experts.
+        # and their own experts; with ETP < TP, tensor-parallel ranks also hold replicas of experts.
         load_hf_into_stage(
             model,
             ctx,
@@ -104,7 +105,7 @@ def _import_stage(hf_dir: str, out: str, tp: int, pp: int, ep: int, exits_after:
             arch.rules(shape),
             mapped=mapped,
             pieces=pieces,
-            experts_only=ctx.dp_rank > 0,
+            written_only=True,
         )
         save_megatron(model, Path(out) / "megatron", mapped=mapped, pieces=pieces, maps=hf.maps)
 
@@ -124,12 +125,21 @@ def _conversion(in_process: bool) -> contextlib.AbstractContextManager:
 
 
 def hf_to_megatron(
-    hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, in_process: bool = False
+    hf_dir: str | Path,
+    out: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    in_process: bool = False,
 ) -> Path:
     """Convert an HF directory into a megagrpo Megatron checkpoint at ``out`` (written atomically).
 
-    ``ep`` (mixture-of-experts models): TP x PP x EP ranks, each reading and writing only its own
-    experts (the checkpoint's expert tensors are global: it loads at any EP).
+    ``ep``, ``etp`` (mixture-of-experts models): the experts split over ``ep`` ranks, each expert's width
+    over ``etp`` (default ``tp``), each rank reading and writing only its own experts (the checkpoint's
+    expert tensors are global: it loads at any EP and ETP). A stage takes the fewest ranks that both
+    grids fold over: lcm(TP, EP x ETP) (TP 2 x EP 2 at ETP 1: two ranks).
 
     ``in_process``: with TP = PP = 1, convert in this process instead of a spawned rank (for
     command-line tools, which exit afterwards; it leaves Megatron's global state behind).
@@ -148,10 +158,17 @@ def hf_to_megatron(
             f"and num_key_value_heads {shape.num_query_groups}"
         )
     padded_vocab_size(shape.vocab_size, tp)  # raises if this TP cannot split the padded vocabulary
+    etp = tp if etp is None else etp
     if ep > 1 and shape.num_experts % ep:
         raise ValueError(f"--ep {ep} does not divide the model's {shape.num_experts} experts (num_experts)")
+    if shape.is_moe and shape.moe_ffn_hidden_size % etp:
+        raise ValueError(
+            f"--etp {etp} does not divide the model's expert width {shape.moe_ffn_hidden_size} "
+            "(moe_intermediate_size)"
+        )
+    stage_ranks = math.lcm(tp, ep * etp)
     with _conversion(in_process), atomic_output_dir(out) as tmp:
-        _run_ranks(import_rank, tp * pp * ep, in_process, str(hf_dir), str(tmp), tp, pp, ep)
+        _run_ranks(import_rank, stage_ranks * pp, in_process, str(hf_dir), str(tmp), tp, pp, ep, etp)
         write_checkpoint_meta(tmp, arch, shape, dtype, tp=tp, pp=pp, hf_files=hf_dir)
     return out
 

@@ -15,7 +15,14 @@ from megagrpo.ckpt import CheckpointError
 from megagrpo.ckpt.files import Piece
 from megagrpo.ckpt.hf_files import HFCheckpoint
 from megagrpo.ckpt.megatron import Mapped
-from megagrpo.models.layout import is_expert, is_gated_fc1, stage_param_names, tp_partition_dim, tp_shard
+from megagrpo.models.layout import (
+    is_expert,
+    is_gated_fc1,
+    stage_param_names,
+    tensor_split,
+    tp_partition_dim,
+    tp_shard,
+)
 from megagrpo.models.mapping import Rule, shard_rows, to_hf, to_megatron
 from megagrpo.models.shape import GPTShape, padded_vocab_size
 from megagrpo.parallel import ParallelContext
@@ -30,9 +37,10 @@ def load_hf_into_stage(
     *,
     mapped: dict[str, Mapped] | None = None,
     pieces: dict[str, list[Piece]] | None = None,
-    experts_only: bool = False,
+    written_only: bool = False,
 ) -> None:
-    """Fill every parameter of this rank's model stage from the HF checkpoint (TP slice of each).
+    """Fill every parameter of this rank's model stage from the HF checkpoint (TP slice of each; a routed
+    expert's expert-TP slice).
 
     Where a shard is whole rows of its HF tensors (everything but row-parallel weights at TP > 1)
     and the parameter is a CPU tensor of the file's dtype, the rows are read from the file straight
@@ -50,8 +58,9 @@ def load_hf_into_stage(
     its bytes lie in the files, in order, is stored by parameter name, and the parameter is left
     unfilled. Padded vocabularies are still read into the parameter.
 
-    ``experts_only`` (conversion on a rank whose other parameters are replicas another rank writes):
-    only the routed experts' parameters are filled.
+    ``written_only`` (conversion, where replicas are written by one rank each): only the parameters
+    this rank writes are filled: dense ones on data-parallel rank 0, routed experts on expert
+    data-parallel rank 0 (under expert parallelism the data-parallel ranks hold other experts).
     """
     by_name = {rule.megatron: rule for rule in rules}
     padded = padded_vocab_size(shape.vocab_size, ctx.sizes.tp)
@@ -60,19 +69,12 @@ def load_hf_into_stage(
         rule = by_name.get(global_name)
         if rule is None:
             raise CheckpointError(f"Megatron parameter {global_name} has no rule in the HF map")
-        if experts_only and not is_expert(global_name):
+        if written_only and (ctx.expert_dp_rank if is_expert(global_name) else ctx.dp_rank) > 0:
             continue
-        param = params[local]
-        dim = tp_partition_dim(global_name)
-        plan = shard_rows(
-            rule,
-            {n: hf.tensors[n].shape[0] for n in rule.hf},
-            shape,
-            padded,
-            partition_dim=dim,
-            tp_rank=ctx.tp_rank,
-            tp_size=ctx.sizes.tp,
-        )
+        param, dim = params[local], tp_partition_dim(global_name)
+        tp_rank, tp_size = tensor_split(ctx, global_name)
+        rows = {n: hf.tensors[n].shape[0] for n in rule.hf}
+        plan = shard_rows(rule, rows, shape, padded, partition_dim=dim, tp_rank=tp_rank, tp_size=tp_size)
         direct = (
             plan is not None
             and param.device.type == "cpu"
@@ -126,11 +128,12 @@ def _tiles_rows(reads, rows: int) -> bool:
 def _load_transformed(param, rule, hf, shape, padded, ctx, dim: int, global_name: str) -> None:
     """The general path: whole HF tensors, transformed to the Megatron tensor, then sliced."""
     full = to_megatron(rule, [hf.read(n) for n in rule.hf], shape, padded)
+    tp_rank, tp_size = tensor_split(ctx, global_name)
     shard = tp_shard(
         full,
         partition_dim=dim,
-        tp_rank=ctx.tp_rank,
-        tp_size=ctx.sizes.tp,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         gated=is_gated_fc1(global_name),
     )
     if shard.shape != param.shape:

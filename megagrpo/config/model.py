@@ -154,11 +154,12 @@ class ParallelConfig:
     (sequences are padded, cut into 2 x CP chunks, and each rank scores its own two)."""
     expert_model_parallel_size: int = 1
     """Expert parallel size (EP, mixture-of-experts models): each rank of an EP group holds
-    num_experts / EP of every MoE layer's experts, tokens reach them by all-to-all. Must divide
-    data_parallel_size x context_parallel_size and the model's num_experts."""
+    num_experts / EP of every MoE layer's experts, tokens reach them by all-to-all. Must divide the
+    model's num_experts; EP x ETP must divide the ranks of one pipeline stage (TP x DP x CP)."""
     expert_tensor_parallel_size: int | None = None
-    """Tensor parallel size of the experts' MLPs (ETP); null: tensor_model_parallel_size. EP x ETP must
-    divide the ranks of one pipeline stage (TP x DP x CP)."""
+    """Tensor parallel size of the experts' MLPs (ETP); null: tensor_model_parallel_size. Must divide TP
+    and the expert width; 1 under TP > 1 keeps each expert whole on its rank and folds EP over the TP
+    ranks (Megatron's parallel folding)."""
     data_parallel_size: int = 1
     """Data parallel size (DP): replicas of the TP x PP x CP model; must divide policy.mini_batch_size."""
     sequence_parallel: bool = False

@@ -185,9 +185,10 @@ def check_shape(cfg: Config, shape: Any, where: str, *, engines: bool = True) ->
 
 
 def _check_experts(cfg: Config, shape: Any, where: str) -> None:
-    """A mixture-of-experts model: EP splits the experts evenly and fits Megatron's expert groups; the
-    experts are split over TP as the other layers are; Megatron's MoE layers with tensor parallelism
-    need sequence parallelism, which Megatron's local layers (their norms) refuse."""
+    """A mixture-of-experts model: EP splits the experts evenly, ETP (TP where unset) each expert's
+    width, and EP x ETP folds over a stage's ranks as Megatron's expert groups need; Megatron's MoE
+    layers with tensor parallelism need sequence parallelism, which Megatron's local layers (their
+    norms) refuse."""
     par = cfg.parallel
     tp, ep, experts = par.tensor_model_parallel_size, par.expert_model_parallel_size, shape.num_experts
     require(
@@ -204,10 +205,17 @@ def _check_experts(cfg: Config, shape: Any, where: str) -> None:
         f"of a pipeline stage, tensor x data x context parallel ({stage})",
     )
     require(
-        etp == tp,
+        tp % etp == 0,
         ("parallel.expert_tensor_parallel_size", "parallel.tensor_model_parallel_size"),
-        f"expert_tensor_parallel_size {etp} differs from tensor_model_parallel_size {tp}: the experts are "
-        "split as the other layers are for now (leave it null)",
+        f"expert_tensor_parallel_size {etp} must divide tensor_model_parallel_size {tp} (an expert is split "
+        "over no more ranks than the other layers; 1 or null are the usual choices)",
+    )
+    width = shape.moe_ffn_hidden_size
+    key = "moe_ffn_hidden_size" if where == "model.tiny" else "moe_intermediate_size"
+    require(
+        width % etp == 0,
+        ("parallel.expert_tensor_parallel_size", f"{where}.{key}"),
+        f"expert_tensor_parallel_size {etp} must divide the expert width {key} {width}",
     )
     if tp > 1:
         impl = cfg.resolved.transformer_impl if cfg.resolution is not None else par.transformer_impl

@@ -36,11 +36,13 @@ def transformer_config(
     recompute: str = "none",
     recompute_num_layers: int = 1,
     ep: int = 1,
+    etp: int | None = None,
     moe_aux_loss_coeff: float = 0.0,
     routing_replay: bool = False,
 ):
     """The Megatron ``TransformerConfig`` for ``shape`` (RMSNorm + SwiGLU + RoPE decoder; mixture-of-
-    experts MLPs split over ``ep`` expert-parallel ranks when the shape has experts).
+    experts MLPs split over ``ep`` expert-parallel ranks when the shape has experts, each expert's width
+    over ``etp`` ranks, by default TP).
 
     ``initialize=False`` skips random initialisation (weights are about to be loaded).
     ``recompute``: "none", "core_attention" (selective) or "full" (groups of
@@ -93,12 +95,17 @@ def transformer_config(
         perform_initialization=initialize,
         # Megatron scales attention scores in fp32 only under fp16; keep softmax in fp32 throughout.
         attention_softmax_in_fp32=True,
-        **moe_config(shape, ep=ep, aux_loss_coeff=moe_aux_loss_coeff, routing_replay=routing_replay),
+        **moe_config(shape, ep=ep, etp=etp, aux_loss_coeff=moe_aux_loss_coeff, routing_replay=routing_replay),
     )
 
 
 def moe_config(
-    shape: GPTShape, *, ep: int = 1, aux_loss_coeff: float = 0.0, routing_replay: bool = False
+    shape: GPTShape,
+    *,
+    ep: int = 1,
+    etp: int | None = None,
+    aux_loss_coeff: float = 0.0,
+    routing_replay: bool = False,
 ) -> dict:
     """TransformerConfig's mixture-of-experts fields for ``shape`` ({} for a dense model).
 
@@ -129,6 +136,7 @@ def moe_config(
         moe_shared_expert_gate=shared is not None,
         moe_shared_expert_overlap=False,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
 
 
@@ -230,6 +238,7 @@ def build_stage(ctx: ParallelContext, shape: GPTShape, dtype: torch.dtype, *, in
         on_cpu=ctx.device.type == "cpu",
         initialize=initialize,
         ep=ctx.sizes.ep,
+        etp=ctx.sizes.expert_tp,
     )
     return build_gpt_model(
         shape,

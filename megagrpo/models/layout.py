@@ -81,6 +81,14 @@ def expert_global_name(name: str, *, ep_rank: int, num_local_experts: int) -> st
     return f"{match.group(1)}{ep_rank * num_local_experts + int(match.group(2))}{match.group(3)}"
 
 
+def tensor_split(ctx: ParallelContext, global_name: str) -> tuple[int, int]:
+    """(this rank's index, number of slices) of the tensor-parallel split of parameter ``global_name``:
+    a routed expert's is the expert tensor-parallel one, every other parameter's the tensor-parallel one."""
+    if is_expert(global_name):
+        return ctx.etp_rank, ctx.sizes.expert_tp
+    return ctx.tp_rank, ctx.sizes.tp
+
+
 def tp_shard(full: torch.Tensor, *, partition_dim: int, tp_rank: int, tp_size: int, gated: bool = False):
     """This rank's slice of ``full`` (a view; ``partition_dim`` -1 means replicated)."""
     if partition_dim < 0 or tp_size == 1:

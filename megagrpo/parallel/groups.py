@@ -32,6 +32,10 @@ class ParallelSizes:
     """Context-parallel size (needs Transformer Engine attention)."""
     ep: int = 1
     """Expert-parallel size (MoE only)."""
+    etp: int | None = None
+    """Expert tensor-parallel size (MoE only): how many ranks split each routed expert's width; None:
+    the tensor-parallel size. The experts' grid (ETP x EP x expert DP) folds over the same ranks of a
+    stage as the dense layers' (TP x DP x CP), as Megatron's ``expert_tensor_parallel_size`` does."""
 
     @classmethod
     def from_config(cls, parallel) -> ParallelSizes:
@@ -41,7 +45,13 @@ class ParallelSizes:
             pp=parallel.pipeline_model_parallel_size,
             cp=parallel.context_parallel_size,
             ep=parallel.expert_model_parallel_size,
+            etp=parallel.expert_tensor_parallel_size,
         )
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect (``etp``, or TP where unset)."""
+        return self.tp if self.etp is None else self.etp
 
     def data_parallel_size(self, world_size: int) -> int:
         model_parallel = self.tp * self.pp * self.cp
@@ -51,9 +61,10 @@ class ParallelSizes:
                 f"= {self.tp} x {self.pp} x {self.cp} = {model_parallel}"
             )
         dp = world_size // model_parallel
-        if (dp * self.cp) % self.ep:
+        if (self.tp * dp * self.cp) % (self.ep * self.expert_tp):
             raise ValueError(
-                f"expert parallel size {self.ep} must divide data x context parallel size {dp * self.cp}"
+                f"expert parallel x expert tensor parallel size {self.ep} x {self.expert_tp} must divide "
+                f"tensor x data x context parallel size {self.tp} x {dp} x {self.cp}"
             )
         return dp
 
@@ -77,6 +88,8 @@ class ParallelContext:
     """Rank in the expert-parallel group: which share of every MoE layer's experts this rank holds."""
     expert_dp_rank: int = 0
     """Rank among the ranks holding the same experts (Megatron's expert data-parallel group)."""
+    etp_rank: int = 0
+    """Rank in the expert tensor-parallel group: which slice of each of its experts' width this rank holds."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -136,6 +149,7 @@ def init_parallel(
         pipeline_model_parallel_size=sizes.pp,
         context_parallel_size=sizes.cp,
         expert_model_parallel_size=sizes.ep,
+        expert_tensor_parallel_size=sizes.expert_tp,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         # Gloo side-groups only serve Megatron's CPU-side checkpoint exchanges on GPU;
         # with a gloo default backend the main groups already are gloo.
@@ -157,6 +171,7 @@ def init_parallel(
         pgs=ProcessGroupCollection.use_mpu_process_groups(),
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
         expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
     )
 
 

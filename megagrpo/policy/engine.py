@@ -101,6 +101,7 @@ def build_engine(
         recompute=recompute,
         recompute_num_layers=recompute_num_layers,
         ep=sizes.ep,
+        etp=sizes.expert_tp,
         moe_aux_loss_coeff=moe.aux_loss_coeff if moe else 0.0,
         routing_replay=bool(moe and moe.routing_replay),
     )

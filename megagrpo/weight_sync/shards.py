@@ -55,6 +55,7 @@ from typing import Literal
 
 import torch
 
+from megagrpo.models.layout import is_expert
 from megagrpo.models.mapping import Rule, hf_tensor_shapes, to_hf
 from megagrpo.models.shape import GPTShape, padded_vocab_size
 
@@ -79,10 +80,14 @@ def vllm_padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
 
 
-def choose_path(shape: GPTShape, trainer_tp: int, engine_tp: int, requested: str = "auto") -> SyncPath:
+def choose_path(
+    shape: GPTShape, trainer_tp: int, engine_tp: int, requested: str = "auto", *, expert_tp: int | None = None
+) -> SyncPath:
     """The weight-sync path for a model of ``shape`` with these TP sizes (``requested``: ``auto`` or
-    ``gathered``, the config's ``generation.weight_sync_path``)."""
+    ``gathered``, the config's ``generation.weight_sync_path``; ``expert_tp``: the trainer's expert
+    tensor-parallel size, by default ``trainer_tp``)."""
     t, e = trainer_tp, engine_tp
+    et = trainer_tp if expert_tp is None else expert_tp
     heads, groups, ffn = shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size
     if requested == "gathered":
         return SyncPath("gathered", "generation.weight_sync_path is 'gathered'")
@@ -102,12 +107,19 @@ def choose_path(shape: GPTShape, trainer_tp: int, engine_tp: int, requested: str
             "gathered",
             f"{heads} heads / FFN {ffn} / hidden {shape.hidden_size} do not split over engine TP {e}",
         )
-    for key, width in (
-        ("expert FFN", shape.moe_ffn_hidden_size if shape.is_moe else None),
-        ("shared expert FFN", shape.moe_shared_expert_ffn_hidden_size),
+    if shape.is_moe and et % e and e % et:
+        return SyncPath(
+            "gathered",
+            f"trainer expert TP {et} and engine TP {e} do not divide one another: expert shards do not nest",
+        )
+    for key, width, tt in (
+        ("expert FFN", shape.moe_ffn_hidden_size if shape.is_moe else None, et),
+        ("shared expert FFN", shape.moe_shared_expert_ffn_hidden_size, t),
     ):
-        if width is not None and (width % e or width % t):
-            return SyncPath("gathered", f"{key} {width} does not split over trainer TP {t} and engine TP {e}")
+        if width is not None and (width % e or width % tt):
+            return SyncPath(
+                "gathered", f"{key} {width} does not split over trainer TP {tt} and engine TP {e}"
+            )
     per_engine_rank = vllm_padded_vocab(shape.vocab_size) // e
     if shape.vocab_size <= (e - 1) * per_engine_rank:
         return SyncPath(
@@ -313,13 +325,24 @@ def piece_tensor(local_hf: torch.Tensor, piece: Piece) -> torch.Tensor:
     return local_hf.narrow(piece.dim, piece.src_start, piece.length)
 
 
-def shard_bytes(shape: GPTShape, rules: list[Rule], trainer_tp: int, engine_tp: int, itemsize: int):
-    """(bytes each trainer rank sends, bytes each engine rank receives) for these rules, shard-wise."""
-    sent, received = [0] * trainer_tp, [0] * engine_tp
+def shard_bytes(
+    shape: GPTShape,
+    rules: list[Rule],
+    trainer_tp: int,
+    engine_tp: int,
+    itemsize: int,
+    *,
+    expert_tp: int | None = None,
+):
+    """(bytes each trainer rank sends, bytes each engine rank receives) for these rules, shard-wise; a
+    routed expert's pieces come from its ``expert_tp`` ranks (default ``trainer_tp``, which it divides),
+    counted against the trainer TP ranks of the same index, as the ranks holding both are numbered."""
+    sent, received = [0] * max(trainer_tp, expert_tp or 1), [0] * engine_tp
     for rule in rules:
+        t = trainer_tp if expert_tp is None or not is_expert(rule.megatron) else expert_tp
         for name in rule.hf:
-            for r in range(trainer_tp):
-                for p in rank_pieces(name, shape, trainer_tp, r, engine_tp):
+            for r in range(t):
+                for p in rank_pieces(name, shape, t, r, engine_tp):
                     n = itemsize
                     for d in p.shape:
                         n *= d

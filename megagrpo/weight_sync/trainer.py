@@ -33,7 +33,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megagrpo.models.layout import is_expert, is_gated_fc1, stage_param_names, tp_merge, tp_partition_dim
+from megagrpo.models.layout import (
+    is_expert,
+    is_gated_fc1,
+    stage_param_names,
+    tensor_split,
+    tp_merge,
+    tp_partition_dim,
+)
 from megagrpo.models.mapping import hf_tensor_shapes, to_hf
 from megagrpo.parallel.local import free_port, node_ip
 from megagrpo.weight_sync.buckets import Bucket, SentBuckets, Slot, checksum, dtype_name, pack, plan_buckets
@@ -63,12 +70,17 @@ class WeightSender:
         by_global = {g: params[local] for local, g in names.items()}
         self.sends_dense = ctx.dp_rank == 0 and ctx.cp_rank == 0
         self.sends_experts = ctx.expert_dp_rank == 0 and ctx.cp_rank == 0
-        # Rule order: embedding, layers in order, final norm, output layer.
+        # Rule order: embedding, layers in order, final norm, output layer. With ETP < TP a rank of
+        # DP replica 0 may hold a replica of experts another rank sends, and the other way round.
         self.rules = [
             r
             for r in model_info.arch.rules(model_info.shape)
-            if r.export and r.megatron in by_global and (self.sends_dense or is_expert(r.megatron))
+            if r.export
+            and r.megatron in by_global
+            and (self.sends_experts if is_expert(r.megatron) else self.sends_dense)
         ]
+        # Each rule's tensor-parallel split on this rank: (rank, size); a routed expert's is ETP's.
+        self.splits = [tensor_split(ctx, r.megatron) for r in self.rules]
         self.params = [by_global[r.megatron] for r in self.rules]
         # A link's sender within its stage: this rank's share of the experts, then its TP rank.
         self.slot = ctx.ep_rank * ctx.sizes.tp + ctx.tp_rank
@@ -84,14 +96,15 @@ class WeightSender:
         return self.path is not None and self.path.kind == "shard"
 
     def choose(self, engine_tp: int, requested: str) -> SyncPath:
-        return choose_path(self.info.shape, self.ctx.sizes.tp, engine_tp, requested)
+        sizes = self.ctx.sizes
+        return choose_path(self.info.shape, sizes.tp, engine_tp, requested, expert_tp=sizes.expert_tp)
 
     # ----------------------------------------------------------------------------------- planning
 
     def _link_pieces(self, engine_rank: int) -> Iterator[tuple[int, int, object]]:
         """(rule index, HF tensor index, piece) this rank sends engine rank ``engine_rank``, in rule order."""
-        shape, t, r = self.info.shape, self.ctx.sizes.tp, self.ctx.tp_rank
-        for k, rule in enumerate(self.rules):
+        shape = self.info.shape
+        for k, (rule, (r, t)) in enumerate(zip(self.rules, self.splits, strict=True)):
             for i, name in enumerate(rule.hf):
                 for piece in rank_pieces(name, shape, t, r, self.engine_tp):
                     if piece.engine_rank == engine_rank:
@@ -99,7 +112,8 @@ class WeightSender:
 
     def offer(self, path: SyncPath, engine_tp: int, bucket_bytes: int) -> tuple[Link, ...]:
         """This rank's links with their buckets (``source`` set by the controller): shard-wise, one per
-        engine rank it sends to; gathered, one on TP rank 0 of the stage; none elsewhere."""
+        engine rank it sends to; gathered, one on TP rank 0 of the stage (and on expert-TP rank 0 of
+        each share of the experts); none elsewhere."""
         self.path, self.engine_tp = path, engine_tp
         if not self.takes_part:
             return ()
@@ -114,10 +128,15 @@ class WeightSender:
                 ]
                 links.append(self._link((stage, self.slot, j), plan_buckets(slots, bucket_bytes, -1)))
             return tuple(links)
-        if self.ctx.tp_rank != 0:
-            return ()
         shapes = hf_tensor_shapes(self.info.shape)
-        tensors = [(name, dtype, shapes[name]) for rule in self.rules for name in rule.hf]
+        tensors = [
+            (name, dtype, shapes[name])
+            for rule, (r, _) in zip(self.rules, self.splits, strict=True)
+            if r == 0
+            for name in rule.hf
+        ]
+        if not tensors:
+            return ()
         return (self._link((stage, self.slot, -1), plan_buckets(tensors, bucket_bytes, -1)),)
 
     def _link_pieces_all(self):
@@ -162,25 +181,27 @@ class WeightSender:
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Gathered path: HF (name, tensor) of this stage in plan order; a TP collective on every
-        participating rank, tensors on TP rank 0 only."""
-        tp = self.ctx.sizes.tp
-        for rule, param in zip(self.rules, self.params, strict=True):
+        participating rank (a routed expert's over its expert-TP group), tensors on the group's first
+        rank only."""
+        for rule, param, (rank, size) in zip(self.rules, self.params, self.splits, strict=True):
             full = param.detach()
             dim = tp_partition_dim(rule.megatron)
-            if dim >= 0 and tp > 1:
-                shards = [torch.empty_like(full) for _ in range(tp)]
-                dist.all_gather(shards, full.contiguous(), group=self.ctx.pgs.tp)
+            if dim >= 0 and size > 1:
+                shards = [torch.empty_like(full) for _ in range(size)]
+                group = self.ctx.pgs.expt_tp if is_expert(rule.megatron) else self.ctx.pgs.tp
+                dist.all_gather(shards, full.contiguous(), group=group)
                 full = tp_merge(shards, partition_dim=dim, gated=is_gated_fc1(rule.megatron))
-            if self.ctx.tp_rank == 0:
+            if rank == 0:
                 yield from zip(rule.hf, to_hf(rule, full, self.info.shape), strict=True)
 
     def shard_tensors(self, engine_rank: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Shard-wise: (vLLM parameter, block) this rank sends engine rank ``engine_rank``, in plan
         order; views into this rank's own parameters, no communication."""
-        shape, t, r = self.info.shape, self.ctx.sizes.tp, self.ctx.tp_rank
+        shape = self.info.shape
         cached: tuple[int, list[torch.Tensor]] | None = None
         for k, i, piece in self._link_pieces(engine_rank):
             if cached is None or cached[0] != k:
+                r, t = self.splits[k]
                 cached = (k, local_hf_tensors(self.rules[k], self.params[k].detach(), shape, t, r))
             yield piece.param, piece_tensor(cached[1][i], piece)
 

@@ -1,6 +1,7 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its shared expert) through the converters and
 Megatron's MoE layers on CPU: HF -> Megatron -> HF bit-identical when converted with the experts split over
-EP 2 ranks, with TP 2 (gated expert fc1 split per rank) or PP 2 (stages and layer offsets): each rank
+EP 2 ranks, with TP 2 (gated expert fc1 split per rank; or whole experts on each rank at ETP 1) or PP 2
+(stages and layer offsets): each rank
 reads and writes only its own experts, and Megatron's logits equal transformers' within 1e-4 (the router computed as transformers
 computes it) at EP 1 and at EP 2 (tokens dispatched to the other rank's experts over gloo)."""
 
@@ -27,11 +28,19 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize(
-    ("arch", "tp", "pp", "ep"),
-    [("qwen3_moe", 2, 1, 2), ("qwen2_moe", 1, 2, 2)],
+    ("arch", "tp", "pp", "ep", "etp"),
+    [
+        ("qwen3_moe", 2, 1, 2, None),
+        ("qwen2_moe", 1, 2, 2, None),
+        # ETP 1 under TP 2 (Megatron's parallel folding): two ranks, each with half the experts whole.
+        ("qwen3_moe", 2, 1, 2, 1),
+        # ... and with EP 1: both TP ranks hold every expert whole; only the first writes them.
+        ("qwen2_moe", 2, 1, 1, 1),
+    ],
+    ids=["qwen3_moe-tp2-ep2", "qwen2_moe-pp2-ep2", "qwen3_moe-tp2-ep2-etp1", "qwen2_moe-tp2-etp1"],
 )
-def test_moe_round_trip_is_bit_identical(arch, tp, pp, ep, hf_dirs, tmp_path):
-    ckpt = hf_to_megatron(hf_dirs[arch], tmp_path / "megatron", tp=tp, pp=pp, ep=ep)
+def test_moe_round_trip_is_bit_identical(arch, tp, pp, ep, etp, hf_dirs, tmp_path):
+    ckpt = hf_to_megatron(hf_dirs[arch], tmp_path / "megatron", tp=tp, pp=pp, ep=ep, etp=etp)
     out = megatron_to_hf(ckpt, tmp_path / "hf")
     src, back = HFCheckpoint(hf_dirs[arch]), HFCheckpoint(out)
     assert set(back.tensors) == set(src.tensors)

@@ -3,8 +3,8 @@
 With the routing replayed (``grpo.routing_replay: rollout``: each token goes to the experts the batch
 carries), the routing no longer depends on the layout, so one optimizer step's loss and grad norm, and the
 logprobs before and after it, are those of one rank at EP 2 (tokens dispatched by all-to-all over gloo,
-uneven micro-batch counts padded), PP 2 and TP 2 (sequence parallel, packed). Replay is what it claims: replaying the routers' own
-choices changes nothing, other experts change the logprobs, and ``routing_check`` measures exactly that.
+uneven micro-batch counts padded), PP 2, TP 2 (sequence parallel, packed) and TP 2 with the experts whole
+on each rank over EP 2 (ETP 1). Replay is what it claims: replaying the routers' own choices changes nothing, other experts change the logprobs, and ``routing_check`` measures exactly that.
 Without replay, EP 2 equals one rank as well (the routers choose alike on every rank), and so does a DPO
 step."""
 
@@ -92,6 +92,7 @@ def _cfg(hf_dir: str, *extra, **layout):
 
 
 EP2 = "parallel.expert_model_parallel_size=2"
+ETP1 = "parallel.expert_tensor_parallel_size=1"
 DPO = ("dpo.num_steps=4", "dpo.beta=0.5")
 LAYOUTS = {
     # EP 2 with a small token budget: the ranks pack different numbers of micro-batches.
@@ -101,6 +102,13 @@ LAYOUTS = {
     # TP 2: the torch layers with sequence parallelism (each TP rank routes its slice of the tokens),
     # packed micro-batches (THD) against the padded reference.
     "tp2-sp-torch": (dict(tp=2, budget=SMALL_BUDGET), (TORCH, "parallel.sequence_parallel=true"), True),
+    # TP 2 for attention, the experts whole on each rank and split over the same two ranks by EP 2
+    # (ETP 1: Megatron's parallel folding); each TP rank dispatches its sequence-parallel slice.
+    "tp2-ep2-etp1": (
+        dict(tp=2, budget=SMALL_BUDGET),
+        (TORCH, "parallel.sequence_parallel=true", EP2, ETP1),
+        True,
+    ),
     "ep2-unreplayed": (dict(dp=2), (EP2,), False),
     "ep2-dpo": (dict(dp=2, budget=SMALL_BUDGET), (EP2, *DPO), "dpo"),
 }

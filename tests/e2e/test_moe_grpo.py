@@ -7,7 +7,10 @@ CPU engine generating, the weights synced into the engine after every step:
   engine's (fp32: within 1e-3 per token on average, as the probe's bound), and the routing metrics are
   logged;
 - at TP 2 x EP 2 (4 ranks: sequence parallel, the torch layers, two expert senders that each gather over
-  their TP pair) without replay: the probe passes after every sync.
+  their TP pair) without replay: the probe passes after every sync;
+- at TP 2 x EP 2 folded onto 2 ranks (ETP 1: each rank holds half the experts whole and sends them
+  itself, split for the engine's ranks) with replay (each TP rank replays its sequence-parallel slice):
+  the probe passes and the trainer's logprobs are the engine's.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ def test_grpo_at_ep2_with_routing_replay(tmp_path):
     from megagrpo.trainers.grpo import train
 
     run = metrics(train(load_config("tiny_moe", _overrides(tmp_path, "moe-ep2"))))
+    _assert_replayed(run)
+
+
+def _assert_replayed(run: dict) -> None:
     _assert_synced(run)
     for step in (1, 2):
         m = run[step]
@@ -69,3 +76,17 @@ def test_grpo_at_tp2_ep2_without_replay(tmp_path):
     run = metrics(train(load_config("tiny_moe", _overrides(tmp_path, "moe-tp2-ep2", *layout))))
     _assert_synced(run)
     assert "moe/routing_agreement" not in run[1]
+
+
+def test_grpo_at_tp2_ep2_folded_with_routing_replay(tmp_path):
+    from megagrpo.trainers.grpo import train
+
+    layout = [
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.data_parallel_size=1",
+        "parallel.expert_tensor_parallel_size=1",
+        "parallel.sequence_parallel=true",
+        "parallel.transformer_impl=torch",
+    ]
+    run = metrics(train(load_config("tiny_moe", _overrides(tmp_path, "moe-tp2-ep2-etp1", *layout))))
+    _assert_replayed(run)

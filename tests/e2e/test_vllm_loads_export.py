@@ -1,9 +1,10 @@
 """vLLM serves what ``megatron_to_hf`` writes, and decodes it exactly as transformers decodes the source.
 
-Each architecture's tiny random model goes HF -> Megatron checkpoint (TP=2) -> HF export (several
-shards). transformers must give bit-identical logits on the export and the source, and vLLM (the
-CPU build here) must load the export and produce transformers' greedy tokens on the source, token
-for token, with matching log-probabilities. The vLLM runs happen in one subprocess
+Each architecture's tiny random model goes HF -> Megatron checkpoint (TP=2; the mixture-of-experts
+models' experts over EP 2 as well, each expert whole on its rank for Qwen3-MoE, ETP 1, split over TP for
+Qwen2-MoE) -> HF export (several shards). transformers must give bit-identical logits on the export and
+the source, and vLLM (the CPU build here) must load the export and produce transformers' greedy tokens
+on the source, token for token, with matching log-probabilities. The vLLM runs happen in one subprocess
 (``_vllm_greedy.py``), one engine at a time, so vLLM's global state never enters pytest.
 """
 
@@ -87,7 +88,36 @@ def _qwen3():
     )
 
 
-ARCHS: dict[str, Callable[[], torch.nn.Module]] = {"qwen2": _qwen2, "llama": _llama, "qwen3": _qwen3}
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **{**SHARED, "hidden_size": 64}, **_MOE, norm_topk_prob=True, head_dim=32, tie_word_embeddings=False
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def _qwen2_moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        **SHARED, **_MOE, norm_topk_prob=False, shared_expert_intermediate_size=48, tie_word_embeddings=False
+    )
+    return Qwen2MoeForCausalLM(config)
+
+
+ARCHS: dict[str, Callable[[], torch.nn.Module]] = {
+    "qwen2": _qwen2,
+    "llama": _llama,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
+}
+# Mixture-of-experts models are converted with their experts split over EP ranks as well (ep, etp).
+EXPERT_PARALLEL = {"qwen3_moe": (2, 1), "qwen2_moe": (2, 2)}
 WITH_TOKENIZER = "qwen2"
 
 
@@ -121,7 +151,8 @@ class Exported:
     source: Path
     """The HF directory transformers saved."""
     export: Path
-    """``megatron_to_hf`` of ``hf_to_megatron(source, tp=2)``."""
+    """``megatron_to_hf`` of ``hf_to_megatron(source, tp=2)`` (with ``EXPERT_PARALLEL``'s ``ep``, ``etp``
+    for the MoE models)."""
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +167,8 @@ def exported(tmp_path_factory) -> dict[str, Exported]:
         model.save_pretrained(source)  # safetensors
         if name == WITH_TOKENIZER:
             _save_tokenizer(source)
-        ckpt = hf_to_megatron(source, root / f"{name}-megatron", tp=2)
+        ep, etp = EXPERT_PARALLEL.get(name, (1, None))
+        ckpt = hf_to_megatron(source, root / f"{name}-megatron", tp=2, ep=ep, etp=etp)
         export = megatron_to_hf(ckpt, root / f"{name}-export", max_shard_bytes=MAX_SHARD_BYTES)
         out[name] = Exported(source, export)
     return out

@@ -96,8 +96,19 @@ def test_layout_rules_for_experts_name_their_keys():
     tp2 = ["parallel.transformer_impl=torch", "parallel.sequence_parallel=true"]
     check_shape(load_config(None, tp2), shape, "config.json")
     tiny_moe = ["model.arch=qwen3_moe", "model.tiny.num_experts=8"]
-    with pytest.raises(ConfigError, match="expert_tensor_parallel_size 1 differs"):
-        load_config(None, [*tiny_moe, *tp2, "parallel.expert_tensor_parallel_size=1"])
+    # Experts whole on each rank while attention is split over TP 2 (Megatron's parallel folding).
+    folded = load_config(None, [*tiny_moe, *tp2, "parallel.expert_tensor_parallel_size=1"])
+    assert folded.parallel.expert_tensor_parallel_size == 1
+    tp1 = ["parallel.tensor_model_parallel_size=1", "parallel.transformer_impl=local"]
+    with pytest.raises(
+        ConfigError, match="expert_tensor_parallel_size 2 must divide tensor_model_parallel_size 1"
+    ):
+        load_config(
+            None, [*tiny_moe, *tp1, "parallel.data_parallel_size=2", "parallel.expert_tensor_parallel_size=2"]
+        )
+    with pytest.raises(ConfigError, match="must divide the expert width moe_ffn_hidden_size") as err:
+        load_config(None, [*tiny_moe, *tp2, "model.tiny.moe_ffn_hidden_size=33"])
+    assert "model.tiny.moe_ffn_hidden_size" in str(err.value)
 
 
 def _moe_cfg(tmp_path, *overrides):

@@ -186,9 +186,28 @@ def test_pieces_rebuild_vllms_per_rank_parameters(shape, t, e):
     """Each trainer rank's Megatron shard (made as Megatron splits the whole tensor) -> its HF-layout share
     -> pieces; put together per engine rank, they equal vLLM's slicing of the whole HF tensors, every
     element written once, and an engine rank receives exactly its parameters' real rows."""
+    _assert_pieces_rebuild_vllms_parameters(shape, t, e, t)
+
+
+FOLDED = [(2, 1), (2, 2), (4, 2), (2, 4)]
+
+
+@pytest.mark.parametrize(("t", "e"), FOLDED, ids=[f"t{t}-etp1-e{e}" for t, e in FOLDED])
+@pytest.mark.parametrize(
+    "shape", [_shape(**_QWEN3_MOE), _shape(**_QWEN2_MOE)], ids=["qwen3-moe", "qwen2-moe"]
+)
+def test_pieces_rebuild_vllms_parameters_with_whole_experts_per_trainer_rank(shape, t, e):
+    """Expert TP 1 under trainer TP ``t`` (Megatron's parallel folding): each routed expert is whole on
+    its trainer rank and split for the engine's ranks from there; the rest as at ETP = TP."""
+    _assert_pieces_rebuild_vllms_parameters(shape, t, e, 1)
+
+
+def _assert_pieces_rebuild_vllms_parameters(shape: GPTShape, t: int, e: int, et: int) -> None:
+    """Trainer TP ``t``, expert TP ``et``, engine TP ``e``: what the tests above state."""
+    from megagrpo.models.layout import is_expert
     from megagrpo.weight_sync.vllm_engine import _block_target, _copy_block
 
-    assert shards.choose_path(shape, t, e).kind == "shard"
+    assert shards.choose_path(shape, t, e, expert_tp=et).kind == "shard"
     gen = torch.Generator().manual_seed(t * 10 + e)
     hf = {n: torch.randn(s, generator=gen) for n, s in hf_tensor_shapes(shape).items()}
     padded = padded_vocab_size(shape.vocab_size, t)
@@ -200,11 +219,14 @@ def test_pieces_rebuild_vllms_per_rank_parameters(shape, t, e):
     for rule in rules:
         full = to_megatron(rule, [hf[n] for n in rule.hf], shape, padded)
         dim = tp_partition_dim(rule.megatron)
-        for r in range(t):
-            local = tp_shard(full, partition_dim=dim, tp_rank=r, tp_size=t, gated=is_gated_fc1(rule.megatron))
-            local_hf = shards.local_hf_tensors(rule, local, shape, t, r)
+        tt = et if is_expert(rule.megatron) else t
+        for r in range(tt):
+            local = tp_shard(
+                full, partition_dim=dim, tp_rank=r, tp_size=tt, gated=is_gated_fc1(rule.megatron)
+            )
+            local_hf = shards.local_hf_tensors(rule, local, shape, tt, r)
             for i, name in enumerate(rule.hf):
-                for piece in shards.rank_pieces(name, shape, t, r, e):
+                for piece in shards.rank_pieces(name, shape, tt, r, e):
                     block = shards.piece_tensor(local_hf[i], piece)
                     assert tuple(block.shape) == piece.shape
                     j = piece.engine_rank
@@ -224,7 +246,7 @@ def test_pieces_rebuild_vllms_per_rank_parameters(shape, t, e):
         )
         assert all(int(w.max()) == 1 for w in written[j].values())
         assert received[j] == sum(p.numel() for p in want[j].values()) - pad_rows
-    sent, recv = shards.shard_bytes(shape, rules, t, e, 4)
+    sent, recv = shards.shard_bytes(shape, rules, t, e, 4, expert_tp=et)
     assert recv == [4 * n for n in received]
     assert (
         sum(sent)

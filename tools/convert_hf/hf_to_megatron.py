@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Convert a Hugging Face checkpoint directory into a megagrpo Megatron distributed checkpoint.
 
-    python tools/convert_hf/hf_to_megatron.py --hf-dir DIR --out DIR [--tp N] [--pp N] [--ep N]
+    python tools/convert_hf/hf_to_megatron.py --hf-dir DIR --out DIR [--tp N] [--pp N] [--ep N [--etp N]]
 
-The checkpoint loads at any TP/PP/EP (not only the one it was written with); --tp/--pp/--ep only
-choose how many ranks share the conversion work and memory. Supported: Qwen2/Qwen2.5, Llama 3.x,
+The checkpoint loads at any TP/PP/EP/ETP (not only the one it was written with); --tp/--pp/--ep/--etp
+only choose how many ranks share the conversion work and memory. Supported: Qwen2/Qwen2.5, Llama 3.x,
 Qwen3, Qwen3-MoE, Qwen2-MoE.
 """
 
@@ -25,12 +25,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ep", type=int, default=1, help="expert-parallel ranks doing the conversion (MoE models)"
     )
+    parser.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        help="expert tensor-parallel size: ranks splitting each expert's width (default: --tp)",
+    )
     args = parser.parse_args(argv)
 
     from megagrpo.ckpt.convert import hf_to_megatron
 
     try:
-        out = hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, in_process=True)
+        out = hf_to_megatron(
+            args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, in_process=True
+        )
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"hf_to_megatron: error: {err}", file=sys.stderr)
         return 1
