@@ -102,7 +102,7 @@ def engine_routing(batch, layers: int, experts: int, topk: int, seed: int = 3):
     import numpy as np
     import torch
 
-    from megagrpo.policy.routing import routing_rows
+    from megagrpo.algorithms.routing import routing_rows
 
     gen = torch.Generator().manual_seed(seed)
     per_sequence = []

@@ -235,20 +235,29 @@ class GenerationWorker:
             self._episodes[1].close()
             self._episodes = None
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+    def prompt_logprobs(self, sequences: list[list[int]], *, routed: bool = False):
         """Logprob of every token after the first, given its prefix (the probe), at temperature 1.
 
         One list per sequence, ``len(sequence) - 1`` values each: entry ``t`` scores ``sequence[t + 1]``.
+        ``routed`` (an engine returning routed experts): (those lists, each sequence's routed experts
+        ``[len(sequence), MoE layers, k]``, every position forwarded).
         """
         from vllm import SamplingParams
 
+        if routed and self.routing is None:
+            raise ValueError("routed experts were asked of an engine started without grpo.routing_replay")
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        if routed:
+            self.routing.start(self.llm)
         outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
         result = []
         for seq, out in zip(sequences, outputs, strict=True):
             # Position 0 has no logprob (nothing precedes it).
             result.append([out.prompt_logprobs[t][seq[t]].logprob for t in range(1, len(seq))])
-        return result
+        if not routed:
+            return result
+        # One sampled token: its prompt's positions are the rows (P + 1 - 1).
+        return result, [per[0] for per in self.routing.collect(self.llm, outputs)]
 
     def sleep(self) -> None:
         """Colocated placement: free weights and KV cache for the trainer's turn (CUDA only).

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megagrpo.algorithms.routing import engine_routed_rows, filler, micro_batch_routing, routing_agreement
 from megagrpo.ckpt.dist_files import trusted_metadata_only
 from megagrpo.ckpt.durable import atomic_write
 from megagrpo.ckpt.hf_files import HFCheckpoint
@@ -46,7 +47,6 @@ from megagrpo.policy.packing import (
     place_positions,
     round_up,
 )
-from megagrpo.policy.routing import engine_routed_rows, filler, micro_batch_routing, routing_agreement
 from megagrpo.types import balanced_shards
 
 # Canonical per-parameter optimizer state: reloads at any TP/PP/DP (Megatron's default for the

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from megagrpo.algorithms.grpo import group_advantages, overlong_penalty, zero_variance_groups
+from megagrpo.algorithms.routing import expert_load_max, routing_rows
 from megagrpo.config import Config
 from megagrpo.data.prompts import Prompt, PromptSource
-from megagrpo.policy.routing import expert_load_max, routing_rows
 from megagrpo.types import PAD_ID, Completion, SamplingSettings, TrainBatch, TrainMetrics
 
 Generate = Callable[[Sequence[Prompt], SamplingSettings, Sequence[int]], list[Completion]]

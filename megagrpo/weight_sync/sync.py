@@ -15,7 +15,8 @@ fixed probe (a few token sequences made from a fixed seed) is scored by every vL
 logprobs) and by the trainer; ``mean exp|logprob_vllm - logprob_trainer|`` must stay under
 :func:`probe_bound` (``generation.probe_max_error``, by default set by the dtype) or the run stops,
 naming the engine and position (:class:`ProbeResult`), and saying whether the digests matched (then
-it is numerics, not a broken sync).
+it is numerics, not a broken sync). With rollout routing replay the trainer scores the probe through
+the experts the first engine routed its tokens to, as every other trainer forward of engine tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 import ray
 import torch
 
+from megagrpo.algorithms.routing import routing_rows
 from megagrpo.config import Config
 from megagrpo.parallel.backends import weight_sync_backend
 from megagrpo.types import TrainBatch
@@ -65,6 +67,8 @@ class ProbeResult:
     """Where the largest difference is (engine, sequence, position)."""
     verified_buckets: int = 0
     """(bucket, vLLM worker) pairs whose digests matched in the sync before it (0: not checked)."""
+    replayed: bool = False
+    """Whether the trainer replayed the first engine's routing of the probe (rollout routing replay)."""
 
 
 def probe_sequences(
@@ -175,6 +179,7 @@ class WeightSync:
         )
         self._wait(engine_refs, trainer_refs, "opening the weight-sync groups")
         self.probe_batch = TrainBatch.from_sequences(probe_sequences(vocab_size), [1] * 4)
+        self.replays = cfg.grpo.routing_replay == "rollout"
 
     def _wait(self, engine_refs: list, trainer_refs: list, what: str) -> list:
         """Wait for both sides; a dead or stuck engine becomes an error.
@@ -245,18 +250,36 @@ class WeightSync:
                 )
         return len(expected)
 
-    def probe(self) -> ProbeResult:
-        """Score the probe on every engine and on the trainer; raise if they disagree."""
-        # One side after the other: on CPU cores both share, overlapping them took longer (threads
-        # oversubscribed: ~25M probe 0.16 s -> 0.50 s).
-        trainer = self.policy.call_first(WeightSyncEndpoints.logprobs, self.probe_batch, 1.0)  # [B, S - 1]
-        engine_refs = [e.prompt_logprobs.remote(self.probe_batch.input_ids.tolist()) for e in self.engines]
-        per_engine = []
-        for e, ref in enumerate(engine_refs):
+    def _engine_scores(self, routed: bool) -> list:
+        """Every engine's probe logprobs (with ``routed``: (logprobs, routed experts) per engine)."""
+        sequences = self.probe_batch.input_ids.tolist()
+        refs = [e.prompt_logprobs.remote(sequences, routed=routed) for e in self.engines]
+        out = []
+        for e, ref in enumerate(refs):
             try:
-                per_engine.append(ray.get(ref, timeout=self.timeout_s))
+                out.append(ray.get(ref, timeout=self.timeout_s))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
                 raise WeightSyncError(f"probe failed on vLLM engine {e}: {err}", e) from err
+        return out
+
+    def _scores(self) -> tuple[torch.Tensor, list]:
+        """(the trainer's [B, S - 1] probe logprobs, every engine's). With rollout routing replay the
+        engines score first and the trainer replays the first engine's routing of the probe tokens, as
+        it replays the rollouts' (an engine routing otherwise shows up as its logprobs' difference)."""
+        # One side after the other: on CPU cores both share, overlapping them took longer (threads
+        # oversubscribed: ~25M probe 0.16 s -> 0.50 s).
+        if self.replays:
+            scored = self._engine_scores(routed=True)
+            width = self.probe_batch.input_ids.shape[1]
+            batch = self.probe_batch.replace(routing=routing_rows(scored[0][1], width))
+            trainer = self.policy.call_first(WeightSyncEndpoints.logprobs, batch, 1.0)
+            return trainer, [logprobs for logprobs, _ in scored]
+        trainer = self.policy.call_first(WeightSyncEndpoints.logprobs, self.probe_batch, 1.0)
+        return trainer, self._engine_scores(routed=False)
+
+    def probe(self) -> ProbeResult:
+        """Score the probe on every engine and on the trainer; raise if they disagree."""
+        trainer, per_engine = self._scores()
         total, count, worst = 0.0, 0, (0.0, "")
         for e, seqs in enumerate(per_engine):
             got = torch.tensor(seqs, dtype=torch.float64)
@@ -274,7 +297,7 @@ class WeightSync:
                 row, col = divmod(flat, delta.shape[1])
                 worst = (value, f"engine {e}, probe sequence {row}, position {col + 1}")
         error = total / count if math.isfinite(total) else math.inf
-        result = ProbeResult(error, worst[0], worst[1], self.verified_buckets)
+        result = ProbeResult(error, worst[0], worst[1], self.verified_buckets, self.replays)
         bound = probe_bound(self.cfg)
         if not math.isfinite(error) or error > bound:
             if self.verified_buckets:

@@ -19,7 +19,7 @@ from supervised_cases import dpo_batch
 
 from megagrpo.parallel import destroy_parallel
 from megagrpo.parallel.local import run_local_ranks
-from megagrpo.policy.routing import routing_rows
+from megagrpo.algorithms.routing import routing_rows
 
 pytestmark = pytest.mark.dist
 

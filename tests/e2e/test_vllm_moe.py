@@ -10,7 +10,7 @@ without the fix). After the sync the engine decodes exactly transformers' greedy
 trainer's weights, and each completion's routed experts (``grpo.routing_replay``:
 ``megagrpo.generation.routing``) are transformers' router top-k for every token of prompt + response,
 for concurrent requests with two samples each, through Ray; also for a request vLLM preempted and
-computed again.
+computed again, and for the probe's sequences, whose routing the trainer replays after a sync.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _engine_config(hf_dir, arch: str, *extra):
 
 def _sync(cfg, engine, kind: str) -> None:
     """The trainer (loading ``cfg``'s checkpoint) sends its weights to ``engine`` by ``kind``; the probe
-    agrees."""
+    agrees, replayed where ``cfg`` replays routing."""
     from megagrpo.runtime.groups import RankGroup
     from megagrpo.weight_sync.sync import WeightSync
 
@@ -98,8 +98,27 @@ def _sync(cfg, engine, kind: str) -> None:
         sync.sync(with_checksums=True)  # every bucket's digest matches on arrival
         probe = sync.probe()
         assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4, probe
+        assert probe.replayed == (cfg.grpo.routing_replay == "rollout")
     finally:
         group.shutdown()
+
+
+def _assert_probe_routing_is_transformers(engine, hf_dir) -> None:
+    """What the replayed probe hands the trainer: the engine's routing of every probe position equals
+    transformers' router top-k."""
+    from transformers import AutoModelForCausalLM
+
+    from megagrpo.weight_sync.sync import probe_sequences
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    sequences = probe_sequences(300)
+    logprobs, routed = ray.get(engine.prompt_logprobs.remote(sequences, routed=True))
+    assert [len(lp) for lp in logprobs] == [len(s) - 1 for s in sequences]
+    for seq, got in zip(sequences, routed, strict=True):
+        want, gap = router_topk(model, seq)
+        assert gap > MIN_ROUTER_GAP, f"probe sequence {seq}: a router top-k near-tie ({gap:.1e})"
+        assert got.shape == want.shape, (got.shape, want.shape)
+        assert torch.equal(got.long().sort(-1).values, want.sort(-1).values), f"routing of probe {seq}"
 
 
 def _assert_matches_transformers(engine, hf_dir) -> None:
@@ -133,9 +152,13 @@ def _assert_matches_transformers(engine, hf_dir) -> None:
 def test_engine_decodes_and_routes_as_transformers_after_a_sync(arch, path, moe):
     dirs, engines = moe
     hf_dir = dirs[arch, SEEDS[path]]
-    cfg = _engine_config(hf_dir, arch, f"generation.weight_sync_path={path}")
+    # The shard-wise sync's probe replays the engine's routing (grpo.routing_replay), the gathered one's not.
+    replay = ["grpo.routing_replay=rollout"] if path == "auto" else []
+    cfg = _engine_config(hf_dir, arch, f"generation.weight_sync_path={path}", *replay)
     _sync(cfg, engines[arch], "gathered" if path == "gathered" else "shard")
     _assert_matches_transformers(engines[arch], hf_dir)
+    if replay:
+        _assert_probe_routing_is_transformers(engines[arch], hf_dir)
 
 
 def test_routed_experts_of_a_preempted_request_are_those_of_its_last_computation(moe):
