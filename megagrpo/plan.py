@@ -228,7 +228,7 @@ def _sync_traffic(cfg: Config, shape: GPTShape, itemsize: int, link_gbps: float)
     )
     et = plan_experts.expert_tp(par) if shape.is_moe else tp
     path = (
-        choose_path(shape, tp, etp, gen.weight_sync_path, expert_tp=et)
+        choose_path(shape, tp, etp, gen.weight_sync_path, expert_tp=et, engine_ep=gen.engine_expert_parallel)
         if fits
         else SyncPath("gathered", "the trainer layout does not fit the model (see the errors)")
     )
@@ -239,10 +239,10 @@ def _sync_traffic(cfg: Config, shape: GPTShape, itemsize: int, link_gbps: float)
     per_sender, per_worker = 0, [0] * e
     for stage in range(pp):
         stage_rules = [r for r in rules if _stage_of(r.megatron, shape, pp) == stage]
-        _, received = shard_bytes(shape, stage_rules, t, e, itemsize, expert_tp=et)
+        _, received = shard_bytes(shape, stage_rules, t, e, itemsize, expert_tp=et, engine_ep=path.engine_ep)
         # What the first EP share's senders send: the stage's dense tensors and their own experts.
         first = [r for r in stage_rules if _expert_of(r.megatron) < shape.num_experts // ep]
-        sent, _ = shard_bytes(shape, first, t, e, itemsize, expert_tp=et)
+        sent, _ = shard_bytes(shape, first, t, e, itemsize, expert_tp=et, engine_ep=path.engine_ep)
         per_sender = max(per_sender, *sent)
         per_worker = [a + b for a, b in zip(per_worker, received, strict=True)]
     worst = max(per_sender, *per_worker)

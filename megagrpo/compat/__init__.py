@@ -31,6 +31,8 @@ reads its private state or works around it through the environment.
 - ``vllm_routed_experts`` (vllm): a capture fn on every MoE router and the model runner's
   ``execute_model`` wrapped, recording each token's routed experts where vLLM's own capture cannot
   run (its CPU build); ``uninstall`` takes both away;
+- ``vllm_cpu_moe_ep`` (vllm): the CPU MoE kernel given local expert ids (another rank's top-k slots
+  weighted 0) under vLLM's expert parallelism, where it would index past the rank's experts;
 - ``megatron_moe`` (megatron-core): MoE routers without Transformer Engine;
 - ``process_exit`` (python): a finished command-line process ends without the interpreter's teardown.
 
@@ -153,6 +155,12 @@ PATCHES = (
         "vllm",
         ("0.32.0",),
         "vLLM returns routed experts only through Model Runner V2, which its CPU build cannot run",
+    ),
+    Patch(
+        "vllm_cpu_moe_ep",
+        "vllm",
+        ("0.32.0",),
+        "vLLM's CPU MoE kernel ignores the expert map under expert parallelism (reads past local experts)",
     ),
     Patch(
         "process_exit",

@@ -28,6 +28,10 @@ class GenerationConfig:
     """Number of independent engine instances (each on engine_tensor_parallel_size devices)."""
     engine_tensor_parallel_size: int = 1
     """Tensor parallel size inside one engine."""
+    engine_expert_parallel: bool = False
+    """Mixture-of-experts models: vLLM's expert parallelism inside each engine (``enable_expert_parallel``):
+    each of its engine_tensor_parallel_size workers holds num_experts / TP experts whole instead of
+    every expert's 1 / TP slice; the weight sync sends each expert to the worker that holds it."""
     temperature: float = 1.0
     """Sampling temperature; must be > 0 since GRPO needs diverse samples per prompt."""
     top_p: float = 1.0

@@ -173,6 +173,14 @@ def check_shape(cfg: Config, shape: Any, where: str, *, engines: bool = True) ->
         )
     if getattr(shape, "num_experts", 0):
         _check_experts(cfg, shape, where)
+        if engines and cfg.generation.engine_expert_parallel:
+            etp = cfg.generation.engine_tensor_parallel_size
+            require(
+                etp > 1 and shape.num_experts % etp == 0,
+                ("generation.engine_expert_parallel", "generation.engine_tensor_parallel_size"),
+                f"vLLM's expert parallelism splits the {shape.num_experts} experts over an engine's "
+                f"engine_tensor_parallel_size ({etp}) workers: it must be > 1 and divide num_experts",
+            )
     else:
         _check_dense(cfg, where)
     if where == "model.tiny":
@@ -232,6 +240,7 @@ def _check_dense(cfg: Config, where: str) -> None:
     for key, value, default in (
         ("parallel.expert_model_parallel_size", cfg.parallel.expert_model_parallel_size, 1),
         ("parallel.expert_tensor_parallel_size", cfg.parallel.expert_tensor_parallel_size, None),
+        ("generation.engine_expert_parallel", cfg.generation.engine_expert_parallel, False),
         ("grpo.routing_replay", cfg.grpo.routing_replay, "none"),
         ("policy.freeze_router", cfg.policy.freeze_router, False),
         ("policy.moe_aux_loss_coeff", cfg.policy.moe_aux_loss_coeff, 0.0),

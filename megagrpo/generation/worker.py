@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from megagrpo.compat import vllm_cpu_moe_ep
 from megagrpo.compat.torch_store import stores_listen_on_their_host
 from megagrpo.compat.vllm_eager_cpu import eager_cpu_engine_env
 from megagrpo.config import Config
@@ -116,6 +117,7 @@ class GenerationWorker:
                 model=model_dir,
                 dtype=cfg.model.dtype,
                 tensor_parallel_size=gen.engine_tensor_parallel_size,
+                enable_expert_parallel=gen.engine_expert_parallel,
                 max_model_len=cfg.model.seq_length,
                 enforce_eager=gen.enforce_eager,
                 gpu_memory_utilization=gen.gpu_memory_utilization,
@@ -132,8 +134,28 @@ class GenerationWorker:
                 **scheduler_args(cfg),
                 **(self.routing.engine_args() if self.routing is not None else {}),
             )
+        if gen.engine_expert_parallel:
+            self._check_expert_placement()
         if self.routing is not None:
             self.routing.install(self.llm)
+
+    def _check_expert_placement(self) -> None:
+        """vLLM's expert parallelism: its CPU kernel made to take local expert ids
+        (``compat.vllm_cpu_moe_ep``), and every worker holding the contiguous range of experts the weight
+        sync sends it (``weight_sync.shards``: worker ``j`` of ``e``, experts ``j E/e .. (j+1) E/e - 1``)."""
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            self.llm.collective_rpc(vllm_cpu_moe_ep.install)
+        workers = self.llm.collective_rpc(vllm_cpu_moe_ep.local_experts)
+        for j, layers in enumerate(workers):
+            for layer, experts in enumerate(layers):
+                per = len(experts)
+                if experts != list(range(j * per, (j + 1) * per)):
+                    raise RuntimeError(
+                        f"vLLM placed experts {experts} of MoE layer {layer} on engine worker {j}; weight "
+                        f"sync sends worker {j} experts {j * per}..{(j + 1) * per - 1} (linear placement)"
+                    )
 
     # ---------------------------------------------------------------------------------- generation
 

@@ -30,12 +30,14 @@ after load, but its layerwise reload gives every parameter back its logical shap
 they are sent whole like a norm); the shared expert is a dense MLP (``mlp.shared_expert.gate_up_proj``,
 ``down_proj``). The experts of a layer are stacked into two parameters of ``mlp.experts.routed_experts``:
 ``w13_weight`` ``[E, 2 f/e, h]`` (expert ``x``'s rows ``[gate_j; up_j]``) and ``w2_weight``
-``[E, h, f/e]`` (``f`` = ``moe_ffn_hidden_size``): without vLLM's expert parallelism, which the engines
-do not turn on, vLLM's TP splits every expert's intermediate dim and keeps all ``E`` experts on every
-rank. A piece of expert ``x`` goes into ``param[x]``; so that a piece keeps one ``(dim, start)``, the
-expert is folded into the start: ``dst_start = x * extent + offset``, ``extent`` being the per-expert
-parameter's size along ``dim`` (``2 f/e`` rows of ``w13``, ``f/e`` columns of ``w2``), which the
-engine unfolds (``vllm_engine.load_block``).
+``[E, h, f/e]`` (``f`` = ``moe_ffn_hidden_size``): without vLLM's expert parallelism vLLM's TP splits
+every expert's intermediate dim and keeps all ``E`` experts on every rank; with it
+(``generation.engine_expert_parallel``) rank ``j`` holds experts ``j E/e .. (j+1) E/e - 1`` whole,
+``[E/e, 2f, h]`` and ``[E/e, h, f]``, and each trainer rank's slice of an expert goes to that one rank.
+A piece of expert ``x`` goes into ``param[x]`` (its local index); so that a piece keeps one
+``(dim, start)``, the expert is folded into the start: ``dst_start = x * extent + offset``, ``extent``
+being the per-expert parameter's size along ``dim`` (``2 f/e`` rows of ``w13``, ``f/e`` columns of
+``w2``; ``2f`` and ``f`` under expert parallelism), which the engine unfolds (``vllm_engine.load_block``).
 
 A trainer rank's share of an HF tensor (its Megatron shard turned into HF layout by
 :func:`local_hf_tensors`: no gather) and an engine rank's share are intervals along ``dim``; every
@@ -74,6 +76,9 @@ class SyncPath:
     """``shard``: each trainer TP rank sends its own shards; ``gathered``: all-gather, a sender per stage."""
     reason: str
     """One sentence naming the sizes that decided it."""
+    engine_ep: bool = False
+    """The engines run vLLM's expert parallelism (``generation.engine_expert_parallel``): each engine
+    rank holds whole experts, a contiguous range of them."""
 
 
 def vllm_padded_vocab(vocab_size: int) -> int:
@@ -81,13 +86,23 @@ def vllm_padded_vocab(vocab_size: int) -> int:
 
 
 def choose_path(
-    shape: GPTShape, trainer_tp: int, engine_tp: int, requested: str = "auto", *, expert_tp: int | None = None
+    shape: GPTShape,
+    trainer_tp: int,
+    engine_tp: int,
+    requested: str = "auto",
+    *,
+    expert_tp: int | None = None,
+    engine_ep: bool = False,
 ) -> SyncPath:
     """The weight-sync path for a model of ``shape`` with these TP sizes (``requested``: ``auto`` or
     ``gathered``, the config's ``generation.weight_sync_path``; ``expert_tp``: the trainer's expert
-    tensor-parallel size, by default ``trainer_tp``)."""
-    t, e = trainer_tp, engine_tp
-    et = trainer_tp if expert_tp is None else expert_tp
+    tensor-parallel size, by default ``trainer_tp``; ``engine_ep``: the engines hold whole experts)."""
+    path = _choose_path(shape, trainer_tp, engine_tp, requested, expert_tp, engine_ep)
+    return replace(path, engine_ep=engine_ep)
+
+
+def _choose_path(shape: GPTShape, t: int, e: int, requested: str, expert_tp: int | None, engine_ep: bool):
+    et = t if expert_tp is None else expert_tp
     heads, groups, ffn = shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size
     if requested == "gathered":
         return SyncPath("gathered", "generation.weight_sync_path is 'gathered'")
@@ -107,13 +122,14 @@ def choose_path(
             "gathered",
             f"{heads} heads / FFN {ffn} / hidden {shape.hidden_size} do not split over engine TP {e}",
         )
-    if shape.is_moe and et % e and e % et:
+    if shape.is_moe and not engine_ep and et % e and e % et:
         return SyncPath(
             "gathered",
             f"trainer expert TP {et} and engine TP {e} do not divide one another: expert shards do not nest",
         )
     for key, width, tt in (
-        ("expert FFN", shape.moe_ffn_hidden_size if shape.is_moe else None, et),
+        # Under vLLM's expert parallelism an engine rank holds its experts whole: any trainer split nests.
+        ("expert FFN", shape.moe_ffn_hidden_size if shape.is_moe and not engine_ep else None, et),
         ("shared expert FFN", shape.moe_shared_expert_ffn_hidden_size, t),
     ):
         if width is not None and (width % e or width % tt):
@@ -250,12 +266,15 @@ class Piece:
 
 
 def rank_pieces(
-    hf_name: str, shape: GPTShape, trainer_tp: int, trainer_rank: int, engine_tp: int
+    hf_name: str, shape: GPTShape, trainer_tp: int, trainer_rank: int, engine_tp: int, engine_ep: bool = False
 ) -> list[Piece]:
-    """What trainer rank ``trainer_rank`` sends of HF tensor ``hf_name``, by engine rank."""
+    """What trainer rank ``trainer_rank`` sends of HF tensor ``hf_name``, by engine rank (``engine_ep``:
+    vLLM's expert parallelism, see :func:`_whole_expert_piece`)."""
     t, r, e, V = trainer_tp, trainer_rank, engine_tp, shape.vocab_size
     full = _hf_shapes(shape)[hf_name]
     place = vllm_placement(hf_name)
+    if engine_ep and place.expert >= 0:
+        return [_whole_expert_piece(hf_name, place, full, shape, t, r, e)]
     if place.dim < 0:
         return [Piece(hf_name, j, place.param, 0, 0, 0, full[0], full) for j in range(e) if j * t // e == r]
     dim, vocab = place.dim, hf_name in _VOCAB
@@ -282,7 +301,27 @@ def rank_pieces(
     return pieces
 
 
-def stage_links(rules: list[Rule], shape: GPTShape, trainer_tp: int, engine_tp: int) -> list[tuple[int, int]]:
+def _whole_expert_piece(
+    hf_name: str, place: Placement, full: tuple[int, ...], shape: GPTShape, t: int, r: int, e: int
+) -> Piece:
+    """Under vLLM's expert parallelism engine rank ``j`` of ``e`` holds experts ``j E/e .. (j+1) E/e - 1``
+    whole (linear placement, checked by the engine at start) as ``w13_weight`` ``[E/e, 2f, h]`` and
+    ``w2_weight`` ``[E/e, h, f]``: trainer rank ``r``'s slice of the expert goes to that one rank, at the
+    expert's local index and the slice's own offset in the whole width."""
+    per = shape.num_experts // e
+    j, local = divmod(place.expert, per)
+    width = shape.moe_ffn_hidden_size
+    extent = 2 * width if place.dim == 0 else width
+    offset = local * extent + (width if place.block == 1 else 0)
+    lo, hi = _share(full[place.dim], t, r)
+    block = list(full)
+    block[place.dim] = hi - lo
+    return Piece(hf_name, j, place.param, place.dim, 0, offset + lo, hi - lo, tuple(block))
+
+
+def stage_links(
+    rules: list[Rule], shape: GPTShape, trainer_tp: int, engine_tp: int, engine_ep: bool = False
+) -> list[tuple[int, int]]:
     """Every (trainer rank, engine rank) pair that has pieces of these rules (a pipeline stage's), sorted."""
     return sorted(
         {
@@ -290,7 +329,7 @@ def stage_links(rules: list[Rule], shape: GPTShape, trainer_tp: int, engine_tp: 
             for rule in rules
             for name in rule.hf
             for r in range(trainer_tp)
-            for p in rank_pieces(name, shape, trainer_tp, r, engine_tp)
+            for p in rank_pieces(name, shape, trainer_tp, r, engine_tp, engine_ep)
         }
     )
 
@@ -333,6 +372,7 @@ def shard_bytes(
     itemsize: int,
     *,
     expert_tp: int | None = None,
+    engine_ep: bool = False,
 ):
     """(bytes each trainer rank sends, bytes each engine rank receives) for these rules, shard-wise; a
     routed expert's pieces come from its ``expert_tp`` ranks (default ``trainer_tp``, which it divides),
@@ -342,7 +382,7 @@ def shard_bytes(
         t = trainer_tp if expert_tp is None or not is_expert(rule.megatron) else expert_tp
         for name in rule.hf:
             for r in range(t):
-                for p in rank_pieces(name, shape, t, r, engine_tp):
+                for p in rank_pieces(name, shape, t, r, engine_tp, engine_ep):
                     n = itemsize
                     for d in p.shape:
                         n *= d

@@ -151,7 +151,7 @@ class WeightSync:
         etp = gen.engine_tensor_parallel_size
         colocated = gen.placement == "colocated"
         self.path: SyncPath = policy.call_first(
-            WeightSyncEndpoints.weight_sync_path, etp, gen.weight_sync_path
+            WeightSyncEndpoints.weight_sync_path, etp, gen.weight_sync_path, gen.engine_expert_parallel
         )
         bucket_bytes = int(gen.sync_bucket_mb * 2**20)
         offers = policy.call_all(WeightSyncEndpoints.weight_sync_offer, self.path, etp, bucket_bytes)

@@ -95,9 +95,11 @@ class WeightSender:
     def shard_wise(self) -> bool:
         return self.path is not None and self.path.kind == "shard"
 
-    def choose(self, engine_tp: int, requested: str) -> SyncPath:
-        sizes = self.ctx.sizes
-        return choose_path(self.info.shape, sizes.tp, engine_tp, requested, expert_tp=sizes.expert_tp)
+    def choose(self, engine_tp: int, requested: str, engine_ep: bool = False) -> SyncPath:
+        sizes, shape = self.ctx.sizes, self.info.shape
+        return choose_path(
+            shape, sizes.tp, engine_tp, requested, expert_tp=sizes.expert_tp, engine_ep=engine_ep
+        )
 
     # ----------------------------------------------------------------------------------- planning
 
@@ -106,7 +108,7 @@ class WeightSender:
         shape = self.info.shape
         for k, (rule, (r, t)) in enumerate(zip(self.rules, self.splits, strict=True)):
             for i, name in enumerate(rule.hf):
-                for piece in rank_pieces(name, shape, t, r, self.engine_tp):
+                for piece in rank_pieces(name, shape, t, r, self.engine_tp, self.path.engine_ep):
                     if piece.engine_rank == engine_rank:
                         yield k, i, piece
 
@@ -311,9 +313,9 @@ class WeightSyncEndpoints:
             self.sender = WeightSender(*self.weight_source())
         return self.sender
 
-    def weight_sync_path(self, engine_tp: int, requested: str) -> SyncPath:
+    def weight_sync_path(self, engine_tp: int, requested: str, engine_ep: bool = False) -> SyncPath:
         """The path for this model and these TP sizes (``shards.choose_path``, from this rank's shape)."""
-        return self._sender().choose(engine_tp, requested)
+        return self._sender().choose(engine_tp, requested, engine_ep)
 
     def weight_sync_offer(self, path: SyncPath, engine_tp: int, bucket_bytes: int) -> tuple[Link, ...]:
         """This rank's links (where each group will listen, and its buckets of <= ``bucket_bytes``)."""

@@ -6,8 +6,10 @@ dummy weights: Qwen3-MoE at engine TP 1 (expert width 32: without ``compat.vllm_
 reload leaves the new experts unpacked and its outputs silently wrong) and Qwen2-MoE at engine TP 2,
 two vLLM worker processes (its gated shared expert and every expert split in halves, each received by
 its worker; vLLM's CPU kernel pads an expert's 16 columns per rank, where the reload would raise
-without the fix). After the sync the engine decodes exactly transformers' greedy tokens for the
-trainer's weights, and each completion's routed experts (``grpo.routing_replay``:
+without the fix), and Qwen3-MoE at engine TP 2 with vLLM's expert parallelism (each worker holds four
+experts whole and receives them from the trainer; vLLM's CPU kernel would crash on the global expert
+ids without ``compat.vllm_cpu_moe_ep``). After the sync the engine decodes exactly transformers' greedy
+tokens for the trainer's weights, and each completion's routed experts (``grpo.routing_replay``:
 ``megagrpo.generation.routing``) are transformers' router top-k for every token of prompt + response,
 for concurrent requests with two samples each, through Ray; also for a request vLLM preempted and
 computed again, and for the probe's sequences, whose routing the trainer replays after a sync.
@@ -29,7 +31,12 @@ ray = pytest.importorskip("ray")
 
 # vLLM's CPU attention needs a head size of at least 32 (Qwen3-MoE's tiny model sets head_dim 32).
 SHAPES = {"qwen3_moe": {}, "qwen2_moe": {"hidden_size": 128}}
-ENGINE_TP = {"qwen3_moe": 1, "qwen2_moe": 2}
+# The engines: (architecture, engine TP, vLLM's expert parallelism).
+ENGINES = {
+    "qwen3_moe-engine-tp1": ("qwen3_moe", 1, False),
+    "qwen2_moe-engine-tp2": ("qwen2_moe", 2, False),
+    "qwen3_moe-engine-tp2-ep": ("qwen3_moe", 2, True),
+}
 # Weights of std 0.1: routers and logits pick clearly (the default 0.02 leaves router top-k gaps of
 # 1e-5, close enough to rounding to make a comparison of vLLM and transformers luck).
 INIT = {"initializer_range": 0.1}
@@ -69,20 +76,26 @@ def moe(tmp_path_factory):
         for arch in MOE_ARCHS
         for seed in SEEDS.values()
     }
-    start_ray(_config(dirs["qwen3_moe", 1]).cluster, num_cpus=4)  # the engines, a trainer rank
+    start_ray(_config(dirs["qwen3_moe", 1]).cluster, num_cpus=5)  # the engines, a trainer rank
     launched = {
-        arch: launch_engines(
-            _engine_config(dirs[arch, 1], arch, "grpo.routing_replay=rollout"), str(dirs[arch, 1])
+        case: launch_engines(
+            _engine_config(dirs[arch, 1], case, "grpo.routing_replay=rollout"), str(dirs[arch, 1])
         )[0]
-        for arch in MOE_ARCHS
+        for case, (arch, _, _) in ENGINES.items()
     }
     engines = dict(zip(launched, wait_for_engines(list(launched.values())), strict=True))
     yield dirs, engines
     ray.shutdown()
 
 
-def _engine_config(hf_dir, arch: str, *extra):
-    return _config(hf_dir, f"generation.engine_tensor_parallel_size={ENGINE_TP[arch]}", *extra)
+def _engine_config(hf_dir, case: str, *extra):
+    _, tp, ep = ENGINES[case]
+    return _config(
+        hf_dir,
+        f"generation.engine_tensor_parallel_size={tp}",
+        f"generation.engine_expert_parallel={str(ep).lower()}",
+        *extra,
+    )
 
 
 def _sync(cfg, engine, kind: str) -> None:
@@ -95,6 +108,7 @@ def _sync(cfg, engine, kind: str) -> None:
     try:
         sync = WeightSync(cfg, group, [engine], vocab_size=300)
         assert sync.path.kind == kind, sync.path.reason
+        assert sync.path.engine_ep == cfg.generation.engine_expert_parallel
         sync.sync(with_checksums=True)  # every bucket's digest matches on arrival
         probe = sync.probe()
         assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4, probe
@@ -148,17 +162,17 @@ def _assert_matches_transformers(engine, hf_dir) -> None:
 
 
 @pytest.mark.parametrize("path", list(SEEDS))
-@pytest.mark.parametrize("arch", MOE_ARCHS, ids=[f"{a}-engine-tp{ENGINE_TP[a]}" for a in MOE_ARCHS])
-def test_engine_decodes_and_routes_as_transformers_after_a_sync(arch, path, moe):
+@pytest.mark.parametrize("case", list(ENGINES))
+def test_engine_decodes_and_routes_as_transformers_after_a_sync(case, path, moe):
     dirs, engines = moe
-    hf_dir = dirs[arch, SEEDS[path]]
+    hf_dir = dirs[ENGINES[case][0], SEEDS[path]]
     # The shard-wise sync's probe replays the engine's routing (grpo.routing_replay), the gathered one's not.
     replay = ["grpo.routing_replay=rollout"] if path == "auto" else []
-    cfg = _engine_config(hf_dir, arch, f"generation.weight_sync_path={path}", *replay)
-    _sync(cfg, engines[arch], "gathered" if path == "gathered" else "shard")
-    _assert_matches_transformers(engines[arch], hf_dir)
+    cfg = _engine_config(hf_dir, case, f"generation.weight_sync_path={path}", *replay)
+    _sync(cfg, engines[case], "gathered" if path == "gathered" else "shard")
+    _assert_matches_transformers(engines[case], hf_dir)
     if replay:
-        _assert_probe_routing_is_transformers(engines[arch], hf_dir)
+        _assert_probe_routing_is_transformers(engines[case], hf_dir)
 
 
 def test_routed_experts_of_a_preempted_request_are_those_of_its_last_computation(moe):

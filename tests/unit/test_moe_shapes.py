@@ -151,3 +151,23 @@ def test_a_tiny_moe_model_needs_a_moe_arch():
         load_config(None, ["model.tiny.num_experts=4"])
     with pytest.raises(ConfigError, match=r"needs tiny\.num_experts > 0"):
         load_config(None, ["model.arch=qwen3_moe"])
+
+
+def test_vllms_expert_parallelism_is_refused_where_it_cannot_split_the_experts():
+    tiny_moe = ["model.arch=qwen3_moe", "model.tiny.num_experts=8", "parallel.transformer_impl=local"]
+    tp1 = [*tiny_moe, "parallel.tensor_model_parallel_size=1", "generation.engine_expert_parallel=true"]
+    ok = load_config(None, [*tp1, "generation.engine_tensor_parallel_size=2"])
+    assert ok.generation.engine_expert_parallel
+    for engine_tp, experts in ((1, 8), (4, 6)):
+        with pytest.raises(ConfigError, match="generation.engine_expert_parallel") as err:
+            load_config(
+                None,
+                [
+                    *tp1,
+                    f"generation.engine_tensor_parallel_size={engine_tp}",
+                    f"model.tiny.num_experts={experts}",
+                ],
+            )
+        assert "must be > 1 and divide num_experts" in str(err.value)
+    with pytest.raises(ConfigError, match="generation.engine_expert_parallel=True is for mixture-of-experts"):
+        load_config(None, ["parallel.transformer_impl=local", "generation.engine_expert_parallel=true"])

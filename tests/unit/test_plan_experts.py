@@ -137,7 +137,9 @@ def test_qwen3_30b_a3b_on_4_nodes_of_8_gpus_by_hand(tmp_path):
     Its bytes: its weights, 10329944064, plus what goes whole to each of the 4 engine ranks, 3 copies
     more: the routers 48 x 262144 x 2 = 25165824 and the norms (48 x (4096 + 256) + 2048) x 2 = 421888,
     3 x 25587712 = 76763136: 10406707200. Each worker: its weights above, 15284935680, with the norms
-    whole instead of a quarter, 3/4 x 421888 = 316416 more: 15285252096.
+    whole instead of a quarter, 3/4 x 421888 = 316416 more: 15285252096. With vLLM's expert parallelism
+    (``generation.engine_expert_parallel``) each worker receives 32 whole experts instead of a quarter of
+    128: the same bytes, on the same path.
     """
     model = hf_dir(tmp_path, QWEN3_30B_A3B)
     plan = plan_of([*ON_4_NODES, f"model.hf_dir={model}"])
@@ -163,6 +165,8 @@ def test_qwen3_30b_a3b_on_4_nodes_of_8_gpus_by_hand(tmp_path):
     assert (x.engine_expert_ffn, x.engine_experts_ep, x.engine_weights_ep) == (192, 32, 15284935680)
     assert plan.sync["path"] == "shard" and plan.sync["senders"] == 8
     assert (plan.sync["bytes_per_sender"], plan.sync["bytes_per_worker"]) == (10406707200, 15285252096)
+    ep = plan_of([*ON_4_NODES, f"model.hf_dir={model}", "generation.engine_expert_parallel=true"]).sync
+    assert (ep["path"], ep["bytes_per_sender"], ep["bytes_per_worker"]) == ("shard", 10406707200, 15285252096)
 
 
 def test_pipeline_stages_hold_half_the_experts_and_expert_dp_1_keeps_their_whole_states(tmp_path):

@@ -102,7 +102,7 @@ def test_vllm_vocab_padding_is_vllms():
 
 
 def _vllm_rank_params(
-    hf: dict[str, torch.Tensor], shape: GPTShape, e: int, j: int
+    hf: dict[str, torch.Tensor], shape: GPTShape, e: int, j: int, engine_ep: bool = False
 ) -> dict[str, torch.Tensor]:
     """Engine rank j's parameters as vLLM 0.32's loaders cut them from whole HF tensors
     (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)."""
@@ -110,7 +110,7 @@ def _vllm_rank_params(
     hd = shape.head_dim
     for name, full in hf.items():
         if ".mlp.experts." in name:
-            _vllm_experts(out, name, full, shape, e, j)
+            _vllm_experts(out, name, full, shape, e, j, engine_ep)
         elif ".self_attn.q_proj." in name:
             prefix, kind = name.split(".self_attn.q_proj.")
             parts = []
@@ -150,14 +150,23 @@ def _vllm_rank_params(
     return out
 
 
-def _vllm_experts(out: dict, name: str, full: torch.Tensor, shape: GPTShape, e: int, j: int) -> None:
+def _vllm_experts(
+    out: dict, name: str, full: torch.Tensor, shape: GPTShape, e: int, j: int, engine_ep: bool
+) -> None:
     """Expert ``x``'s gate/up/down into engine rank j's stacked ``w13_weight`` [E, 2 f/e, h] (rows
     [gate_j; up_j]) and ``w2_weight`` [E, h, f/e], as vLLM 0.32's ``RoutedExperts`` loaders place them
-    (``_load_w13``, ``_load_w2``: the expert's intermediate dim split over TP, no expert parallelism)."""
+    (``_load_w13``, ``_load_w2``: the expert's intermediate dim split over TP). With expert parallelism
+    (``engine_ep``) rank j holds experts j E/e .. (j+1) E/e - 1 whole, [E/e, 2f, h] and [E/e, h, f]
+    (vLLM's linear placement: ``expert_map_manager.determine_expert_map``)."""
     prefix, rest = name.split("experts.", 1)
     x, proj = int(rest.split(".")[0]), rest.split(".")[1]
     stacked = prefix + "experts.routed_experts."
     f, h, E = shape.moe_ffn_hidden_size, shape.hidden_size, shape.num_experts
+    if engine_ep:
+        local = E // e
+        if x // local != j:
+            return
+        x, E, e, j = x % local, local, 1, 0  # whole experts, local indices
     per = f // e
     if proj == "down_proj":
         w2 = out.setdefault(stacked + "w2_weight", torch.zeros(E, h, per))
@@ -202,17 +211,34 @@ def test_pieces_rebuild_vllms_parameters_with_whole_experts_per_trainer_rank(sha
     _assert_pieces_rebuild_vllms_parameters(shape, t, e, 1)
 
 
-def _assert_pieces_rebuild_vllms_parameters(shape: GPTShape, t: int, e: int, et: int) -> None:
-    """Trainer TP ``t``, expert TP ``et``, engine TP ``e``: what the tests above state."""
+ENGINE_EP = [(1, 1, 2), (2, 2, 2), (2, 1, 2), (1, 1, 4), (2, 2, 4), (4, 4, 2)]
+
+
+@pytest.mark.parametrize(("t", "et", "e"), ENGINE_EP, ids=[f"t{t}-etp{et}-e{e}" for t, et, e in ENGINE_EP])
+@pytest.mark.parametrize(
+    "shape", [_shape(**_QWEN3_MOE), _shape(**_QWEN2_MOE)], ids=["qwen3-moe", "qwen2-moe"]
+)
+def test_pieces_rebuild_vllms_parameters_under_vllms_expert_parallelism(shape, t, et, e):
+    """``generation.engine_expert_parallel``: engine rank j holds its range of experts whole; each trainer
+    rank's slice of an expert lands in that rank's stacked parameters at the expert's local index."""
+    _assert_pieces_rebuild_vllms_parameters(shape, t, e, et, engine_ep=True)
+
+
+def _assert_pieces_rebuild_vllms_parameters(
+    shape: GPTShape, t: int, e: int, et: int, engine_ep: bool = False
+) -> None:
+    """Trainer TP ``t``, expert TP ``et``, engine TP ``e`` (``engine_ep``: vLLM's expert parallelism):
+    what the tests above state."""
     from megagrpo.models.layout import is_expert
     from megagrpo.weight_sync.vllm_engine import _block_target, _copy_block
 
-    assert shards.choose_path(shape, t, e, expert_tp=et).kind == "shard"
+    path = shards.choose_path(shape, t, e, expert_tp=et, engine_ep=engine_ep)
+    assert path.kind == "shard" and path.engine_ep == engine_ep
     gen = torch.Generator().manual_seed(t * 10 + e)
     hf = {n: torch.randn(s, generator=gen) for n, s in hf_tensor_shapes(shape).items()}
     padded = padded_vocab_size(shape.vocab_size, t)
     rules = [r for r in decoder_rules(shape) if r.export]
-    want = [_vllm_rank_params(hf, shape, e, j) for j in range(e)]
+    want = [_vllm_rank_params(hf, shape, e, j, engine_ep) for j in range(e)]
     got = [{n: torch.full_like(p, float("nan")) for n, p in w.items()} for w in want]
     written = [{n: torch.zeros_like(p, dtype=torch.int32) for n, p in w.items()} for w in want]
     received = [0] * e
@@ -226,7 +252,7 @@ def _assert_pieces_rebuild_vllms_parameters(shape: GPTShape, t: int, e: int, et:
             )
             local_hf = shards.local_hf_tensors(rule, local, shape, tt, r)
             for i, name in enumerate(rule.hf):
-                for piece in shards.rank_pieces(name, shape, tt, r, e):
+                for piece in shards.rank_pieces(name, shape, tt, r, e, engine_ep):
                     block = shards.piece_tensor(local_hf[i], piece)
                     assert tuple(block.shape) == piece.shape
                     j = piece.engine_rank
@@ -246,7 +272,7 @@ def _assert_pieces_rebuild_vllms_parameters(shape: GPTShape, t: int, e: int, et:
         )
         assert all(int(w.max()) == 1 for w in written[j].values())
         assert received[j] == sum(p.numel() for p in want[j].values()) - pad_rows
-    sent, recv = shards.shard_bytes(shape, rules, t, e, 4, expert_tp=et)
+    sent, recv = shards.shard_bytes(shape, rules, t, e, 4, expert_tp=et, engine_ep=engine_ep)
     assert recv == [4 * n for n in received]
     assert (
         sum(sent)
