@@ -16,7 +16,7 @@ CPU engine generating, the weights synced into the engine after every step:
 from __future__ import annotations
 
 import pytest
-from _grpo_runs import metrics, run_overrides
+from _grpo_runs import metrics, reuse_warmup, run_overrides
 
 from megagrpo.config import load_config
 
@@ -38,6 +38,24 @@ def _overrides(root, name: str, *extra: str) -> list[str]:
     return run_overrides(root, name, root / name / "ckpt", steps=2, extra=[*short, *extra])
 
 
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A directory whose ``runs/reference/warmup`` holds the runs' one warm-up (it does not depend on the
+    parallel layout: ``warmup.warmup_stamp``); each run starts from a copy."""
+    from megagrpo.trainers.warmup import warmed_up_model
+
+    root = tmp_path_factory.mktemp("moe_grpo")
+    warmed_up_model(load_config("tiny_moe", _overrides(root, "reference")), root / "runs" / "reference")
+    return root
+
+
+def _train(root, name: str, *layout: str) -> dict:
+    from megagrpo.trainers.grpo import train
+
+    reuse_warmup(root, name)
+    return metrics(train(load_config("tiny_moe", _overrides(root, name, *layout))))
+
+
 def _assert_synced(run: dict) -> None:
     for step in (1, 2):
         assert 1.0 <= run[step]["sync/probe_error"] <= 1.001, (step, run[step]["sync/probe_error"])
@@ -45,11 +63,8 @@ def _assert_synced(run: dict) -> None:
         assert run[step]["train/grad_norm"] > 0  # the synced weights are new ones
 
 
-def test_grpo_at_ep2_with_routing_replay(tmp_path):
-    from megagrpo.trainers.grpo import train
-
-    run = metrics(train(load_config("tiny_moe", _overrides(tmp_path, "moe-ep2"))))
-    _assert_replayed(run)
+def test_grpo_at_ep2_with_routing_replay(root):
+    _assert_replayed(_train(root, "moe-ep2"))
 
 
 def _assert_replayed(run: dict) -> None:
@@ -64,23 +79,19 @@ def _assert_replayed(run: dict) -> None:
         assert m["timing/routing_check_s"] > 0
 
 
-def test_grpo_at_tp2_ep2_without_replay(tmp_path):
-    from megagrpo.trainers.grpo import train
-
+def test_grpo_at_tp2_ep2_without_replay(root):
     layout = [
         "parallel.tensor_model_parallel_size=2",
         "parallel.sequence_parallel=true",
         "parallel.transformer_impl=torch",
         "grpo.routing_replay=none",
     ]
-    run = metrics(train(load_config("tiny_moe", _overrides(tmp_path, "moe-tp2-ep2", *layout))))
+    run = _train(root, "moe-tp2-ep2", *layout)
     _assert_synced(run)
     assert "moe/routing_agreement" not in run[1]
 
 
-def test_grpo_at_tp2_ep2_folded_with_routing_replay(tmp_path):
-    from megagrpo.trainers.grpo import train
-
+def test_grpo_at_tp2_ep2_folded_with_routing_replay(root):
     layout = [
         "parallel.tensor_model_parallel_size=2",
         "parallel.data_parallel_size=1",
@@ -88,5 +99,4 @@ def test_grpo_at_tp2_ep2_folded_with_routing_replay(tmp_path):
         "parallel.sequence_parallel=true",
         "parallel.transformer_impl=torch",
     ]
-    run = metrics(train(load_config("tiny_moe", _overrides(tmp_path, "moe-tp2-ep2-etp1", *layout))))
-    _assert_replayed(run)
+    _assert_replayed(_train(root, "moe-tp2-ep2-etp1", *layout))
