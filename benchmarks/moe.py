@@ -312,13 +312,7 @@ def sync_measurements(rounds: dict[str, list[dict]], settings: dict) -> list[Mea
         if first["received"] != first["planned"]:
             raise AssertionError(f"{s}: workers received {first['received']}, the plan {first['planned']}")
         out += [
-            Measurement("sync", [t.seconds for r in runs for t in r["times"]], "s", s),
-            Measurement(
-                "CPU seconds of all the processes per sync",
-                [t.cpu_s for r in runs for t in r["times"]],
-                "s",
-                s,
-            ),
+            *record.sync_times(runs, s),
             *(
                 Measurement("bytes broadcast per sync by a sender", [n], "B", {**s, "sender": f"ep{slot}"})
                 for (_, slot), n in sorted(first["senders"].items())

@@ -94,13 +94,7 @@ def main(argv=None) -> dict:
         s = {"path": runs[0]["kind"], "bucket_mb": args.bucket_mb, "size_mb": args.size_mb}
         probe = max(r["probe"] for r in runs)
         out += [
-            Measurement("sync", [t.seconds for r in runs for t in r["times"]], "s", s),
-            Measurement(
-                "CPU seconds of all the processes per sync",
-                [t.cpu_s for r in runs for t in r["times"]],
-                "s",
-                s,
-            ),
+            *record.sync_times(runs, s),
             Measurement(
                 "bytes received per vLLM worker (the most of any)", [max(runs[0]["received"])], "B", s
             ),

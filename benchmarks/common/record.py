@@ -91,6 +91,20 @@ def ratio(name: str, num: Sequence[float], den: Sequence[float], **kw) -> Measur
 # ----------------------------------------------------------------------------------- command line
 
 
+def sync_times(runs: Sequence[dict], settings: dict) -> list[Measurement]:
+    """A weight-sync path's wall and all-process CPU seconds per sync, from rounds that each hold
+    ``times`` (a ``timing.Timed`` per sync)."""
+    return [
+        Measurement("sync", [t.seconds for r in runs for t in r["times"]], "s", settings),
+        Measurement(
+            "CPU seconds of all the processes per sync",
+            [t.cpu_s for r in runs for t in r["times"]],
+            "s",
+            settings,
+        ),
+    ]
+
+
 def parser(name: str, doc: str, *, repeat: int | None = 3) -> argparse.ArgumentParser:
     """The options of benchmark ``name``: its own, plus ``--repeat`` (unless None: the benchmark
     adds its own), ``--out`` and ``--quick``, the same in every benchmark."""
