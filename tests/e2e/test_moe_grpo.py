@@ -6,11 +6,11 @@ CPU engine generating, the weights synced into the engine after every step:
   replays them, the probe passes after every sync, the trainer's logprobs of the sampled tokens are the
   engine's (fp32: within 1e-3 per token on average, as the probe's bound), and the routing metrics are
   logged;
-- at TP 2 x EP 2 (4 ranks: sequence parallel, the torch layers, two expert senders that each gather over
-  their TP pair) without replay: the probe passes after every sync;
+- at TP 2 x EP 2 (4 ranks: sequence parallel, the torch layers) without replay, on the gathered path (two
+  expert senders, each gathering its experts over its TP pair): the probe passes after every sync;
 - at TP 2 x EP 2 folded onto 2 ranks (ETP 1: each rank holds half the experts whole and sends them
-  itself, split for the engine's ranks) with replay (each TP rank replays its sequence-parallel slice):
-  the probe passes and the trainer's logprobs are the engine's.
+  itself) with replay (each TP rank replays its sequence-parallel slice), shard-wise and gathered: the
+  probe passes and the trainer's logprobs are the engine's.
 """
 
 from __future__ import annotations
@@ -85,18 +85,21 @@ def test_grpo_at_tp2_ep2_without_replay(root):
         "parallel.sequence_parallel=true",
         "parallel.transformer_impl=torch",
         "grpo.routing_replay=none",
+        "generation.weight_sync_path=gathered",
     ]
     run = _train(root, "moe-tp2-ep2", *layout)
     _assert_synced(run)
     assert "moe/routing_agreement" not in run[1]
 
 
-def test_grpo_at_tp2_ep2_folded_with_routing_replay(root):
+@pytest.mark.parametrize("path", ["auto", "gathered"])
+def test_grpo_at_tp2_ep2_folded_with_routing_replay(root, path):
     layout = [
+        f"generation.weight_sync_path={path}",
         "parallel.tensor_model_parallel_size=2",
         "parallel.data_parallel_size=1",
         "parallel.expert_tensor_parallel_size=1",
         "parallel.sequence_parallel=true",
         "parallel.transformer_impl=torch",
     ]
-    _assert_replayed(_train(root, "moe-tp2-ep2-etp1", *layout))
+    _assert_replayed(_train(root, f"moe-tp2-ep2-etp1-{path}", *layout))
