@@ -1,7 +1,8 @@
 """Mixture-of-experts models: the train step against a bare Megatron step, rollout routing replay's
 cost per step, and expert-wise against gathered weight sync.
 
-    python -m benchmarks.moe [--preset moe] [--ep 1 2] [--engine-tp 1 2] [--batch 64] [--repeat 3] [--quick]
+    python -m benchmarks.moe [--preset moe] [--ep 1 2] [--engine-tp 1 2] [--no-engine-ep] [--batch 64]
+        [--repeat 3] [--quick]
 
 The model is a random Qwen3-MoE (``--preset``: ``moe``, 16 experts of width 128, top-2, or
 ``tiny_moe``, make moe-demo's 8 experts of width 64), float32, Megatron's local layers.
@@ -33,7 +34,9 @@ path (``generation.weight_sync_path`` ``auto``, shard-wise for these layouts, an
 ``WeightSync``, an untimed sync, the probe and ``--repeat`` timed syncs, the paths alternating
 between ``--rounds``. Measured: the bytes each sender broadcasts and each vLLM worker receives per
 sync (the plan's, the latter also counted by the engine), the seconds of a sync. Shard-wise at
-engine TP 2 each worker should receive about half.
+engine TP 2 each worker should receive about half. Then (unless ``--no-engine-ep``) the same at the
+largest ``--engine-tp`` with vLLM's expert parallelism (``generation.engine_expert_parallel``): each
+worker holds half the experts whole and receives only those.
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64, help="sequences per step (one optimizer step)")
     p.add_argument("--ep", type=int, nargs="+", default=[1, 2], help="EP sizes (= ranks), a run each")
     p.add_argument("--engine-tp", type=int, nargs="+", default=[1, 2], help="engine TP sizes of the sync")
+    p.add_argument(
+        "--no-engine-ep",
+        dest="engine_ep",
+        action="store_false",
+        help="leave out the sync into an engine with vLLM's expert parallelism (at the largest --engine-tp)",
+    )
     p.add_argument("--bucket-mb", type=float, default=16, help="generation.sync_bucket_mb")
     p.add_argument("--rounds", type=int, default=2, help="sync rounds, alternating the order of the paths")
     p.add_argument("--skip", nargs="+", default=[], choices=["train", "sync"], help="parts not to run")
@@ -227,7 +236,7 @@ def source_model(shape: dict):
     return cached_model(TMP / name, {"shape": shape, "seq": SEQ_LENGTH}, write)
 
 
-def sync_config(args, hf_dir, engine_tp: int, path: str):
+def sync_config(args, hf_dir, engine_tp: int, path: str, engine_ep: bool = False):
     from .sync import bench_config
 
     return bench_config(
@@ -238,6 +247,7 @@ def sync_config(args, hf_dir, engine_tp: int, path: str):
         **{
             "generation.engine_tensor_parallel_size": engine_tp,
             "generation.weight_sync_path": path,
+            "generation.engine_expert_parallel": engine_ep,
             "parallel.expert_model_parallel_size": 2,
             "parallel.data_parallel_size": 2,
         },
@@ -274,8 +284,11 @@ def measure_path(args, cfg, policy, engine, pids: list[int]) -> dict:
     }
 
 
-def run_engine(args, hf_dir, policy, engine_tp: int, base_pids: list[int]) -> dict[str, list[dict]]:
-    """One engine at ``engine_tp``: the rounds of both paths, then the engine stopped."""
+def run_engine(
+    args, hf_dir, policy, engine_tp: int, base_pids: list[int], engine_ep: bool = False
+) -> dict[str, list[dict]]:
+    """One engine at ``engine_tp`` (``engine_ep``: with vLLM's expert parallelism): the rounds of both
+    paths, then the engine stopped."""
     import ray
 
     from megagrpo.runtime.engines import start_engines
@@ -283,7 +296,7 @@ def run_engine(args, hf_dir, policy, engine_tp: int, base_pids: list[int]) -> di
 
     from .sync import BenchEngine
 
-    cfgs = {p: sync_config(args, hf_dir, engine_tp, p) for p in PATHS}
+    cfgs = {p: sync_config(args, hf_dir, engine_tp, p, engine_ep) for p in PATHS}
     start = time.perf_counter()
     (engine,) = start_engines(cfgs["auto"], str(hf_dir), engine_cls=BenchEngine, timeout_s=args.timeout)
     workers = ray.get(engine.worker_pids.remote())
@@ -358,10 +371,13 @@ def measure_sync(args) -> list[Measurement]:
     try:
         policy = RankGroup(cfg, BenchPolicy, name="moe-sync-bench", timeout_s=args.timeout)
         pids = policy.call_all(BenchPolicy.pid)
-        for engine_tp in args.engine_tp:
-            rounds = run_engine(args, hf_dir, policy, engine_tp, pids)
+        engines = [(tp, False) for tp in args.engine_tp]
+        if args.engine_ep and max(args.engine_tp) > 1:
+            engines.append((max(args.engine_tp), True))
+        for engine_tp, engine_ep in engines:
+            rounds = run_engine(args, hf_dir, policy, engine_tp, pids, engine_ep)
             settings = {"ep": 2, "engine_tp": engine_tp, "bucket_mb": args.bucket_mb, "preset": args.preset}
-            out += sync_measurements(rounds, settings)
+            out += sync_measurements(rounds, settings | ({"engine_ep": True} if engine_ep else {}))
         policy.shutdown()
     finally:
         shutdown_ray()
