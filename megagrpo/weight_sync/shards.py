@@ -98,6 +98,10 @@ def choose_path(
     ``gathered``, the config's ``generation.weight_sync_path``; ``expert_tp``: the trainer's expert
     tensor-parallel size, by default ``trainer_tp``; ``engine_ep``: the engines hold whole experts)."""
     path = _choose_path(shape, trainer_tp, engine_tp, requested, expert_tp, engine_ep)
+    if engine_ep and path.kind == "shard":
+        path = replace(
+            path, reason=path.reason + "; each vLLM worker receives its own experts whole (engine EP)"
+        )
     return replace(path, engine_ep=engine_ep)
 
 
