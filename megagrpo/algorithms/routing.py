@@ -27,17 +27,22 @@ def filler(layers: int, topk: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(topk, dtype=dtype).expand(layers, topk)
 
 
-def routing_rows(per_sequence: Sequence[np.ndarray | None], width: int) -> torch.Tensor:
+def routing_rows(
+    per_sequence: Sequence[np.ndarray | None], width: int, *, unrouted: Sequence[int] = ()
+) -> torch.Tensor:
     """[B, width, layers, topk] from each sequence's engine routing ``[rows, layers, topk]`` (rows =
     its forwarded positions, from 0), in uint8 when every sequence's is, else int16. A position past
     a sequence's rows repeats its last routed row when it is the sequence's last token, else gets
-    :func:`filler`."""
-    missing = [row for row, routed in enumerate(per_sequence) if routed is None]
+    :func:`filler`. ``unrouted``: sequences no engine forwarded (an episode whose environment failed
+    to open it), all filler."""
+    missing = [row for row, routed in enumerate(per_sequence) if routed is None and row not in unrouted]
     if missing:
         raise ValueError(
             f"sequences {missing[:8]} have no routed experts (grpo.routing_replay needs them all)"
         )
-    arrays = [np.asarray(routed) for routed in per_sequence]
+    routed_shape = next((np.shape(r) for r in per_sequence if r is not None), (0, 0, 0))
+    empty = np.zeros((0, *routed_shape[1:]), dtype=np.uint8)
+    arrays = [empty if routed is None else np.asarray(routed) for routed in per_sequence]
     layers, topk = arrays[0].shape[1:] if arrays else (0, 0)
     dtype = torch.uint8 if all(a.dtype == np.uint8 for a in arrays) else torch.int16
     out = filler(layers, topk, dtype).expand(len(arrays), width, layers, topk).clone()
@@ -54,17 +59,31 @@ def routing_rows(per_sequence: Sequence[np.ndarray | None], width: int) -> torch
 
 
 def micro_batch_routing(
-    routing: torch.Tensor, lengths: torch.Tensor, *, packed_tokens: int | None, layers: range
+    routing: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    packed_tokens: int | None,
+    layers: range,
+    width: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The router rows of one micro-batch: per MoE layer in ``layers`` (this stage's), a LongTensor
     ``[tokens, k]`` in the router's row order.
 
     ``routing``: the micro-batch's ``[b, s, L, k]``. ``packed_tokens``: a packed micro-batch's token
-    count (its sequences end to end, then padding to a multiple), None for a padded ``[b, s]`` one.
+    count (its sequences end to end, then padding to a multiple), None for a padded ``[b, s]`` one, whose
+    rows are ``width`` long (rounded up for sequence or context parallelism; the positions past
+    ``routing``'s get :func:`filler`) and of which this rank holds ``positions`` (context parallelism's
+    two chunks, ``policy.packing.context_parallel_positions``), else all.
     """
     b, s, total_layers, k = routing.shape
     if packed_tokens is None:
-        rows = routing.transpose(0, 1).reshape(s * b, total_layers, k)
+        if width is not None and width > s:
+            extra = filler(total_layers, k, routing.dtype).expand(b, width - s, total_layers, k)
+            routing = torch.cat([routing, extra], dim=1)
+        if positions is not None:
+            routing = routing[:, positions]
+        rows = routing.transpose(0, 1).reshape(-1, total_layers, k)
     else:
         parts = [routing[i, : int(lengths[i])] for i in range(b)]
         pad = packed_tokens - sum(p.shape[0] for p in parts)
@@ -73,12 +92,16 @@ def micro_batch_routing(
     return [rows[:, layer].long().contiguous() for layer in layers]
 
 
-def engine_routed_rows(lengths: torch.Tensor, *, packed_tokens: int | None, width: int) -> torch.Tensor:
+def engine_routed_rows(
+    lengths: torch.Tensor, *, packed_tokens: int | None, width: int, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """[rows] bool, in the router's row order of a micro-batch (as :func:`micro_batch_routing`): the
-    positions the engine forwarded itself (each sequence's tokens but its last)."""
+    positions the engine forwarded itself (each sequence's tokens but its last). ``positions``: a padded
+    micro-batch's positions held by this rank (context parallelism), else 0 .. width - 1."""
     if packed_tokens is None:
         b = lengths.shape[0]
-        return (torch.arange(width)[:, None] < lengths[None, :] - 1).reshape(width * b)
+        held = torch.arange(width) if positions is None else positions
+        return (held[:, None] < lengths[None, :] - 1).reshape(held.shape[0] * b)
     mask = torch.zeros(packed_tokens, dtype=torch.bool)
     start = 0
     for n in lengths.tolist():

@@ -16,7 +16,8 @@ below are called through ``LLM.collective_rpc``):
   the position of their first token; :func:`uninstall` takes both away again.
 - :func:`start` clears what was recorded and records; :func:`take` stops, and returns (worker rank 0;
   the others ``{}``: every TP rank routes the same tokens alike) ``{vLLM request id: [(first
-  position, rows [n, MoE layers, k])]}`` in step order.
+  position, rows [n, MoE layers, k])]}`` in step order; given request ids (an engine stepped request
+  by request, as multi-turn episodes run), it returns theirs and records on.
 - :func:`request_key`: vLLM 0.32 names a request ``"<id>-<8 random characters>"``, and the
   completions of a request with ``n > 1`` ``"<index>_<id>-<8 random>"`` (``input_processor.
   assign_request_id``, ``parallel_sampling.get_child_info``); ``LLM.generate`` numbers its requests
@@ -133,10 +134,17 @@ def start(worker) -> None:
     recorder.recording = True
 
 
-def take(worker) -> dict[str, list]:
+def take(worker, request_ids=None) -> dict[str, list]:
+    """What was recorded, and recording stops; with ``request_ids`` (the caller's ids of finished
+    requests), those requests' rows only, and recording goes on for the others."""
     recorder = getattr(worker, _ATTR)
-    recorder.recording = False
-    requests, recorder.requests = recorder.requests, {}
+    if request_ids is None:
+        recorder.recording = False
+        requests, recorder.requests = recorder.requests, {}
+    else:
+        wanted = set(request_ids)
+        finished = [r for r in recorder.requests if request_key(r)[0] in wanted]
+        requests = {r: recorder.requests.pop(r) for r in finished}
     return requests if worker.rank == 0 else {}
 
 

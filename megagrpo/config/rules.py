@@ -477,13 +477,6 @@ def _check_env(cfg: Config) -> None:
     env = cfg.env
     if not env.enabled:
         return
-    # The engines return routed experts with single-turn completions only (megagrpo.generation.routing).
-    require(
-        cfg.grpo.routing_replay == "none",
-        ("grpo.routing_replay", "env.environment"),
-        f"routing_replay {cfg.grpo.routing_replay!r} is not supported with multi-turn episodes "
-        f"(env.environment {env.environment!r}): set grpo.routing_replay=none or env.environment=null",
-    )
     from megagrpo.envs.chat import TOOL_CALL_FORMATS
     from megagrpo.envs.runner import load_environment
 

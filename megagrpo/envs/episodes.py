@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from megagrpo.types import Completion, SamplingSettings
 
 __all__ = ["EpisodeRunner", "Turn", "TurnEngine"]
@@ -35,11 +37,13 @@ __all__ = ["EpisodeRunner", "Turn", "TurnEngine"]
 
 @dataclass(frozen=True)
 class Turn:
-    """One finished engine request: its sampled tokens and their sampling logprobs."""
+    """One finished engine request: its sampled tokens and their sampling logprobs (and, from an engine
+    returning routed experts, its ``[prompt + sampled - 1, MoE layers, k]`` rows)."""
 
     request_id: str
     token_ids: list[int]
     logprobs: list[float]
+    routed_experts: Any = None
 
 
 class TurnEngine(Protocol):
@@ -75,6 +79,10 @@ class _Episode:
     finish: str | None = None
     greedy: bool = False
     """Sampled at temperature 0: the engine reported no logprobs (the completion then has none)."""
+    routed: Any = None
+    """Routed experts of every position forwarded so far, each from the first turn that forwarded it."""
+    rerouted: list[int] = field(default_factory=lambda: [0, 0])
+    """[rows a later turn routed otherwise, rows a later turn computed again] (token-layer pairs)."""
 
     def completion(self, task: int) -> Completion:
         stats = {
@@ -84,6 +92,8 @@ class _Episode:
             "env_s": self.env_s,
             "env_failed": float(self.finish == "env_error"),
             "truncated": float(self.finish == "length"),
+            "rerouted": float(self.rerouted[0]),
+            "recomputed": float(self.rerouted[1]),
         }
         return Completion(
             task,
@@ -94,7 +104,26 @@ class _Episode:
             prompt_ids=self.prompt,
             reward=self.reward,
             stats=stats,
+            routed_experts=self.routed,
         )
+
+    def add_routing(self, rows) -> None:
+        """A turn's routed experts (every position before its last sampled token, already added): the
+        episode keeps the rows it has and takes the new positions'; rows computed again are compared."""
+        want = len(self.prompt) + len(self.tokens) - 1
+        if rows.shape[0] != want:
+            raise RuntimeError(
+                f"episode {self.index} turn {self.turns}: {rows.shape[0]} routed-expert rows, expected {want}"
+            )
+        if self.routed is None:
+            self.routed = rows
+            return
+        kept = self.routed.shape[0]
+        again, _ = rows[:kept].sort(dim=-1)
+        first, _ = self.routed.sort(dim=-1)
+        self.rerouted[0] += int((again != first).any(dim=-1).sum())
+        self.rerouted[1] += again.shape[0] * again.shape[1]
+        self.routed = torch.cat([self.routed, rows[kept:]])
 
 
 class EpisodeRunner:
@@ -168,6 +197,8 @@ class EpisodeRunner:
         ep.mask += [True] * len(turn.token_ids)
         ep.logprobs += turn.logprobs
         ep.greedy |= bool(turn.token_ids) and not turn.logprobs
+        if turn.routed_experts is not None:
+            ep.add_routing(turn.routed_experts)
         ep.turns += 1
         ep.budget -= len(turn.token_ids)
         if not self.renderer.closed(turn.token_ids):  # cut at its token limit
@@ -212,8 +243,11 @@ class EpisodeRunner:
         return True
 
 
-def vllm_turn_engine(llm, settings: SamplingSettings, stop_token_ids: Sequence[int]) -> TurnEngine:
-    """``llm``'s engine (vLLM's ``LLM``, in process) as a :class:`TurnEngine` sampling with ``settings``."""
+def vllm_turn_engine(
+    llm, settings: SamplingSettings, stop_token_ids: Sequence[int], routing=None
+) -> TurnEngine:
+    """``llm``'s engine (vLLM's ``LLM``, in process) as a :class:`TurnEngine` sampling with ``settings``;
+    with ``routing`` (``megagrpo.generation.routing``, started), each turn carries its routed experts."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -240,14 +274,14 @@ def vllm_turn_engine(llm, settings: SamplingSettings, stop_token_ids: Sequence[i
             return engine.has_unfinished_requests()
 
         def step(self) -> list[Turn]:
+            finished = [out for out in engine.step() if out.finished]
+            routed = routing.collect(llm, finished, running=True) if routing and finished else None
             turns = []
-            for out in engine.step():
-                if not out.finished:
-                    continue
+            for i, out in enumerate(finished):
                 comp = out.outputs[0]
                 ids = list(comp.token_ids)
                 lps = [s[t].logprob for s, t in zip(comp.logprobs, ids, strict=True)] if comp.logprobs else []
-                turns.append(Turn(out.request_id, ids, lps))
+                turns.append(Turn(out.request_id, ids, lps, routed[i][0] if routed else None))
             return turns
 
     return _Engine()

@@ -17,8 +17,12 @@ picked by :func:`routing_capture`:
   every MoE router (``compat.vllm_routed_experts``) with prefix caching off, rows placed by position,
   so a request vLLM preempted and computed again keeps the rows of its last computation.
 
-Multi-turn episodes (``env.environment``) return none: the config refuses ``grpo.routing_replay`` with
-them.
+Multi-turn episodes (``env.environment``): each turn is a request whose prompt is the episode so far,
+so its rows cover every position before its last sampled token. The episode keeps, per position, the
+rows of the first turn that forwarded it (``megagrpo.envs.episodes``): the computation that gave the
+sampled tokens of that turn their logprobs, and whose keys and values later turns reuse where vLLM
+caches prefixes (vLLM's own capture then returns the cached rows itself). A later turn that computes a
+position again and routes it otherwise is counted (``moe/episode_rerouted_frac``).
 """
 
 from __future__ import annotations
@@ -74,10 +78,15 @@ class HookedRouting:
     def start(self, llm) -> None:
         llm.collective_rpc(vllm_routed_experts.start)
 
-    def collect(self, llm, outputs) -> list[list[torch.Tensor]]:
-        """Per ``RequestOutput`` of ``outputs``, per completion: its ``[P + N - 1, layers, k]``."""
+    def stop(self, llm) -> None:
+        llm.collective_rpc(vllm_routed_experts.take)
+
+    def collect(self, llm, outputs, *, running: bool = False) -> list[list[torch.Tensor]]:
+        """Per ``RequestOutput`` of ``outputs``, per completion: its ``[P + N - 1, layers, k]``.
+        ``running``: other requests are still running (their rows stay, recording goes on)."""
+        ids = [out.request_id for out in outputs] if running else None
         recorded: dict = {}
-        for worker in llm.collective_rpc(vllm_routed_experts.take):
+        for worker in llm.collective_rpc(vllm_routed_experts.take, args=(ids,)):
             recorded.update(worker)
         chunks = {vllm_routed_experts.request_key(req_id): c for req_id, c in recorded.items()}
         result = []
@@ -111,7 +120,11 @@ class EngineRouting:
     def start(self, llm) -> None:
         pass
 
-    def collect(self, llm, outputs) -> list[list[torch.Tensor]]:
+    def stop(self, llm) -> None:
+        pass
+
+    def collect(self, llm, outputs, *, running: bool = False) -> list[list[torch.Tensor]]:
+        """As :meth:`HookedRouting.collect`; each finished request carries its own rows."""
         result = []
         for out in outputs:
             per = []

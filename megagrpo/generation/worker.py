@@ -226,9 +226,15 @@ class GenerationWorker:
         from megagrpo.envs.episodes import EpisodeRunner, vllm_turn_engine
 
         renderer, pool = self.episode_parts()
-        engine = vllm_turn_engine(self.llm, settings, renderer.stop_token_ids)
+        engine = vllm_turn_engine(self.llm, settings, renderer.stop_token_ids, self.routing)
         runner = EpisodeRunner(engine, renderer, pool, self.cfg.env, max_context=self.cfg.model.seq_length)
-        return runner.run(tasks, settings.n, seeds)
+        if self.routing is None:
+            return runner.run(tasks, settings.n, seeds)
+        self.routing.start(self.llm)
+        try:
+            return runner.run(tasks, settings.n, seeds)
+        finally:
+            self.routing.stop(self.llm)
 
     def episode_parts(self):
         """(the ``ChatRenderer`` of the model's tokenizer, the environment worker pool), made on first use."""

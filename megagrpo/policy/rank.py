@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megagrpo.algorithms.routing import engine_routed_rows, filler, micro_batch_routing, routing_agreement
+from megagrpo.algorithms.routing import engine_routed_rows, micro_batch_routing, routing_agreement
 from megagrpo.ckpt.dist_files import trusted_metadata_only
 from megagrpo.ckpt.durable import atomic_write
 from megagrpo.ckpt.hf_files import HFCheckpoint
@@ -221,20 +221,17 @@ class MegatronRank:
     def _replayed_routing(self, sub, micro: dict) -> list[torch.Tensor]:
         """The engine's experts for this micro-batch's tokens, per MoE layer of this stage, in the rows
         Megatron's routers see (``routing.micro_batch_routing``)."""
-        if self.ctx.sizes.cp > 1:
-            raise ValueError("grpo.routing_replay does not support context_parallel_size > 1 yet")
         per_stage = self.model_info.shape.num_layers // self.ctx.sizes.pp
         first = self.ctx.pp_rank * per_stage
-        routing = sub.routing
+        held = micro.get("cp_positions")  # context parallelism: this rank's two chunks of the row
         width = micro["tokens"].shape[1]
-        if not self.packed and width > routing.shape[1]:  # rounded up for sequence parallelism
-            extra = filler(routing.shape[2], routing.shape[3], routing.dtype)
-            routing = torch.cat([routing, extra.expand(sub.size, width - routing.shape[1], -1, -1)], dim=1)
         rows = micro_batch_routing(
-            routing,
+            sub.routing,
             sub.lengths,
             packed_tokens=width if self.packed else None,
             layers=range(first, first + per_stage),
+            width=width * (self.ctx.sizes.cp if held is not None else 1),
+            positions=held,
         )
         return [self._sequence_shard(r) for r in rows]
 
@@ -385,7 +382,12 @@ class MegatronRank:
         for m in micro:
             if m["record"]:
                 packed = m["tokens"].shape[1] if self.packed else None
-                rows = engine_routed_rows(m["sub"].lengths, packed_tokens=packed, width=m["tokens"].shape[1])
+                rows = engine_routed_rows(
+                    m["sub"].lengths,
+                    packed_tokens=packed,
+                    width=m["tokens"].shape[1],
+                    positions=m.get("cp_positions"),
+                )
                 rows = self._sequence_shard(rows)
                 mine_r = [r[rows] for r in m["record"][0]]
                 same, total = routing_agreement(mine_r, [r[rows] for r in m["engine_routing"]])

@@ -361,7 +361,11 @@ def validate(cfg: Config, generate, source: PromptSource, scorer) -> dict[str, f
     texts = [source.decode(c.token_ids) for c in comps]
     scores = completion_scores(comps, texts, source.val, scorer)
     out = {"val/accuracy": sum(s >= 1.0 for s in scores) / len(comps)}
-    out |= {k.replace("episode/", "val/"): v for k, v in episode_metrics(comps).items()}
+    out |= {
+        k.replace("episode/", "val/"): v
+        for k, v in episode_metrics(comps).items()
+        if k.startswith("episode/")
+    }
     if cfg.eval.val_samples:
         ev = cfg.eval
         sampled = SamplingSettings(

@@ -168,11 +168,12 @@ def to_train_batch(cfg: Config, rollouts: Rollouts) -> TrainBatch:
     in_loss = ~truncated if grpo.overlong_policy == "mask" else None
     if bool(failed.any()):
         in_loss = ~failed if in_loss is None else in_loss & ~failed
-    seqs, prompt_lens = [], []
+    seqs, prompt_lens, unopened = [], [], []
     for i, comp in enumerate(rollouts.completions):
         prompt = comp.prompt_ids if comp.prompt_ids is not None else rollouts.prompts[i // g].token_ids
         if not prompt:  # an episode whose environment failed to open it: no tokens, out of the loss
             prompt = [PAD_ID]
+            unopened.append(i)
         seqs.append(prompt + comp.token_ids)
         prompt_lens.append(len(prompt))
     batch = TrainBatch.from_sequences(seqs, prompt_lens)
@@ -188,7 +189,8 @@ def to_train_batch(cfg: Config, rollouts: Rollouts) -> TrainBatch:
             sampled[row, start : start + len(mask)] = torch.tensor(mask, dtype=torch.bool)
     routing = None
     if cfg.grpo.routing_replay == "rollout":
-        routing = routing_rows([c.routed_experts for c in rollouts.completions], batch.input_ids.shape[1])
+        routed = [c.routed_experts for c in rollouts.completions]
+        routing = routing_rows(routed, batch.input_ids.shape[1], unrouted=unopened)
     return batch.replace(
         advantages=advantages, gen_logprobs=gen, in_loss=in_loss, sampled=sampled, routing=routing
     )
@@ -227,7 +229,12 @@ def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
         return {}
     mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
     sampled = [sum(c.loss_mask) for c in completions if c.loss_mask is not None]
-    return {
+    # Routing replay: token-layer rows a later turn computed again and routed to other experts than the
+    # turn that first forwarded them (the episode keeps the first: megagrpo.generation.routing).
+    recomputed = sum(s.get("recomputed", 0.0) for s in stats)
+    rerouted = sum(s.get("rerouted", 0.0) for s in stats)
+    replay = {"moe/episode_rerouted_frac": rerouted / recomputed} if recomputed else {}
+    return replay | {
         "episode/turns_mean": mean["turns"],
         "episode/tool_calls_mean": mean["tool_calls"],
         "episode/tool_errors_mean": mean["tool_errors"],

@@ -9,11 +9,14 @@ CPU engine generating, the weights synced into the engine after every step:
 - at TP 2 x EP 2 (4 ranks: sequence parallel, the torch layers) without replay, on the gathered path (two
   expert senders, each gathering its experts over its TP pair): the probe passes after every sync;
 - at TP 2 x EP 2 folded onto 2 ranks (ETP 1: each rank holds half the experts whole and sends them
-  itself) with replay (each TP rank replays its sequence-parallel slice), shard-wise and gathered: the
-  probe passes and the trainer's logprobs are the engine's.
+  itself) with replay (each TP rank replays its sequence-parallel slice), shard-wise, and gathered over
+  multi-turn episodes (an environment's observations between the engine's turns; each episode's routing
+  put together from its turns' requests): the probe passes and the trainer's logprobs are the engine's.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from _grpo_runs import metrics, reuse_warmup, run_overrides
@@ -92,14 +95,35 @@ def test_grpo_at_tp2_ep2_without_replay(root):
     assert "moe/routing_agreement" not in run[1]
 
 
-@pytest.mark.parametrize("path", ["auto", "gathered"])
-def test_grpo_at_tp2_ep2_folded_with_routing_replay(root, path):
-    layout = [
-        f"generation.weight_sync_path={path}",
-        "parallel.tensor_model_parallel_size=2",
-        "parallel.data_parallel_size=1",
-        "parallel.expert_tensor_parallel_size=1",
-        "parallel.sequence_parallel=true",
-        "parallel.transformer_impl=torch",
+FOLDED = [
+    "parallel.tensor_model_parallel_size=2",
+    "parallel.data_parallel_size=1",
+    "parallel.expert_tensor_parallel_size=1",
+    "parallel.sequence_parallel=true",
+    "parallel.transformer_impl=torch",
+]
+
+
+def test_grpo_at_tp2_ep2_folded_with_routing_replay(root):
+    _assert_replayed(_train(root, "moe-tp2-ep2-etp1", *FOLDED))
+
+
+def test_grpo_folded_gathered_with_routing_replay_over_multi_turn_episodes(root):
+    """Episodes of up to three turns (``tests/e2e/_echo_env.py``): each turn's request re-sends the
+    episode so far, and the episode's routing is put together from its turns; the trainer's forward of
+    the whole episode, observations included, replays it and scores the sampled tokens as the engine
+    did. The weights go by the gathered path (each rank sends its four experts whole)."""
+    episodes = [
+        f"env.environment={Path(__file__).with_name('_echo_env.py')}:Echo",
+        "env.max_new_tokens=6",
+        "env.max_turns=3",
+        "env.max_episode_tokens=60",
+        "env.num_workers=2",
+        "grpo.overlong_buffer_tokens=50",  # lengths 10..60 penalised apart: rewards differ in a group
     ]
-    _assert_replayed(_train(root, f"moe-tp2-ep2-etp1-{path}", *layout))
+    layout = [*FOLDED, "generation.weight_sync_path=gathered"]
+    run = _train(root, "moe-tp2-ep2-etp1-episodes", *layout, *episodes)
+    _assert_replayed(run)
+    for step in (1, 2):
+        assert run[step]["episode/turns_mean"] > 1.5, run[step]["episode/turns_mean"]
+        assert 0.0 <= run[step]["moe/episode_rerouted_frac"] <= 1.0

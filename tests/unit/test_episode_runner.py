@@ -96,6 +96,50 @@ def test_episode_tokens_are_turns_and_observations(pool):
     assert comp.finish_reason == "stop" and comp.stats["turns"] == 3 and comp.stats["truncated"] == 0.0
 
 
+class RoutingEngine(ScriptedEngine):
+    """The scripted engine, returning routed experts as an engine with ``grpo.routing_replay`` does: a
+    row for every position of the request before its last sampled token. Position p routes to experts
+    (p % 8, 8) in both layers, except that every turn after the first routes position 0 to (1, 2)."""
+
+    def step(self):
+        turns = []
+        for turn in super().step():
+            rows = len(self.prompts[turn.request_id]) + len(turn.token_ids) - 1
+            routed = torch.stack([torch.arange(rows) % 8, torch.full((rows,), 8)], dim=-1)
+            if turn.request_id.split("-")[1] != "t0":
+                routed[0] = torch.tensor([1, 2])
+            routed = routed[:, None, :].expand(rows, 2, 2).to(torch.uint8)
+            turns.append(dataclasses.replace(turn, routed_experts=routed))
+        return turns
+
+
+def test_an_episode_keeps_each_positions_routing_from_the_first_turn_that_forwarded_it(pool):
+    (comp,), engine, _ = _run(pool, [{"start": 12}], engine=RoutingEngine(), args={"turns": 3})
+    prompts = [engine.prompts[r] for r in sorted(engine.prompts)]
+    n = len(comp.prompt_ids) + len(comp.token_ids)
+    assert comp.routed_experts.shape == (n - 1, 2, 2)  # every position but the last sampled token
+    assert comp.routed_experts[:, 0, 0].tolist() == [p % 8 for p in range(n - 1)]  # turn 0's row 0 kept
+    # Turns 1 and 2 computed the positions turns 0 and 1 had routed (each turn's prompt and its two sampled
+    # tokens but the last) again: each routed position 0 otherwise.
+    again = (len(prompts[0]) + 1 + len(prompts[1]) + 1) * 2  # token-layer pairs
+    assert comp.stats["recomputed"] == again and comp.stats["rerouted"] == 2 * 2
+
+    from megagrpo.trainers.rollouts import episode_metrics
+
+    assert episode_metrics([comp])["moe/episode_rerouted_frac"] == pytest.approx(4 / again)
+    plain, _, _ = _run(pool, [{"start": 12}], args={"turns": 3})
+    assert plain[0].routed_experts is None and "moe/episode_rerouted_frac" not in episode_metrics(plain)
+
+
+def test_a_turn_with_routing_of_the_wrong_length_names_its_episode_and_turn(pool):
+    class Short(RoutingEngine):
+        def step(self):
+            return [dataclasses.replace(t, routed_experts=t.routed_experts[:-1]) for t in super().step()]
+
+    with pytest.raises(RuntimeError, match=r"episode 0 turn 0: .* routed-expert rows, expected"):
+        _run(pool, [{"start": 12}], engine=Short(), args={"turns": 2})
+
+
 def _turn_digits(comp) -> list[int]:
     return [t - DIGIT0 for t, m in zip(comp.token_ids, comp.loss_mask, strict=True) if m and t != EOS_ID]
 
@@ -261,6 +305,19 @@ def test_train_batch_of_episodes_masks_observations_and_failed_episodes():
     sub = batch.select([0])
     assert sub.response_mask()[0].tolist() == mask[0].tolist()
     assert dataclasses.replace(batch, sampled=None).response_mask()[0].tolist() == [False] + [True] * 6
+
+    # With routing replay: the episodes' rows, and none for the one whose environment failed to open it.
+    moe = ["model.arch=qwen3_moe", "model.tiny.num_experts=4", "parallel.tensor_model_parallel_size=1"]
+    moe += ["parallel.transformer_impl=local", "grpo.routing_replay=rollout"]
+    cfg = load_config(None, [*FITS, *moe, "grpo.num_generations=3", "policy.mini_batch_size=3"])
+    rows = [torch.full((n - 1, 2, 2), 3, dtype=torch.uint8) for n in (8, 6)]
+    routed = [dataclasses.replace(c, routed_experts=r) for c, r in zip(comps, rows, strict=True)]
+    routing = to_train_batch(cfg, dataclasses.replace(rollouts, completions=[*routed, failed_reset])).routing
+    assert routing.shape == (3, 8, 2, 2)
+    assert (routing[0] == 3).all() and (routing[1, :6] == 3).all()  # the last token repeats its row
+    assert routing[2, :, :, 0].eq(0).all() and routing[2, :, :, 1].eq(1).all()  # filler: experts 0, 1
+    with pytest.raises(ValueError, match=r"sequences \[1\] have no routed experts"):
+        to_train_batch(cfg, dataclasses.replace(rollouts, completions=[routed[0], comps[1], failed_reset]))
 
 
 def test_eval_and_validation_tasks_of_an_environment(tmp_path):
