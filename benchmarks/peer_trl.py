@@ -138,7 +138,7 @@ def grpo_config(args: argparse.Namespace, batch: int, per_batch: int):
     )
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF model directory (config, safetensors, tokenizer)")
     p.add_argument("--steps", type=int, required=True, help="GRPO steps (generation batches)")
@@ -156,7 +156,11 @@ def main(argv=None) -> dict:
         help="transformers' generate, its continuous batching (paged), or vLLM colocated",
     )
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     if args.generation == "vllm":  # vLLM's CPU build in this process, as small as the task allows
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

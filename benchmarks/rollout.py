@@ -136,9 +136,17 @@ def time_generate(worker) -> None:
     worker.llm.generate = generate
 
 
+def random_prompts(args) -> list[list[int]]:
+    """``args.prompts`` prompts of random tokens, lengths uniform in [prompt_len / 2, prompt_len]."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.prompts,), generator=gen)
+    return [torch.randint(0, args.vocab, (int(n),), generator=gen).tolist() for n in lengths]
+
+
 def main(argv=None) -> dict:
     import ray
-    import torch
 
     from megagrpo.generation.worker import engine_cpu_threads
     from megagrpo.runtime.engines import launch_engines, wait_for_engines
@@ -154,11 +162,7 @@ def main(argv=None) -> dict:
             "generation.temperature": 1.0,
         }
     )
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(
-        args.prompt_len // 2, args.prompt_len + 1, (args.prompts,), generator=gen
-    ).tolist()
-    prompts = [torch.randint(0, args.vocab, (n,), generator=gen).tolist() for n in lengths]
+    prompts = random_prompts(args)
     seeds = [1_000_003 + i for i in range(args.prompts)]  # as the driver derives them
     importable_by_workers()
     start_ray(cfg.cluster, num_cpus=2)
