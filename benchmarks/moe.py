@@ -1,8 +1,8 @@
 """Mixture-of-experts models: the train step against a bare Megatron step, rollout routing replay's
-cost per step, and expert-wise against gathered weight sync.
+cost per step, expert-wise against gathered weight sync, and the engine's routing capture.
 
     python -m benchmarks.moe [--preset moe] [--ep 1 2] [--engine-tp 1 2] [--no-engine-ep] [--batch 64]
-        [--repeat 3] [--quick]
+        [--skip train sync capture] [--repeat 3] [--quick]
 
 The model is a random Qwen3-MoE (``--preset``: ``moe``, 16 experts of width 128, top-2, or
 ``tiny_moe``, make moe-demo's 8 experts of width 64), float32, Megatron's local layers.
@@ -37,6 +37,12 @@ sync (the plan's, the latter also counted by the engine), the seconds of a sync.
 engine TP 2 each worker should receive about half. Then (unless ``--no-engine-ep``) the same at the
 largest ``--engine-tp`` with vLLM's expert parallelism (``generation.engine_expert_parallel``): each
 worker holds half the experts whole and receives only those.
+
+**Routing capture** (the engine's side of replay). One vLLM CPU engine in this process, loading the
+checkpoint, started with ``grpo.routing_replay: rollout``; interleaved rounds of the same seeded
+generate call (``--batch`` sequences) with the routed experts captured and without. Target: captured /
+plain seconds <= 1.05; the samples must be identical, and every completion must carry a row for each
+position the engine forwarded.
 """
 
 from __future__ import annotations
@@ -70,7 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--bucket-mb", type=float, default=16, help="generation.sync_bucket_mb")
     p.add_argument("--rounds", type=int, default=2, help="sync rounds, alternating the order of the paths")
-    p.add_argument("--skip", nargs="+", default=[], choices=["train", "sync"], help="parts not to run")
+    p.add_argument(
+        "--skip", nargs="+", default=[], choices=["train", "sync", "capture"], help="parts not to run"
+    )
     args = record.parse(p, argv, QUICK)
     args.shape_values = shape_of(p, args)
     if not args.shape_values.get("num_experts"):
@@ -384,6 +392,70 @@ def measure_sync(args) -> list[Measurement]:
     return out
 
 
+# --------------------------------------------------------------------------------- routing capture
+
+
+def measure_capture(args) -> list[Measurement]:
+    """The engine's share of replay (CPU build: megagrpo's capture hook). One generate call of
+    ``--batch`` sequences (``--batch`` / 8 prompts x 8 samples, ``--seq`` / 4 prompt and 3 ``--seq`` / 4
+    sampled tokens, no early stop) with the routed experts captured, against the same call without, on
+    one in-process vLLM CPU engine loading the random checkpoint (the capture hook stays on its routers;
+    uncaptured, it returns at once)."""
+    import torch
+
+    from megagrpo.generation.worker import GenerationWorker
+    from megagrpo.types import SamplingSettings
+
+    from .common.configs import cpu_engine_overrides, make_config
+    from .sync import SEQ_LENGTH
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    hf_dir = source_model(args.shape_values)
+    overrides = cpu_engine_overrides(hf_dir, seq_length=SEQ_LENGTH)
+    cfg = make_config(overrides | {"grpo.routing_replay": "rollout", "generation.max_num_seqs": args.batch})
+    worker = GenerationWorker(cfg, str(hf_dir), dummy_weights=False)
+    capture, gen = worker.routing, torch.Generator().manual_seed(0)
+    vocab, prompt_len = args.shape_values["vocab_size"], args.seq // 4
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(args.batch // 8)]
+    settings = SamplingSettings(max_tokens=args.seq - prompt_len, temperature=1.0, n=8, ignore_eos=True)
+    seeds = list(range(len(prompts)))
+
+    def call(captured: bool):
+        def run():
+            worker.routing = capture if captured else None
+            return worker.generate(prompts, settings, seeds)
+
+        return run
+
+    runs = interleave({"plain": call(False), "captured": call(True)}, args.repeat, warmup=1)
+    plain, captured = runs["plain"][0].value, runs["captured"][0].value
+    same = sum(a.token_ids == b.token_ids for a, b in zip(plain, captured, strict=True)) / len(plain)
+    rows = [c.routed_experts.shape[0] == prompt_len + len(c.token_ids) - 1 for c in captured]
+    s = {"sequences": len(plain), "prompt": prompt_len, "sampled": settings.max_tokens, "preset": args.preset}
+    return [
+        Measurement("generate call", [t.seconds for t in runs["plain"]], "s", {**s, "routed experts": "no"}),
+        Measurement(
+            "generate call", [t.seconds for t in runs["captured"]], "s", {**s, "routed experts": "yes"}
+        ),
+        ratio(
+            "captured / plain generate call, seconds",
+            [t.seconds for t in runs["captured"]],
+            [t.seconds for t in runs["plain"]],
+            settings=s,
+            target="<= 1.05",
+        ),
+        Measurement("samples identical, captured vs plain", [same], "fraction", s, target=">= 1"),
+        Measurement(
+            "completions with a row per forwarded position",
+            [sum(rows) / len(rows)],
+            "fraction",
+            s,
+            target=">= 1",
+        ),
+        other_load(*runs.values(), **s),
+    ]
+
+
 def main(argv=None) -> dict:
     from megagrpo.trainers.grpo import ROUTING_SAMPLE
 
@@ -394,9 +466,11 @@ def main(argv=None) -> dict:
             measurements += measure_train(args, ep)
     if "sync" not in args.skip:
         measurements += measure_sync(args)
+    if "capture" not in args.skip:
+        measurements += measure_capture(args)
     what = (
         "mixture-of-experts: the train step against a bare Megatron step, routing replay's cost, "
-        "expert-wise against gathered weight sync"
+        "expert-wise against gathered weight sync, the engine's routing capture"
     )
     notes = [
         f"model {args.preset} {args.shape_values}, {args.dtype}, local layers; {args.warmup} warm-up round",

@@ -99,7 +99,7 @@ class _Recorder:
             )
         at = 0
         for req_id, first, count in layout:
-            self.requests.setdefault(req_id, []).append((first, rows[at : at + count].clone()))
+            self.requests.setdefault(req_id, []).append((first, rows[at : at + count]))
             at += count
 
 

@@ -46,6 +46,9 @@ def routed_experts_dtype(num_experts: int) -> torch.dtype:
 def place_rows(chunks: Sequence[tuple[int, torch.Tensor]], length: int, what: str) -> torch.Tensor:
     """``[length, layers, k]`` from ``(first position, rows)`` chunks, later chunks replacing earlier ones
     at the same positions (a recomputed request); every position must be covered."""
+    ends = [first + rows.shape[0] for first, rows in chunks]
+    if [first for first, _ in chunks] == [0, *ends[:-1]] and ends[-1] == length:
+        return torch.cat([rows for _, rows in chunks])  # end to end, once each: the usual request
     first_rows = chunks[0][1]
     out = first_rows.new_zeros((length, *first_rows.shape[1:]))
     covered = torch.zeros(length, dtype=torch.bool)

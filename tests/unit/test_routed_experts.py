@@ -26,6 +26,9 @@ def test_rows_are_placed_by_position_and_a_recomputation_replaces_earlier_rows()
     placed = place_rows(chunks, 8, "r")
     assert placed.shape == (8, 2, 3) and placed.dtype == torch.uint8
     assert placed[:, 0, 0].tolist() == [4, 4, 4, 4, 4, 4, 4, 5]
+    # Never preempted: the chunks end to end, the prompt's then one per decode step.
+    placed = place_rows([_rows(0, 5, 1), _rows(5, 1, 2), _rows(6, 1, 3)], 7, "r")
+    assert placed.shape == (7, 2, 3) and placed[:, 1, 2].tolist() == [1, 1, 1, 1, 1, 2, 3]
 
 
 def test_positions_without_rows_or_past_the_sequence_are_errors():
