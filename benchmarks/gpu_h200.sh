@@ -2,7 +2,11 @@
 # The gpu suite on a lent device in one call of the device tool: environment checks, megatron-core
 # from a carried wheel when the image lacks it (it has PyTorch, no Transformer Engine, no internet),
 # then `python -m benchmarks run --suite gpu` (train: Qwen2-1.5B shape, bf16, 4096 and 8192 tokens
-# a sequence, with the weight-sync sender; logprob_memory at 8192 and 16384 tokens).
+# a sequence, with the weight-sync sender and the colocated sleep path (--offload); train_torch; logprob_memory
+# at 8192 and 16384 tokens; ipc_handoff: the colocated handoff through CUDA IPC handles between two processes,
+# GB/s, bytes checked; moe: the MoE train step at EP 1 on 4 layers of Qwen3-30B-A3B, tokens/s, peak memory).
+# train and logprob_memory ran on an H200 before (results/suite_gpu/); --offload, train_torch's 4K,
+# ipc_handoff and moe have not run on a GPU yet: run --quick first.
 #
 #   bash benchmarks/gpu_h200.sh            # on the device; results under $OUT/suite_gpu/ (copy them to
 #                                          # benchmarks/results/suite_gpu/), else benchmarks/results/suite_gpu/

@@ -53,7 +53,15 @@ import statistics
 import time
 
 from .common import importable_by_workers, record
-from .common.megatron import PRESETS, add_model_args, bare_step, model_overrides, rank_threads, shape_of
+from .common.megatron import (
+    PRESETS,
+    add_model_args,
+    bare_step,
+    device_sync,
+    model_overrides,
+    rank_threads,
+    shape_of,
+)
 from .common.record import Measurement, ratio
 from .common.timing import interleave, other_load, seconds, slowest_rank
 
@@ -165,12 +173,16 @@ def rank_main(rank: int, world_size: int, args) -> dict:
             if rank == 0:
                 print(f"[moe] round {r}: " + ", ".join(f"{k} {t.seconds:.2f}s" for k, t in done.items()))
 
-        times = interleave(steps, args.repeat, warmup=args.warmup, log=log)
+        device = worker.ctx.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = interleave(steps, args.repeat, warmup=args.warmup, log=log, settle=device_sync(device))
         return {
             "times": times,
             "shard_tokens": sum(int(plain.lengths[i]) for i in shard),
             "sample_size": sample.size,
             "micro_batches": len(micro),
+            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         }
     finally:
         destroy_parallel()
@@ -207,6 +219,9 @@ def measure_train(args, ep: int) -> list[Measurement]:
         ),
         other_load(*steps.values(), **settings),
     ]
+    if ranks[0]["peak_bytes"] is not None:  # CUDA: the allocator's peak over the steps, the largest rank's
+        peak = max(r["peak_bytes"] for r in ranks) / 2**30
+        out.append(Measurement("peak memory of the steps", [peak], "GiB", settings))
     return out
 
 

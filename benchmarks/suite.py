@@ -35,8 +35,14 @@ SMOKE = ["--preset", "smoke", "--dtype", "bfloat16", "--peak-tflops", "989"]
 """The gpu suite's ``--quick`` model: qwen2-1.5b's code path at toy size."""
 GPU_TRAIN = [
     *("--seq", "4096", "8192", "--batch", "8", "--budget", "16384", "--min-len-frac", "1.0"),
-    *("--recompute", "core_attention", "--warmup", "2", "--sync-bucket-mb", "512"),
+    *("--recompute", "core_attention", "--warmup", "2", "--sync-bucket-mb", "512", "--offload"),
 ]
+
+MOE_H200 = [
+    *("--preset", "qwen3-30b-a3b-4l", "--dtype", "bfloat16", "--ep", "1", "--seq", "4096", "--batch", "8"),
+    *("--budget", "8192", "--min-len-frac", "1.0", "--skip", "sync", "capture"),
+]
+MOE_H200_QUICK = ["--dtype", "bfloat16", "--ep", "1", "--skip", "sync", "capture"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ BENCHMARKS: tuple[Bench, ...] = (
         # Qwen2-1.5B's shape, every sequence exactly 4096 or 8192 tokens, 32768 a step; the local
         # layers' unfused attention keeps fp32 [b, heads, s, s]: recomputed.
         args={"gpu": [*H200, *GPU_TRAIN]},
-        quick_args={"gpu": SMOKE},
+        quick_args={"gpu": [*SMOKE, "--offload"]},
         repeat={"gpu": 5},
     ),
     Bench(  # PyTorch's SDPA / varlen attention on packed sequences: nothing to recompute
@@ -108,7 +114,15 @@ BENCHMARKS: tuple[Bench, ...] = (
     Bench("step", ("cpu",)),
     Bench("sync", ("cpu",)),
     Bench("shard_sync", ("cpu",)),
-    Bench("moe", ("cpu",)),
+    # The colocated handoff: on cpu through /dev/shm, on the lent GPU through CUDA IPC handles.
+    Bench(
+        "ipc_handoff",
+        ("cpu", "gpu"),
+        args={"gpu": ["--device", "cuda"]},
+        quick_args={"gpu": ["--device", "cuda"]},
+    ),
+    # The MoE train step on one GPU (EP 1; vLLM is not on the lent device: no sync, no capture).
+    Bench("moe", ("cpu", "gpu"), args={"gpu": MOE_H200}, quick_args={"gpu": MOE_H200_QUICK}),
     # The 256 MB sync point is the sync benchmark's one-engine row (the same run).
     Bench("scaling", ("cpu",), args={"cpu": ["--sync-from", "{out}/sync.json"]}),
     Bench("peer", ("cpu",)),

@@ -22,7 +22,10 @@ without receivers) against one flat device copy of the same bytes. Several ``--s
 first one's tokens per step; several ``--impl`` add their ratio to the first's. ``--steps`` may add
 the other losses of ``grpo.loss`` (``gspo``, ``gspo_token``, ``cispo``): the same ``train`` call with
 the worker's loss swapped, each against ``train`` (GRPO's loss) in the same rounds; target: the same
-cost within noise (0.85..1.15).
+cost within noise (0.85..1.15). With ``--offload`` (the gpu suite's run), after the steps: the sleep path
+of colocated placement (``policy.offload: all``: optimizer state, gradient buffers and weights to host
+memory, the allocator's free blocks back to the driver, then everything back), seconds each way, the
+device bytes freed, and on CUDA the allocator's reserve before and after.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="Megatron's torch.compile'd fusions on")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (H200 bf16: 989)")
     p.add_argument("--sync-bucket-mb", type=float, default=0.0, help="also time the weight-sync sender")
+    p.add_argument(
+        "--offload", action="store_true", help="also time the colocated sleep path (policy.offload: all)"
+    )
     args = record.parse(p, argv, QUICK)
     args.shape_values = shape_of(p, args)
     return args
@@ -77,6 +83,9 @@ def bench_config(args, tp: int, impl: str, seq: int, batch: int):
             "grpo.tis_cap": 2.0,
             "grpo.num_prompts_per_step": 1,
             "grpo.num_generations": batch,
+            # Parks nothing until the benchmark calls offload (--offload), which colocated placement does.
+            "policy.offload": "all" if args.offload else "none",
+            "generation.placement": "colocated" if args.offload else "disaggregated",
         }
     )
 
@@ -149,6 +158,8 @@ def rank_main(rank: int, world_size: int, args, impl: str, seq: int, batch: int)
         out["activation_bytes"] = saved.peak_bytes
         if args.sync_bucket_mb:
             out["sync"] = time_sender(worker, args)
+        if args.offload:
+            out["offload"] = time_offload(worker, args.repeat)
         return out
     finally:
         destroy_parallel()
@@ -199,6 +210,30 @@ def time_sender(worker, args) -> dict:
     finally:
         worker.close_weight_sync()
     return {"bytes": total, "send": seconds(times["send"]), "copy": seconds(times["copy"])}
+
+
+def time_offload(worker, rounds: int) -> dict:
+    """The colocated sleep path after the steps: ``offload("sync")`` (optimizer state, gradient buffers)
+    and ``offload("generation")`` (weights) to host memory, then ``reload``; per round the seconds of
+    each and the device bytes the worker freed, and on CUDA the memory the allocator held before and
+    after (what the engines could take)."""
+    import time
+
+    import torch
+
+    device, out = worker.ctx.device, {"offload_s": [], "reload_s": [], "freed": [], "held": []}
+    for _ in range(rounds):
+        held = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        start = time.perf_counter()
+        freed = worker.offload("sync") + worker.offload("generation")
+        middle = time.perf_counter()
+        after = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        worker.reload()
+        out["offload_s"].append(middle - start)
+        out["reload_s"].append(time.perf_counter() - middle)
+        out["freed"].append(freed)
+        out["held"].append((held, after))
+    return out
 
 
 def plan_estimate(cfg) -> float:
@@ -271,6 +306,14 @@ def measure_run(args, tp: int, impl: str, seq: int, batch: int, settings: dict) 
             "GB/s",
             s,
         )
+    if "offload" in ranks[0]:
+        off = ranks[0]["offload"]
+        add("sleep path: offload to host (optimizer, gradients, weights)", off["offload_s"], "s")
+        add("sleep path: reload to the device", off["reload_s"], "s")
+        add("sleep path: device memory the worker freed", [b / 2**30 for b in off["freed"]], "GiB")
+        if any(before for before, _ in off["held"]):  # CUDA: the allocator's reserve, before and after
+            add("allocator's reserve before the sleep path", [b / 2**30 for b, _ in off["held"]], "GiB")
+            add("allocator's reserve after the sleep path", [a / 2**30 for _, a in off["held"]], "GiB")
     return [*out, other_load(*steps.values(), **settings)]
 
 

@@ -39,6 +39,11 @@ PRESETS = {
         num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_query_groups=4,
         vocab_size=8192, num_experts=16, moe_ffn_hidden_size=128, moe_router_topk=2,
     ),
+    "qwen3-30b-a3b-4l": dict(  # 4 layers of Qwen3-30B-A3B (128 experts of width 768, top-8; 16 heads of
+        # 128 for its 32 of 128 over hidden 2048): ~3B parameters, one GPU at EP 1 (the gpu suite's moe)
+        num_layers=4, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16, num_query_groups=4,
+        vocab_size=151936, num_experts=128, moe_ffn_hidden_size=768, moe_router_topk=8,
+    ),
 }  # fmt: skip
 """Model shapes (Megatron's names) of the trainer benchmarks; those with ``num_experts`` are Qwen3-MoE
 models (``model.arch`` qwen3_moe: no QKV bias, QK norm, top-k probabilities renormalised)."""

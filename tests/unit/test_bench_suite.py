@@ -122,6 +122,8 @@ def test_suite_options():
         "logprob_memory",
         "train",
         "train_torch",
+        "ipc_handoff",
+        "moe",
     }
     with pytest.raises(SystemExit, match="rollout: not in the gpu suite"):
         suite.parse_args(["--suite", "gpu", "--only", "rollout"])
