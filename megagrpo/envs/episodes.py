@@ -81,8 +81,10 @@ class _Episode:
     """Sampled at temperature 0: the engine reported no logprobs (the completion then has none)."""
     routed: Any = None
     """Routed experts of every position forwarded so far, each from the first turn that forwarded it."""
-    rerouted: list[int] = field(default_factory=lambda: [0, 0])
-    """[rows a later turn routed otherwise, rows a later turn computed again] (token-layer pairs)."""
+    recomputed: int = 0
+    """Token-layer pairs a later turn forwarded again."""
+    rerouted: int = 0
+    """Of those, the pairs it routed to other experts."""
 
     def completion(self, task: int) -> Completion:
         stats = {
@@ -92,8 +94,8 @@ class _Episode:
             "env_s": self.env_s,
             "env_failed": float(self.finish == "env_error"),
             "truncated": float(self.finish == "length"),
-            "rerouted": float(self.rerouted[0]),
-            "recomputed": float(self.rerouted[1]),
+            "rerouted": float(self.rerouted),
+            "recomputed": float(self.recomputed),
         }
         return Completion(
             task,
@@ -121,8 +123,8 @@ class _Episode:
         kept = self.routed.shape[0]
         again, _ = rows[:kept].sort(dim=-1)
         first, _ = self.routed.sort(dim=-1)
-        self.rerouted[0] += int((again != first).any(dim=-1).sum())
-        self.rerouted[1] += again.shape[0] * again.shape[1]
+        self.rerouted += int((again != first).any(dim=-1).sum())
+        self.recomputed += again.shape[0] * again.shape[1]
         self.routed = torch.cat([self.routed, rows[kept:]])
 
 
