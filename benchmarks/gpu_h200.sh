@@ -4,19 +4,25 @@
 # then `python -m benchmarks run --suite gpu` (train: Qwen2-1.5B shape, bf16, 4096 and 8192 tokens
 # a sequence, with the weight-sync sender and the colocated sleep path (--offload); train_torch; logprob_memory
 # at 8192 and 16384 tokens; ipc_handoff: the colocated handoff through CUDA IPC handles between two processes,
-# GB/s, bytes checked; moe: the MoE train step at EP 1 on 4 layers of Qwen3-30B-A3B, tokens/s, peak memory).
-# train and logprob_memory ran on an H200 before (results/suite_gpu/); --offload, train_torch's 4K,
-# ipc_handoff and moe have not run on a GPU yet: run --quick first.
+# GB/s, bytes checked; probe_bf16: the weight-sync probe's error in bf16 at Qwen2-1.5B's shape, Megatron against
+# transformers on the same weights over 20 syncs; moe: the MoE train step at EP 1 on 4 layers of Qwen3-30B-A3B,
+# tokens/s, peak memory). train and logprob_memory ran on an H200 before (results/suite_gpu/); --offload,
+# train_torch's 4K, ipc_handoff, probe_bf16 and moe have not run on a GPU yet: run --quick first.
 #
 #   bash benchmarks/gpu_h200.sh            # on the device; results under $OUT/suite_gpu/ (copy them to
 #                                          # benchmarks/results/suite_gpu/), else benchmarks/results/suite_gpu/
 #   bash benchmarks/gpu_h200.sh --quick    # the same commands at their smallest sizes
+#   bash benchmarks/gpu_h200.sh --only moe # other arguments go to `python -m benchmarks run`
 #
 # Preparing the call (here, once): the wheel for the device's Python 3.12 goes to an ignored folder,
 #   .venv/bin/python -m pip download megatron-core==0.16.1 --no-deps --only-binary=:all: \
 #     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 #     --platform manylinux_2_24_x86_64 -d benchmarks/results/tmp/wheels
-# and the run tool is called with carry ["benchmarks/results/tmp/wheels"], command
+# with transformers and its dependencies beside it when the device lacks them (probe_bf16's reference),
+#   .venv/bin/python -m pip download transformers==5.19.0 --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 --platform any -d benchmarks/results/tmp/wheels
+# (43 MB) and the run tool is called with carry ["benchmarks/results/tmp/wheels"], command
 # `bash benchmarks/gpu_h200.sh`, timeout_s 540. WHEELS=<dir> and PYTHON=<interpreter> override the defaults.
 set -euo pipefail
 
@@ -24,7 +30,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 WHEELS="${WHEELS:-benchmarks/results/tmp/wheels}"
 QUICK=()
-[[ "${1:-}" == "--quick" ]] && QUICK=(--quick)
+if [[ "${1:-}" == "--quick" ]]; then QUICK=(--quick); shift; fi  # the rest goes to the suite (--only ...)
 OUT_DIR="${OUT:-benchmarks/results}/suite_gpu${QUICK[*]:+_quick}"
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -36,8 +42,15 @@ export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/megatron_core-*.whl
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
+  if ! "$PYTHON" -c "import transformers" 2>/dev/null; then  # probe_bf16's reference model
+    ls "$WHEELS"/transformers-*.whl >/dev/null || { echo "no transformers wheel in $WHEELS: see above"; exit 1; }
+    "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" --no-compile --target /tmp/site-hf transformers
+    # The device's own numpy stays the one torch was built against.
+    if "$PYTHON" -c "import numpy" 2>/dev/null; then rm -rf /tmp/site-hf/numpy /tmp/site-hf/numpy-* /tmp/site-hf/numpy.libs; fi
+    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site-hf"
+  fi
   "$PYTHON" -c "import torch, megatron.core as m; assert torch.cuda.is_available(), 'torch sees no CUDA device'
 print('torch', torch.__version__, 'megatron-core', m.__version__, torch.cuda.get_device_name(0))"
-  "$PYTHON" -m benchmarks run --suite gpu "${QUICK[@]}" --out "$OUT_DIR"
+  "$PYTHON" -m benchmarks run --suite gpu "${QUICK[@]}" "$@" --out "$OUT_DIR"
 } 2>&1 | tee "$OUT_DIR/gpu_h200.log"
 exit "${PIPESTATUS[0]}"

@@ -19,7 +19,7 @@ computed before timing; interleaved rounds (``common.timing``) of
   same model and TransformerConfig (the worker's engine), forward + backward + optimizer step;
 - ``replay``: ``train`` on the same batch carrying ``TrainBatch.routing``: random distinct experts per
   position, as an engine returns them (``routing.routing_rows``);
-- ``check``: ``routing_check`` on the step's routing sample (``trainers.grpo.routing_sample``: the first
+- ``check``: ``routing_check`` on the step's routing sample (``algorithms.routing.routing_sample``: the first
   32 sequences), the extra forward the driver runs before each replayed step.
 
 Targets: train / bare tokens/s >= 0.85 (as the dense ``train``); replay / train seconds <= 1.05, which
@@ -140,9 +140,9 @@ def engine_routing(batch, layers: int, experts: int, topk: int, seed: int = 3):
 def rank_main(rank: int, world_size: int, args) -> dict:
     import torch
 
+    from megagrpo.algorithms.routing import routing_sample
     from megagrpo.parallel import destroy_parallel
     from megagrpo.policy.worker import PolicyWorker
-    from megagrpo.trainers.grpo import routing_sample
     from megagrpo.types import balanced_shards
 
     from .train import make_batch
@@ -161,7 +161,7 @@ def rank_main(rank: int, world_size: int, args) -> dict:
             batches[name] = batch.replace(old_logprobs=old, gen_logprobs=gen)
         shard = balanced_shards(plain.lengths.tolist(), worker.ctx.dp_size)[worker.ctx.dp_rank]
         micro = [m for _, m in worker.micro_batches(plain, shard)]
-        sample = routing_sample(cfg, batches["replay"])
+        sample = routing_sample(batches["replay"], cfg.parallel.data_parallel_size)
         steps = {
             "train": lambda: worker.train(batches["train"]),
             "bare": lambda: bare_step(worker.engine, micro),
@@ -479,7 +479,7 @@ def measure_capture(args) -> list[Measurement]:
 
 
 def main(argv=None) -> dict:
-    from megagrpo.trainers.grpo import ROUTING_SAMPLE
+    from megagrpo.algorithms.routing import ROUTING_SAMPLE
 
     args = parse_args(argv)
     measurements: list[Measurement] = []

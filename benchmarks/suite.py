@@ -60,6 +60,8 @@ class Bench:
     """``--repeat`` of a full run per suite where it is not the module's default."""
     module: str = ""
     """The benchmark's module when it is not ``name`` (one module run twice with other settings)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables set for this benchmark's process."""
 
     def command(self, suite: str, quick: bool, repeat: int | None, out: Path) -> list[str]:
         """The command line of this benchmark in ``suite``, writing ``out/<name>.json``."""
@@ -120,6 +122,25 @@ BENCHMARKS: tuple[Bench, ...] = (
         ("cpu", "gpu"),
         args={"gpu": ["--device", "cuda"]},
         quick_args={"gpu": ["--device", "cuda"]},
+        # Expandable segments make CUDA IPC export POSIX file descriptors, which a sibling process may
+        # not open in an unprivileged container (pidfd_getfd: EPERM): the handoff uses plain segments.
+        env={"PYTORCH_CUDA_ALLOC_CONF": ""},
+    ),
+    # The probe's error in bf16 (generation.probe_max_error's bound): vLLM's CPU kernels against Megatron's
+    # in real GRPO runs on cpu; on the lent GPU (no vLLM) transformers' against Megatron's at Qwen2-1.5B.
+    Bench(
+        "probe_bf16",
+        ("cpu", "gpu"),
+        args={"gpu": ["--against", "hf", "--preset", "qwen2-1.5b"]},
+        quick_args={"gpu": ["--against", "hf"]},
+    ),
+    # The same comparison as the gpu suite's on cpu, at the "cpu" preset (~25M): its weights move every sync.
+    Bench(
+        "probe_bf16_hf",
+        ("cpu",),
+        args={"cpu": ["--against", "hf", "--preset", "cpu"]},
+        quick_args={"cpu": ["--against", "hf"]},
+        module="probe_bf16",
     ),
     # The MoE train step on one GPU (EP 1; vLLM is not on the lent device: no sync, no capture).
     Bench("moe", ("cpu", "gpu"), args={"gpu": MOE_H200}, quick_args={"gpu": MOE_H200_QUICK}),
@@ -164,7 +185,7 @@ def run_one(bench: Bench, args) -> dict:
     command = bench.command(args.suite, args.quick, args.repeat, args.out)
     print(f"=== {bench.name}: {' '.join(command)}", flush=True)
     start = time.perf_counter()
-    rc = subprocess.run(command, cwd=REPO).returncode
+    rc = subprocess.run(command, cwd=REPO, env={**os.environ, **bench.env}).returncode
     entry = {
         "command": " ".join(record.relative(c) for c in command[1:]),
         "wall_s": time.perf_counter() - start,

@@ -273,12 +273,12 @@ def measure_run(args, tp: int, impl: str, seq: int, batch: int, settings: dict) 
     add(f"{args.steps[0]} step activation memory", [max(r["activation_bytes"] for r in ranks) / 2**20], "MiB")
     peak = max(r["peak_bytes"] for r in ranks)
     estimate = plan_estimate(bench_config(args, tp, impl, seq, batch))
-    add(
+    add(  # README's table: once, from train's own run (losses repeats the same model's estimate)
         "megagrpo plan's memory estimate / measured peak",
         [estimate / peak],
         "x",
         target="0.85..1.15",
-        headline=True,
+        headline=args.steps[:2] == ["train", "bare"],
     )
     if args.peak_tflops:  # MFU: all parameters (the tied embedding once), 6 N (+ attention) per token
         shape = args.shape_values
@@ -299,7 +299,8 @@ def measure_run(args, tp: int, impl: str, seq: int, batch: int, settings: dict) 
     if "sync" in ranks[0]:
         sync = ranks[0]["sync"]
         s = {**settings, "bytes": sync["bytes"], "bucket_mb": args.sync_bucket_mb}
-        add("weight-sync sender", [sync["bytes"] / x / 1e9 for x in sync["send"]], "GB/s", s, headline=True)
+        first = seq == args.seq[0]  # README's table: the sender at the first --seq (the bytes are the same)
+        add("weight-sync sender", [sync["bytes"] / x / 1e9 for x in sync["send"]], "GB/s", s, headline=first)
         add(
             "one flat device copy of the same bytes",
             [sync["bytes"] / x / 1e9 for x in sync["copy"]],

@@ -37,8 +37,11 @@ def machine_info(*packages: str) -> dict:
         "python": platform.python_version(),
         "git_commit": commit.strip() or None,
     }
-    for name in packages:
-        info[name.replace(".", "_")] = getattr(importlib.import_module(name), "__version__", None)
+    for name in packages:  # a package the machine lacks (vLLM on the lent GPU) is recorded as None
+        try:
+            info[name.replace(".", "_")] = getattr(importlib.import_module(name), "__version__", None)
+        except ModuleNotFoundError:
+            info[name.replace(".", "_")] = None
     if "torch" in packages:
         import torch
 

@@ -17,9 +17,21 @@ sequence, padding) get experts ``0 .. k - 1``: valid, distinct, and feeding no l
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from megagrpo.types import TrainBatch
+
+ROUTING_SAMPLE = 32
+"""Sequences of a step on which rollout routing replay's agreement is measured (one extra forward)."""
+
+
+def routing_sample(batch: TrainBatch, data_parallel_size: int) -> TrainBatch:
+    """The first ``ROUTING_SAMPLE`` sequences of the step (at least one per data-parallel rank)."""
+    return batch.select(range(min(batch.size, max(ROUTING_SAMPLE, data_parallel_size))))
 
 
 def filler(layers: int, topk: int, dtype: torch.dtype) -> torch.Tensor:
@@ -112,11 +124,12 @@ def engine_routed_rows(
 
 def routing_agreement(trainer: Sequence[torch.Tensor], engine: Sequence[torch.Tensor]) -> tuple[int, int]:
     """(token-layer pairs whose top-k sets are equal, pairs compared): the trainer's own routing (per
-    layer ``[tokens, k]``, recorded without replay) against the engine's for the same tokens."""
+    layer ``[tokens, k]``, recorded without replay) against the engine's for the same tokens. The
+    trainer's rows may be on its device, the engine's are on the host."""
     same = total = 0
     for mine, theirs in zip(trainer, engine, strict=True):
         a, _ = mine.sort(dim=1)
-        b, _ = theirs.to(a.dtype).sort(dim=1)
+        b, _ = theirs.to(a.device, a.dtype).sort(dim=1)
         same += int((a == b).all(dim=1).sum())
         total += a.shape[0]
     return same, total

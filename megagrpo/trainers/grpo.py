@@ -25,6 +25,7 @@ from pathlib import Path
 import ray
 
 from megagrpo.algorithms.distill import reverse_kl_advantages
+from megagrpo.algorithms.routing import routing_sample
 from megagrpo.ckpt import run as ckpt_io
 from megagrpo.config import Config, save_config
 from megagrpo.data.prompts import PromptSource, build_source
@@ -294,20 +295,12 @@ def train_on(cfg: Config, policy: RankGroup, batch: TrainBatch, timings: dict) -
     checked = {}
     if batch.routing is not None:
         with timed(timings, "routing_check_s"):
-            checked = policy.call_first(PolicyWorker.routing_check, routing_sample(cfg, batch))
+            sample = routing_sample(batch, cfg.parallel.data_parallel_size)
+            checked = policy.call_first(PolicyWorker.routing_check, sample)
     with timed(timings, "train_s"):
         metrics = mean_metrics(policy.call_first(PolicyWorker.train, batch))
     timings["train_rank_s"] = policy.last_call_s  # inside the ranks: the rest is Ray
     return batch, metrics | checked
-
-
-ROUTING_SAMPLE = 32
-"""Sequences of a step on which rollout routing replay's agreement is measured (one extra forward)."""
-
-
-def routing_sample(cfg: Config, batch: TrainBatch) -> TrainBatch:
-    """The first ``ROUTING_SAMPLE`` sequences of the step (at least one per data-parallel rank)."""
-    return batch.select(range(min(batch.size, max(ROUTING_SAMPLE, cfg.parallel.data_parallel_size))))
 
 
 def distill(

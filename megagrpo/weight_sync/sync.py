@@ -35,6 +35,7 @@ from megagrpo.parallel.backends import weight_sync_backend
 from megagrpo.types import TrainBatch
 from megagrpo.weight_sync.buckets import Bucket, interleave
 from megagrpo.weight_sync.ipc import IpcAddress
+from megagrpo.weight_sync.probe import PROBE_BOUNDS, probe_sequences
 from megagrpo.weight_sync.shards import SyncPath
 from megagrpo.weight_sync.trainer import WeightSyncEndpoints
 from megagrpo.weight_sync.transport import GroupAddress, Link, LinkKey
@@ -69,13 +70,6 @@ class ProbeResult:
     """(bucket, vLLM worker) pairs whose digests matched in the sync before it (0: not checked)."""
     replayed: bool = False
     """Whether the trainer replayed the first engine's routing of the probe (rollout routing replay)."""
-
-
-def probe_sequences(
-    vocab_size: int, *, count: int = 4, length: int = 32, seed: int = 1234
-) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (count, length), generator=gen).tolist()
 
 
 def link_addresses(
@@ -120,11 +114,6 @@ def describe_transport(groups: list[GroupAddress], backend: str, device_backend:
         f"colocated: engine(s) {','.join(map(str, by_ipc))} take the buckets of the trainer rank on their "
         f"device through {memory}, as one communicator cannot hold two ranks of one device; {rest}"
     )
-
-
-# The probe's bound by the trainer's and the engines' dtype (both ``model.dtype``): float32 kernels
-# agree to ~1e-7 (measured on CPU: 1.0000002); bfloat16 ones differ by their rounding.
-PROBE_BOUNDS = {"float32": 1.001, "bfloat16": 1.05, "float16": 1.05}
 
 
 def probe_bound(cfg: Config) -> float:

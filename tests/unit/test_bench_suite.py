@@ -123,6 +123,7 @@ def test_suite_options():
         "train",
         "train_torch",
         "ipc_handoff",
+        "probe_bf16",
         "moe",
     }
     with pytest.raises(SystemExit, match="rollout: not in the gpu suite"):
