@@ -1,7 +1,8 @@
 """The sandbox for model-written code (megagrpo.envs.sandbox): each way out is tried (a socket, reading and
-writing outside its directory, too much memory, a fork bomb, endless loops, our environment) and is
-refused or cut, and the run right after works normally; without bubblewrap the sandbox refuses to run
-unless running unsandboxed is allowed."""
+writing outside its directory, too much memory, a fork bomb, endless loops, our environment, a user
+namespace and mounts of its own, filling its tmpfs, children that each hold memory) and is refused or
+cut, and the run right after works normally; without bubblewrap the sandbox refuses to run unless
+running unsandboxed is allowed."""
 
 import json
 import os
@@ -183,6 +184,20 @@ print("written", written >> 20)
     assert lines[:2] == ["size 8", "ENOSPC"], result.stdout + result.stderr
     assert 6 <= int(lines[2].split()[1]) <= 8  # at most the tmpfs's size, in 1 MiB writes
     assert_runs_normally()
+
+
+def test_root_and_dev_are_read_only():
+    code = """
+import errno
+for path in ["/escape", "/dev/shm/escape", "/dev/escape"]:
+    try:
+        open(path, "w")
+        print("wrote", path)
+    except OSError as err:
+        print(errno.errorcode[err.errno])
+"""
+    result = run_python(code)
+    assert result.stdout.splitlines() == ["EROFS"] * 3, result.stdout + result.stderr
 
 
 CHILDREN_HOLD_MEMORY = """
