@@ -1,4 +1,5 @@
-"""The seccomp filter the sandbox's code runs under (bubblewrap's ``--seccomp FD``): no namespaces, no mounts.
+"""The seccomp filter the sandbox's code runs under (bubblewrap's ``--seccomp FD``): no namespaces, mounts or
+memory outside the limits.
 
 Without it, code in the sandbox can make a user namespace of its own (``unshare -Urm``), hold every
 capability there, and mount a tmpfs of any size, outside every limit we set. bubblewrap's own
@@ -6,11 +7,14 @@ capability there, and mount a tmpfs of any size, outside every limit we set. bub
 does not use (the code gets a uid of its own instead, see ``megagrpo.envs.sandbox``); a filter works for
 both callers alike.
 
-The filter is a classic BPF program (``struct sock_filter`` instructions, seccomp(2)), 23
+The filter is a classic BPF program (``struct sock_filter`` instructions, seccomp(2)), 27
 instructions written out in :func:`filter_program`, each with what it does. It answers:
 
 - ``unshare``, ``setns`` and every mount call (``mount``, ``umount2``, ``pivot_root`` and the newer
   ``open_tree``/``move_mount``/``fsopen``/``fsconfig``/``fsmount``/``mount_setattr``): EPERM;
+- ``memfd_create``, ``memfd_secret``, ``shmget`` and ``msgget``: EPERM. Their memory is counted by no
+  limit of the sandbox: 512 MiB of memfd files and 512 MiB of shared memory segments held at
+  ``memory_mb`` 256 before;
 - ``clone`` with any namespace flag: EPERM (``fork``, ``vfork`` and threads pass: they set none);
 - ``clone3``: ENOSYS. Its flags sit in memory, where a filter cannot read them; libc then falls back to
   ``clone``, which the filter can check;
@@ -53,7 +57,10 @@ _NAMESPACE_FLAGS = 0x7E02_0000
 
 _DENIED = ("unshare", "setns", "mount", "umount2", "pivot_root")
 _DENIED += ("open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "mount_setattr")
-"""Calls that fail with EPERM: every way into another namespace and every mount call."""
+_DENIED += ("memfd_create", "memfd_secret", "shmget", "msgget")
+"""Calls that fail with EPERM: every way into another namespace, every mount call, and the memory that no
+limit of ours counts (memfd files and System V shared memory and message queues are neither in the
+address space once unmapped nor in a filesystem with a size)."""
 
 
 @dataclass(frozen=True)
@@ -65,12 +72,14 @@ class _Arch:
 
 
 _SINCE_5_1 = {"open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432}
-_SINCE_5_1 |= {"clone3": 435, "mount_setattr": 442}
+_SINCE_5_1 |= {"clone3": 435, "mount_setattr": 442, "memfd_secret": 447}
 """The numbers every architecture shares since Linux 5.1 (asm-generic/unistd.h)."""
 
 _X86_64 = {"unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "clone": 56}
+_X86_64 |= {"memfd_create": 319, "shmget": 29, "msgget": 68}
 """asm/unistd_64.h."""
 _AARCH64 = {"unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41, "clone": 220}
+_AARCH64 |= {"memfd_create": 279, "shmget": 194, "msgget": 186}
 """asm-generic/unistd.h."""
 
 SECCOMP_ARCHES = {

@@ -200,6 +200,31 @@ for path in ["/escape", "/dev/shm/escape", "/dev/escape"]:
     assert result.stdout.splitlines() == ["EROFS"] * 3, result.stdout + result.stderr
 
 
+def test_no_memory_outside_the_limits():
+    # memfd files, System V shared memory and message queues hold memory that neither the address space
+    # nor a tmpfs counts; socket buffers do too, bounded by the open-files limit.
+    code = """
+import ctypes, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+for name, args in [("memfd_create", (b"m", 0)), ("shmget", (0, 1 << 20, 0o1600)), ("msgget", (0, 0o1600))]:
+    print(name, getattr(libc, name)(*args), os.strerror(ctypes.get_errno()))
+pairs = []
+try:
+    while True:
+        pairs.append(socket.socketpair())
+except OSError as err:
+    print("socketpairs", len(pairs), err.strerror)
+"""
+    result = run_python(code)
+    assert result.stdout.splitlines() == [
+        "memfd_create -1 Operation not permitted",
+        "shmget -1 Operation not permitted",
+        "msgget -1 Operation not permitted",
+        f"socketpairs {(sandbox.OPEN_FILES - 3) // 2} Too many open files",  # stdin, stdout, stderr: 3
+    ], result.stdout + result.stderr
+    assert_runs_normally()
+
+
 CHILDREN_HOLD_MEMORY = """
 import os, sys
 MIB = 1 << 20

@@ -40,7 +40,8 @@ def test_filter_denies_namespaces_and_mounts_and_nothing_else(machine):
     arch = SECCOMP_ARCHES[machine]
     program, nr = filter_program(machine), arch.numbers
     assert len(program) % 8 == 0
-    for name in ("unshare", "setns", "mount", "umount2", "pivot_root", "fsopen", "open_tree"):
+    denied = ("unshare", "setns", "mount", "umount2", "pivot_root", "fsopen", "open_tree", "mount_setattr")
+    for name in (*denied, "memfd_create", "memfd_secret", "shmget", "msgget"):
         assert run_filter(program, nr[name], arch.audit) == EPERM, name
     assert run_filter(program, nr["clone"], arch.audit, CLONE_NEWUSER | SIGCHLD) == EPERM
     assert run_filter(program, nr["clone"], arch.audit, CLONE_NEWNS) == EPERM
