@@ -4,8 +4,8 @@ memory outside the limits.
 Without it, code in the sandbox can make a user namespace of its own (``unshare -Urm``), hold every
 capability there, and mount a tmpfs of any size, outside every limit we set. bubblewrap's own
 ``--disable-userns`` would do it, but it needs the code in a user namespace of bwrap's, which a root caller
-does not use (the code gets a uid of its own instead, see ``megagrpo.envs.sandbox``); a filter works for
-both callers alike.
+does not use: the code gets a uid of its own instead (``megagrpo.envs.sandbox``), and in such a namespace
+that uid is not mapped (setpriv's switch fails with EINVAL). A filter works for both callers alike.
 
 The filter is a classic BPF program (``struct sock_filter`` instructions, seccomp(2)), 27
 instructions written out in :func:`filter_program`, each with what it does. It answers:
