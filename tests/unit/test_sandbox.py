@@ -136,7 +136,7 @@ if hasattr(os, "unshare"):  # Python 3.12
     except OSError as err:
         print("os.unshare", err.strerror)
 else:
-    print("os.unshare", os.strerror(1))
+    print("os.unshare absent")
 # What the filter lets through: threads (clone3 falls back to clone) and processes.
 thread = threading.Thread(target=print, args=("thread ran",))
 thread.start(), thread.join()
@@ -152,7 +152,8 @@ def test_no_user_namespaces_or_mounts_inside():
         "unshare Operation not permitted",
         "mount Operation not permitted",
         "setns Operation not permitted",
-        "os.unshare Operation not permitted",
+        # The sandbox runs our interpreter's base: os.unshare is there from Python 3.12.
+        "os.unshare Operation not permitted" if hasattr(os, "unshare") else "os.unshare absent",
         "thread ran",
         "process ran",
     ], result.stdout + result.stderr
