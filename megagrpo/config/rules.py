@@ -484,6 +484,7 @@ def _check_env(cfg: Config) -> None:
         cls = load_environment(env.spec)
     except Exception as err:  # the user's module raised while being imported
         raise ConfigError("env.environment", f"{type(err).__name__}: {err}") from None
+    _check_env_args(cls, env.args, cls.settings)
     require(
         env.tool_format in TOOL_CALL_FORMATS,
         "env.tool_format",
@@ -506,6 +507,31 @@ def _check_env(cfg: Config) -> None:
             "bubblewrap (apt-get install bubblewrap) or set env.allow_unsandboxed=true to run it with "
             "resource limits only",
         )
+
+
+def _check_env_args(cls: type, args: dict, settings: tuple[str, ...]) -> None:
+    """``env.args`` are arguments the environment's constructor takes, and its ``check_args`` accepts
+    their values; each error names the argument."""
+    import difflib
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    named = [p for p in params if params[p].kind in (params[p].KEYWORD_ONLY, params[p].POSITIONAL_OR_KEYWORD)]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    for key in args:
+        if key in settings:
+            raise ConfigError(f"env.args.{key}", f"is set by env.{key}, not env.args")
+        if key not in named and not takes_any:
+            close = difflib.get_close_matches(str(key), named, n=3)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            accepted = ", ".join(p for p in named if p not in settings)
+            raise ConfigError(
+                f"env.args.{key}", f"{cls.__name__} takes no such argument{hint} (it takes: {accepted})"
+            )
+    try:
+        cls.check_args(**args)
+    except ConfigError as err:
+        raise err.with_context("env.args") from None
 
 
 def _check_reward(cfg: Config) -> None:

@@ -58,6 +58,12 @@ class Environment:
     (``megagrpo.envs.sandbox``) or ``env.allow_unsandboxed``."""
 
     @classmethod
+    def check_args(cls, **args: Any) -> None:
+        """Called once when the config loads, with ``env.args`` (their names already matched to the
+        constructor's): raise ``megagrpo.config.ConfigError(name, message)`` for an argument whose value
+        is wrong, and the error names ``env.args.<name>``. The default checks nothing."""
+
+    @classmethod
     def tasks(cls, count: int, seed: int, **args: Any) -> list[dict]:
         """``count`` generated tasks, the same for the same seed (training and validation streams use
         seeds far apart). ``args``: ``env.args``. Environments without generated tasks need

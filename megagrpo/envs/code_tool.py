@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 
+from megagrpo.config.errors import ConfigError
 from megagrpo.envs.base import Environment, Step
 from megagrpo.envs.chat import ToolCall, format_tool_call, parse_tool_calls, tool_result_messages
 from megagrpo.envs.sandbox import SandboxLimits, run_python
@@ -28,6 +29,12 @@ _REWARDS = ("arithmetic", "math_verify")
 
 
 class PythonTool(Environment):
+    """``env.args``: ``reward`` ("arithmetic" or "math_verify"), ``question_key`` and ``answer_key`` (the
+    task's fields), ``system_prompt`` (show the tool and its call format), and the sandbox's limits of each
+    run of the model's code (``megagrpo.envs.sandbox.SandboxLimits``): ``cpu_s``, ``wall_s``, ``memory_mb``
+    (per process), ``max_processes`` (a run holds at most ``max_processes`` x ``memory_mb``) and
+    ``max_file_mb`` (each of its tmpfs /sandbox and /tmp)."""
+
     settings = ("tool_format", "allow_unsandboxed")
     runs_code = True
 
@@ -37,23 +44,35 @@ class PythonTool(Environment):
         reward: str = "arithmetic",
         question_key: str = "question",
         answer_key: str = "answer",
-        cpu_s: int = 5,
-        wall_s: float = 10.0,
-        memory_mb: int = 512,
+        cpu_s: int = SandboxLimits.cpu_s,
+        wall_s: float = SandboxLimits.wall_s,
+        memory_mb: int = SandboxLimits.memory_mb,
+        max_processes: int = SandboxLimits.max_processes,
+        max_file_mb: int = SandboxLimits.max_file_mb,
         system_prompt: bool = True,
         tool_format: str = "hermes",
         allow_unsandboxed: bool = False,
     ):
         if reward not in _REWARDS:
-            raise ValueError(f"PythonTool reward is one of {_REWARDS}, got {reward!r}")
+            raise ConfigError("reward", f"must be one of {', '.join(_REWARDS)}, got {reward!r}")
         self.reward, self.question_key, self.answer_key = reward, question_key, answer_key
-        self.limits = SandboxLimits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb)
+        self.limits = SandboxLimits(
+            cpu_s=cpu_s,
+            wall_s=wall_s,
+            memory_mb=memory_mb,
+            max_processes=max_processes,
+            max_file_mb=max_file_mb,
+        )
         self.system_prompt, self.tool_format, self.allow_unsandboxed = (
             system_prompt,
             tool_format,
             allow_unsandboxed,
         )
         self.answer = ""
+
+    @classmethod
+    def check_args(cls, **args) -> None:
+        cls(**args)  # the constructor checks them and does nothing else
 
     @classmethod
     def tasks(cls, count: int, seed: int, **_) -> list[dict]:

@@ -7,16 +7,23 @@ checked by experiment on Debian 12 (bwrap 0.8, kernel 6.x), and tests/unit/test_
 
 - no network: a network namespace of its own (``--unshare-net``), where nothing listens and there is no
   resolver (``/etc`` is not there), so a connection to the host's 127.0.0.1 is refused and DNS fails;
-- its own filesystem view: a tmpfs root holding read-only binds of ``/usr`` (and ``/bin``, ``/lib*``), the
-  interpreter's install prefix when it lives elsewhere (pyenv's under ``/root``, say) and nothing else
-  (not ``/etc``, ``/home``, ``/root``, ``/work``, the host's ``/tmp``); a fresh host directory bound
-  read-write at ``/sandbox`` as its working directory and ``HOME`` (removed afterwards); a tmpfs ``/tmp``
-  of at most ``max_file_mb``; a ``/proc`` of its own pid namespace and a minimal ``/dev``. Every mount is
-  nosuid and the code runs with no capabilities and no_new_privs;
+- its own filesystem view: a read-only root holding read-only binds of ``/usr`` (and ``/bin``, ``/lib*``),
+  the interpreter's install prefix when it lives elsewhere (pyenv's under ``/root``, say) and nothing
+  else (not ``/etc``, ``/home``, ``/root``, ``/work``, the host's ``/tmp``); two tmpfs of ``max_file_mb``
+  each, ``/sandbox`` (its working directory and ``HOME``, holding its ``main.py``) and ``/tmp``, so what it
+  writes is in memory with a size, never on the host's disk; a ``/proc`` of its own pid namespace and a
+  minimal, read-only ``/dev``. Every mount is nosuid and the code runs with no capabilities and
+  no_new_privs;
+- no namespaces and no mounts of its own: a seccomp filter (``megagrpo.envs.seccomp``) fails ``unshare``,
+  ``setns``, namespace flags of ``clone`` and every mount call with EPERM. Without it, ``unshare -Urm``
+  gives the code every capability in a user namespace of its own, where it can mount a tmpfs of any size
+  past every limit here. It also fails ``memfd_create``, ``shmget`` and ``msgget``, whose memory no limit
+  here counts;
 - a scrubbed environment: PATH, HOME, LANG and PYTHONDONTWRITEBYTECODE, nothing of ours;
 - the base interpreter (not our venv's) in isolated mode (``-I``): the standard library and whatever the
   interpreter's own site-packages holds;
-- CPU time, address space, file size and core-dump limits (RLIMIT_CPU/AS/FSIZE/CORE, per process);
+- CPU time, address space, file size, open files and core-dump limits (RLIMIT_CPU/AS/FSIZE/NOFILE/CORE,
+  per process; :data:`OPEN_FILES` descriptors);
 - a process-count limit: RLIMIT_NPROC counts the processes of a *uid*, and the kernel does not apply it
   to root at all. As root, bwrap builds the sandbox with root's rights (it can then bind an interpreter
   under the 0700 ``/root``: run as another uid, bwrap 0.8 cannot, even from an open fd, since it resolves
@@ -24,6 +31,11 @@ checked by experiment on Debian 12 (bwrap 0.8, kernel 6.x), and tests/unit/test_
   so the count is of this run's processes only. Not root, bwrap puts the code in a user namespace of its
   own, where the kernel counts the processes per namespace; the limit is set inside it (set on bwrap
   itself, it would also count every other process of ours);
+- memory: the limits are per process, so the run as a whole holds at most ``max_processes`` x
+  ``memory_mb`` of address space, plus its two tmpfs. A cgroup would bound the total itself, but needs a
+  writable cgroup tree with the memory controller delegated, which the sandbox cannot count on (on the
+  machine this was written on, the memory controller is on cgroup v1); :class:`SandboxLimits`' defaults
+  keep the product at 2 GiB;
 - the deadline: the run starts a process group of its own; at ``wall_s`` the whole group is killed,
   which kills the sandbox's pid namespace and so everything in it (bwrap's ``--die-with-parent`` covers
   the case of our own death). After a run ends, the group is killed as well, so nothing it started
@@ -37,15 +49,17 @@ exec can deadlock there. All the work is done by the programs above, exec'd one 
 Without a working bubblewrap, :func:`run_python` raises :class:`SandboxUnavailable`; with
 ``allow_unsandboxed=True`` it runs the code as the caller, with the rlimits (no process count: for a uid
 shared with the caller's other processes that limit would count them too), the scrubbed environment,
-the private directory and the deadline only. Processes that leave the process group (``setsid``) then
-escape the deadline's kill.
+a private host directory (removed afterwards) and the deadline only. Processes that leave the process
+group (``setsid``) then escape the deadline's kill.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
+import platform
 import secrets
 import select
 import shutil
@@ -56,7 +70,11 @@ import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from megagrpo.config.errors import ConfigError
+from megagrpo.envs.seccomp import SECCOMP_ARCHES, filter_program
+
 __all__ = [
+    "OPEN_FILES",
     "SANDBOX_UIDS",
     "SandboxLimits",
     "SandboxResult",
@@ -73,13 +91,24 @@ negative."""
 HOME = "/sandbox"
 """The code's working directory and HOME inside the sandbox."""
 
+OPEN_FILES = 64
+"""Descriptors each process may have open (RLIMIT_NOFILE). Each can hold kernel memory no other limit
+counts (a socket's unread buffer: a socketpair queues ~220 KiB), so their number is kept small: with the
+20000 that processes inherited here, the code queued 889 MiB in 4000 socketpairs at memory_mb 256."""
+
+_FD_FILES = ("main.py", "seccomp.bpf")
+"""The run directory's files bwrap reads from descriptors, in :func:`_bwrap_argv`'s order."""
+
 _ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 """Top-level directories that merged-/usr systems make symlinks into /usr; bound as they are on the host."""
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """What one run may use. All must be positive."""
+    """What one run may use. All must be positive; all but ``wall_s`` are integers.
+
+    Together they bound the run: at most ``max_processes`` x ``memory_mb`` MiB of address space (2 GiB at
+    the defaults) and 2 x ``max_file_mb`` MiB of files (its /sandbox and /tmp), whatever it starts."""
 
     cpu_s: int = 5
     """CPU seconds of each process (RLIMIT_CPU): SIGXCPU at the limit, SIGKILL a second later."""
@@ -87,19 +116,22 @@ class SandboxLimits:
     """Seconds from start until everything the run started is killed (``timed_out``)."""
     memory_mb: int = 512
     """Address space of each process in MiB (RLIMIT_AS): allocations past it raise MemoryError."""
-    max_processes: int = 16
-    """Processes (and threads) the code may have at once, itself included (RLIMIT_NPROC); sandboxed only."""
+    max_processes: int = 4
+    """Processes (and threads) the code may have at once, itself included (RLIMIT_NPROC); sandboxed only.
+    With ``memory_mb`` it bounds the run's memory: each process has its own address space."""
     max_output_bytes: int = 64 * 1024
     """stdout and stderr are each cut to this many bytes (a note of how much was cut follows)."""
     max_file_mb: int = 64
-    """Largest file the code may write, its stdout and stderr included (RLIMIT_FSIZE; a write past it
-    fails with EFBIG), and the size of its /tmp."""
+    """Size of each of its two tmpfs, /sandbox (its working directory) and /tmp: a write past it fails
+    with ENOSPC. Also its largest file, stdout and stderr included (RLIMIT_FSIZE; past it: EFBIG)."""
 
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if not value > 0:
-                raise ValueError(f"SandboxLimits.{field.name} must be > 0, got {value!r}")
+            number = (int, float) if field.name == "wall_s" else int
+            if isinstance(value, bool) or not isinstance(value, number) or not 0 < value < math.inf:
+                kind = "a number" if field.name == "wall_s" else "an integer"
+                raise ConfigError(field.name, f"must be {kind} > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -181,6 +213,8 @@ def run_python(
 
 @functools.cache
 def _self_check(bwrap: str) -> str | None:
+    if platform.machine() not in SECCOMP_ARCHES:
+        return f"no seccomp filter is written for this machine ({platform.machine()})"
     for tool in ("prlimit", "setpriv") if os.geteuid() == 0 else ("prlimit",):
         if shutil.which(tool) is None:
             return f"{tool} (util-linux) is not on PATH"
@@ -198,25 +232,22 @@ def _run(code: str, limits: SandboxLimits, stdin: str, bwrap: str | None) -> San
     """One run: in bwrap at ``bwrap``, or unsandboxed when None."""
     with tempfile.TemporaryDirectory(prefix="megagrpo-sandbox-") as run_dir:
         run = Path(run_dir)
-        work = run / "work"
-        work.mkdir()
-        (work / "main.py").write_text(code)
+        (run / "main.py").write_text(code)
         (run / "stdin").write_text(stdin)
-        if bwrap is None:
-            argv, cwd, home = [*_prlimit(limits, nproc=None), *_python()], work, str(work)
-        else:
-            uid = None
-            if os.geteuid() == 0:
-                uid = SANDBOX_UIDS.start + secrets.randbelow(len(SANDBOX_UIDS))
-                os.chown(work, uid, uid)
-            argv, cwd, home = _bwrap_argv(bwrap, work, limits, uid), run, HOME
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": home,
-            "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1",
-        }
-        exit_code, timed_out = _launch(argv, cwd, env, run, limits.wall_s)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": HOME, "LANG": "C.UTF-8"}
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        with contextlib.ExitStack() as files:
+            if bwrap is None:
+                work = run / "work"
+                work.mkdir()
+                shutil.copy(run / "main.py", work / "main.py")
+                argv, cwd, env["HOME"], fds = [*_prlimit(limits, nproc=None), *_python()], work, str(work), ()
+            else:
+                # bwrap reads both from inherited descriptors: the code it copies into /sandbox, the filter.
+                (run / "seccomp.bpf").write_bytes(filter_program())
+                fds = tuple(files.enter_context(open(run / name, "rb")).fileno() for name in _FD_FILES)
+                argv, cwd = _bwrap_argv(bwrap, limits, *fds), run
+            exit_code, timed_out = _launch(argv, cwd, env, run, limits.wall_s, fds)
         if bwrap is not None and exit_code is not None and 128 < exit_code < 128 + signal.NSIG:
             # bwrap reports a signal as 128 + its number, the way a shell does.
             exit_code = -(exit_code - 128)
@@ -230,7 +261,7 @@ def _run(code: str, limits: SandboxLimits, stdin: str, bwrap: str | None) -> San
 
 
 def _launch(
-    argv: list[str], cwd: Path, env: dict[str, str], run: Path, wall_s: float
+    argv: list[str], cwd: Path, env: dict[str, str], run: Path, wall_s: float, fds: tuple[int, ...]
 ) -> tuple[int | None, bool]:
     """Run ``argv`` in a process group of its own with ``run``/stdin, stdout and stderr, kill the group at
     ``wall_s`` or when it ends: (exit code, None when killed at the deadline; timed out)."""
@@ -240,7 +271,7 @@ def _launch(
         open(run / "stderr", "wb") as err,
     ):
         proc = subprocess.Popen(
-            argv, stdin=stdin, stdout=out, stderr=err, cwd=cwd, env=env, start_new_session=True
+            argv, stdin=stdin, stdout=out, stderr=err, cwd=cwd, env=env, start_new_session=True, pass_fds=fds
         )
     pidfd = os.pidfd_open(proc.pid)
     try:
@@ -263,10 +294,10 @@ def _read_cut(path: Path, max_bytes: int) -> str:
     return f"{text}\n[... {cut} more bytes cut]" if cut > 0 else text
 
 
-def _bwrap_argv(bwrap: str, work: Path, limits: SandboxLimits, uid: int | None) -> list[str]:
-    """bwrap, then setpriv to ``uid`` (None: not root, no switch), then prlimit, then the interpreter."""
+def _bwrap_argv(bwrap: str, limits: SandboxLimits, code_fd: int, seccomp_fd: int) -> list[str]:
+    """bwrap, then (as root) setpriv to a uid of the run's own, then prlimit, then the interpreter."""
     argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-    argv += ["--die-with-parent", "--new-session"]
+    argv += ["--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd)]
     argv += ["--ro-bind", "/usr", "/usr"]
     for top in _ROOT_LINKS:
         if os.path.islink(top):
@@ -278,16 +309,22 @@ def _bwrap_argv(bwrap: str, work: Path, limits: SandboxLimits, uid: int | None) 
         for parent in reversed(Path(root).parents[:-1]):
             argv += ["--perms", "0755", "--dir", str(parent)]
         argv += ["--ro-bind", root, root]
-    argv += ["--bind", str(work), HOME, "--chdir", HOME]
-    argv += ["--perms", "1777", "--size", str(limits.max_file_mb << 20), "--tmpfs", "/tmp"]
+    for tmpfs, perms in ((HOME, "0777"), ("/tmp", "1777")):
+        # Memory of its own, max_file_mb each: what the code writes never reaches the host's disk.
+        argv += ["--perms", perms, "--size", str(limits.max_file_mb << 20), "--tmpfs", tmpfs]
+    argv += ["--perms", "0644", "--file", str(code_fd), f"{HOME}/main.py", "--chdir", HOME]
     argv += ["--proc", "/proc", "--dev", "/dev"]
-    if uid is None:
+    # The root and /dev are tmpfs of no size limit, which a caller that is not root leaves writable to
+    # the code (its uid owns them in its user namespace): read-only, its two tmpfs are all it can fill.
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
+    if os.geteuid() != 0:
         # bwrap's reaper (pid 1) is in the code's user namespace and counts against its limit.
         return [*argv, *_prlimit(limits, nproc=limits.max_processes + 1), *_python()]
     # setpriv needs these three; whatever it runs has none (a non-root uid, an empty bounding set).
     argv += ["--cap-drop", "ALL"]
     for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"):
         argv += ["--cap-add", cap]
+    uid = SANDBOX_UIDS.start + secrets.randbelow(len(SANDBOX_UIDS))
     setpriv = [shutil.which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
     setpriv += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
     return [*argv, *setpriv, *_prlimit(limits, nproc=limits.max_processes), *_python()]
@@ -296,6 +333,7 @@ def _bwrap_argv(bwrap: str, work: Path, limits: SandboxLimits, uid: int | None) 
 def _prlimit(limits: SandboxLimits, nproc: int | None) -> list[str]:
     argv = [shutil.which("prlimit") or "prlimit", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}"]
     argv += [f"--as={limits.memory_mb << 20}", f"--fsize={limits.max_file_mb << 20}", "--core=0"]
+    argv.append(f"--nofile={OPEN_FILES}")
     if nproc is not None:
         argv.append(f"--nproc={nproc}")
     return [*argv, "--"]

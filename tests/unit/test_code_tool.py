@@ -59,6 +59,44 @@ def test_config_wants_the_sandbox_or_allow_unsandboxed(monkeypatch):
     assert load_config(None, [*FITS, "env.allow_unsandboxed=true"]).env.allow_unsandboxed
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("memroy_mb=256", "env.args.memroy_mb: PythonTool takes no such argument; did you mean 'memory_mb'?"),
+        ("memory_mb=0", "env.args.memory_mb: must be an integer > 0, got 0"),
+        ("max_processes=2.5", "env.args.max_processes: must be an integer > 0, got 2.5"),
+        ("max_file_mb=-1", "env.args.max_file_mb: must be an integer > 0, got -1"),
+        ("wall_s=0", "env.args.wall_s: must be a number > 0, got 0"),
+        ("reward=exact", "env.args.reward: must be one of arithmetic, math_verify, got 'exact'"),
+        ("tool_format=hermes", "env.args.tool_format: is set by env.tool_format, not env.args"),
+    ],
+)
+def test_config_checks_the_tool_and_sandbox_arguments_by_name(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*FITS, f"env.args.{override}"])
+    assert message in str(err.value)
+
+
+def test_sandbox_arguments_reach_its_limits():
+    args = {"cpu_s": 2, "wall_s": 5.0, "memory_mb": 256, "max_processes": 2, "max_file_mb": 8}
+    cfg = load_config(None, [*FITS, *(f"env.args.{k}={v}" for k, v in args.items())])
+    limits = PythonTool(**cfg.env.args).limits
+    assert {k: getattr(limits, k) for k in args} == args
+    # Two processes: the code and one child; a second child at the same time is refused.
+    code = """
+import subprocess
+first = subprocess.Popen(["sleep", "3"])
+try:
+    subprocess.Popen(["sleep", "3"])
+    print("two children")
+except OSError as err:
+    print("one child;", type(err).__name__)
+first.kill()
+"""
+    step = PythonTool(**cfg.env.args, system_prompt=False).step(_call(code))
+    assert step.messages == [{"role": "tool", "content": "one child; BlockingIOError"}]
+
+
 def test_demo_conversations_call_the_tool_in_the_share_asked():
     records = tool_use_records(400, seed=1, tool_frac=0.3)
     with_tool = [r for r in records if len(r["messages"]) == 4]

@@ -255,6 +255,11 @@ def test_env_config_errors_name_their_keys(tmp_path):
         )
     with pytest.raises(ConfigError, match=r"env\.args"):
         load_config(None, [*FITS, "env.args=3"])
+    # An argument the constructor does not take, named before any worker would fail on it.
+    with pytest.raises(
+        ConfigError, match=r"env\.args\.hihg: GuessNumber takes no such argument; did you mean 'high'"
+    ):
+        load_config(None, [*FITS, "env.args.hihg=31"])
     cfg = load_config(None, [*FITS, "env.args.high=31", "env.args.style=symbols"])
     assert (
         cfg.env.args == {"high": 31, "style": "symbols"} and cfg.env.spec == "megagrpo.envs.games:GuessNumber"

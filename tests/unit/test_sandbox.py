@@ -1,7 +1,8 @@
 """The sandbox for model-written code (megagrpo.envs.sandbox): each way out is tried (a socket, reading and
-writing outside its directory, too much memory, a fork bomb, endless loops, our environment) and is
-refused or cut, and the run right after works normally; without bubblewrap the sandbox refuses to run
-unless running unsandboxed is allowed."""
+writing outside its directory, too much memory, a fork bomb, endless loops, our environment, a user
+namespace and mounts of its own, filling its tmpfs, children that each hold memory) and is refused or
+cut, and the run right after works normally; without bubblewrap the sandbox refuses to run unless
+running unsandboxed is allowed."""
 
 import json
 import os
@@ -110,6 +111,159 @@ print(open("own.txt").read())
         "mine",
     ], result.stdout
     assert leaked == []
+    assert_runs_normally()
+
+
+NAMESPACE_ESCAPES = """
+import ctypes, os, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+
+def call(name, *args):
+    ok = getattr(libc, name)(*args) == 0
+    print(name, "succeeded" if ok else os.strerror(ctypes.get_errno()))
+
+shell = subprocess.run(["unshare", "-Urm", "sh", "-c", "mount -t tmpfs none /tmp; df /tmp"],
+                       capture_output=True, text=True)
+print("unshare -Urm:", shell.returncode, shell.stderr.strip())
+call("unshare", 0x10000000)  # CLONE_NEWUSER
+call("unshare", 0x00020000)  # CLONE_NEWNS
+call("mount", b"none", b"/tmp", b"tmpfs", 0, None)
+call("setns", os.open("/proc/self/ns/user", os.O_RDONLY), 0)
+if hasattr(os, "unshare"):  # Python 3.12
+    try:
+        os.unshare(os.CLONE_NEWUSER)
+        print("os.unshare succeeded")
+    except OSError as err:
+        print("os.unshare", err.strerror)
+else:
+    print("os.unshare absent")
+# What the filter lets through: threads (clone3 falls back to clone) and processes.
+thread = threading.Thread(target=print, args=("thread ran",))
+thread.start(), thread.join()
+print(subprocess.run(["echo", "process ran"], capture_output=True, text=True).stdout.strip())
+"""
+
+
+def test_no_user_namespaces_or_mounts_inside():
+    result = run_python(NAMESPACE_ESCAPES)
+    assert result.stdout.splitlines() == [
+        "unshare -Urm: 1 unshare: unshare failed: Operation not permitted",
+        "unshare Operation not permitted",
+        "unshare Operation not permitted",
+        "mount Operation not permitted",
+        "setns Operation not permitted",
+        # The sandbox runs our interpreter's base: os.unshare is there from Python 3.12.
+        "os.unshare Operation not permitted" if hasattr(os, "unshare") else "os.unshare absent",
+        "thread ran",
+        "process ran",
+    ], result.stdout + result.stderr
+    assert_runs_normally()
+
+
+@pytest.mark.parametrize("place", ["/sandbox", "/tmp"])
+def test_files_fill_a_tmpfs_of_max_file_mb_and_no_more(place):
+    # Files of 3 MiB each (under the 8 MiB file size limit): the third one fills the tmpfs.
+    code = f"""
+import errno, os
+os.chdir({place!r})
+stat = os.statvfs(".")
+print("size", stat.f_blocks * stat.f_frsize >> 20)
+written = 0
+try:
+    for i in range(10):
+        with open(f"fill-{{i}}", "wb") as f:
+            for _ in range(3):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+                written += 1 << 20
+except OSError as err:
+    print(errno.errorcode[err.errno])
+print("written", written >> 20)
+"""
+    result = run_python(code, SandboxLimits(max_file_mb=8))
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ["size 8", "ENOSPC"], result.stdout + result.stderr
+    assert 6 <= int(lines[2].split()[1]) <= 8  # at most the tmpfs's size, in 1 MiB writes
+    assert_runs_normally()
+
+
+def test_root_and_dev_are_read_only():
+    code = """
+import errno
+for path in ["/escape", "/dev/shm/escape", "/dev/escape"]:
+    try:
+        open(path, "w")
+        print("wrote", path)
+    except OSError as err:
+        print(errno.errorcode[err.errno])
+"""
+    result = run_python(code)
+    assert result.stdout.splitlines() == ["EROFS"] * 3, result.stdout + result.stderr
+
+
+def test_no_memory_outside_the_limits():
+    # memfd files, System V shared memory and message queues hold memory that neither the address space
+    # nor a tmpfs counts; socket buffers do too, bounded by the open-files limit.
+    code = """
+import ctypes, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+for name, args in [("memfd_create", (b"m", 0)), ("shmget", (0, 1 << 20, 0o1600)), ("msgget", (0, 0o1600))]:
+    print(name, getattr(libc, name)(*args), os.strerror(ctypes.get_errno()))
+pairs = []
+try:
+    while True:
+        pairs.append(socket.socketpair())
+except OSError as err:
+    print("socketpairs", len(pairs), err.strerror)
+"""
+    result = run_python(code)
+    assert result.stdout.splitlines() == [
+        "memfd_create -1 Operation not permitted",
+        "shmget -1 Operation not permitted",
+        "msgget -1 Operation not permitted",
+        f"socketpairs {(sandbox.OPEN_FILES - 3) // 2} Too many open files",  # stdin, stdout, stderr: 3
+    ], result.stdout + result.stderr
+    assert_runs_normally()
+
+
+CHILDREN_HOLD_MEMORY = """
+import os, sys
+MIB = 1 << 20
+reports, release = os.pipe(), os.pipe()
+children = refused = 0
+for _ in range(8):
+    try:
+        pid = os.fork()
+    except OSError:
+        refused += 1
+        continue
+    if pid == 0:
+        held = []
+        try:
+            while True:
+                held.append(b"x" * (4 * MIB))  # touched, not just reserved
+        except MemoryError:
+            pass
+        os.write(reports[1], b"%d\\n" % (4 * len(held)))
+        os.read(release[0], 1)  # hold it until every child has filled up
+        os._exit(0)
+    children += 1
+got = b""
+while got.count(b"\\n") < children:
+    got += os.read(reports[0], 4096)
+os.close(release[1])
+print(children, refused, sum(int(x) for x in got.split()))
+"""
+
+
+def test_memory_of_all_processes_is_bounded_by_processes_times_memory_mb():
+    limits = SandboxLimits(memory_mb=96, max_processes=4)
+    result = run_python(CHILDREN_HOLD_MEMORY, limits)
+    children, refused, held_mb = map(int, result.stdout.split())
+    # The code is one of the 4 processes: 3 children start, 5 forks are refused, and what they hold
+    # together stays under max_processes x memory_mb.
+    assert (children, refused) == (3, 5), result.stdout + result.stderr
+    assert 3 * 48 <= held_mb < limits.max_processes * limits.memory_mb
     assert_runs_normally()
 
 
@@ -222,9 +376,21 @@ def test_concurrent_runs_keep_to_themselves():
     assert [r.stdout for r in results] == [f"['main.py', 'mine'] run-{i}\n" for i in range(8)]
 
 
-def test_limits_must_be_positive():
-    with pytest.raises(ValueError, match=r"SandboxLimits\.wall_s must be > 0"):
-        SandboxLimits(wall_s=0)
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({"wall_s": 0}, "wall_s: must be a number > 0, got 0"),
+        ({"memory_mb": -1}, "memory_mb: must be an integer > 0, got -1"),
+        ({"max_processes": 2.5}, "max_processes: must be an integer > 0, got 2.5"),
+        ({"max_file_mb": "64"}, "max_file_mb: must be an integer > 0, got '64'"),
+        ({"cpu_s": True}, "cpu_s: must be an integer > 0, got True"),
+        ({"wall_s": float("inf")}, "wall_s: must be a number > 0, got inf"),
+    ],
+)
+def test_limits_are_checked_by_name(limits, message):
+    with pytest.raises(ValueError) as err:
+        SandboxLimits(**limits)
+    assert str(err.value) == message
 
 
 def test_without_bubblewrap_it_refuses_unless_allowed(monkeypatch):
