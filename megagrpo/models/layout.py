@@ -45,14 +45,20 @@ def stage_param_names(model: torch.nn.Module, ctx: ParallelContext, num_layers: 
     a routed expert's local index on this expert-parallel rank turned into its global one.
 
     Weight sync and the converters address a stage's parameters by these names."""
+    return stage_global_names([name for name, _ in model.named_parameters()], ctx, num_layers)
+
+
+def stage_global_names(local_names: list[str], ctx: ParallelContext, num_layers: int) -> dict[str, str]:
+    """:func:`stage_param_names` of a stage whose parameters are named ``local_names`` (as any of
+    Megatron's layer specs name them, ``mapping.canonical_name``)."""
     offset = layer_offset(num_layers, ctx.sizes.pp, ctx.pp_rank)
-    names = [canonical_name(name) for name, _ in model.named_parameters()]
+    names = [canonical_name(name) for name in local_names]
     local_experts = 1 + max((int(m.group(2)) for m in map(_EXPERT_RE.match, names) if m), default=-1)
     return {
         name: expert_global_name(
             shift_layer_index(canonical, offset), ep_rank=ctx.ep_rank, num_local_experts=local_experts
         )
-        for (name, _), canonical in zip(model.named_parameters(), names, strict=True)
+        for name, canonical in zip(local_names, names, strict=True)
     }
 
 
