@@ -41,8 +41,7 @@ from megagrpo.ckpt.megatron import (
 )
 from megagrpo.compat.startup import paused_gc, weights_only_process
 from megagrpo.models.builder import build_stage
-from megagrpo.models.coverage import check_stage, param_numels
-from megagrpo.models.layout import stage_param_names
+from megagrpo.models.layout import check_stage, param_numels, stage_param_names
 from megagrpo.models.mapping import hf_tensor_shapes
 from megagrpo.models.registry import load_hf_config, shape_from_hf_config
 from megagrpo.models.shape import DTYPE_NAMES, padded_vocab_size

@@ -15,10 +15,13 @@ from megagrpo.ckpt import CheckpointError
 from megagrpo.ckpt.files import Piece
 from megagrpo.ckpt.hf_files import HFCheckpoint
 from megagrpo.ckpt.megatron import Mapped
-from megagrpo.models.coverage import CoverageError, check_stage, listing, param_numels
 from megagrpo.models.layout import (
+    CoverageError,
+    check_stage,
     is_expert,
     is_gated_fc1,
+    listing,
+    param_numels,
     stage_param_names,
     tensor_split,
     tp_partition_dim,

@@ -1,7 +1,7 @@
 """Whether a weight-sync plan moves every parameter: checked when the sync is set up, before step 0.
 
 Trainer side (:func:`check_sender_plan`, on every rank): the stage's parameters match the HF map one
-to one with their shards' element counts (``models.coverage.check_stage``), and what the rank offers
+to one with their shards' element counts (``models.layout.check_stage``), and what the rank offers
 covers its share of every HF tensor it is the sender of: shard-wise, the union of its pieces' source
 ranges along the split dim is the whole share (``[0, share)``; a replicated tensor is whole on the
 rank that sends it to some engine rank, the others leave it to that TP peer); gathered, TP rank 0 of
@@ -14,7 +14,7 @@ plan's buckets for that worker carry, plus the vocabulary padding rows zeroed af
 tied ``lm_head`` is derived from the embedding. A block for a parameter the worker does not have is
 an error too.
 
-Either finding is a :class:`~megagrpo.models.coverage.CoverageError` naming the tensors.
+Either finding is a :class:`~megagrpo.models.layout.CoverageError` naming the tensors.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from megagrpo.models.coverage import CoverageError, listing
+from megagrpo.models.layout import CoverageError, listing
 from megagrpo.models.mapping import Rule, hf_tensor_shapes
 from megagrpo.models.shape import GPTShape
 from megagrpo.weight_sync.buckets import Bucket

@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megagrpo.models.coverage import check_stage, param_numels
 from megagrpo.models.layout import (
+    check_stage,
     is_expert,
     is_gated_fc1,
+    param_numels,
     stage_param_names,
     tensor_split,
     tp_merge,

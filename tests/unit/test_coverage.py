@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from megagrpo.ckpt.hf_weights import check_export, hf_tensors_from_full
-from megagrpo.models.coverage import CoverageError, check_stage, stage_rules
 from megagrpo.models.layout import (
+    CoverageError,
+    check_stage,
     is_expert,
     is_gated_fc1,
     layer_offset,
     shift_layer_index,
     stage_global_names,
+    stage_rules,
     tp_merge,
     tp_partition_dim,
     tp_shard,
