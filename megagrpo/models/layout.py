@@ -8,6 +8,8 @@ Pure functions, shared by the converters, weight sync and the equivalence tests:
   concatenation of the rank shards along that dim, except for the gated MLP's ``linear_fc1``,
   whose rank shard is ``[gate_r; up_r]`` (each half split separately), so that the SwiGLU pairing
   stays local to a rank.
+- Coverage: which rules of the HF map a stage holds (:func:`stage_rules`), and :func:`check_stage`,
+  which the load, the export and the weight sync run before moving any weight.
 """
 
 from __future__ import annotations
