@@ -29,7 +29,7 @@ from megagrpo.ckpt import CheckpointError
 from megagrpo.ckpt.durable import atomic_output_dir
 from megagrpo.ckpt.files import FileCopies, Piece
 from megagrpo.ckpt.hf_files import HFCheckpoint, copy_aux_files, write_sharded
-from megagrpo.ckpt.hf_weights import hf_tensors_from_full, load_hf_into_stage
+from megagrpo.ckpt.hf_weights import check_export, hf_tensors_from_full, load_hf_into_stage
 from megagrpo.ckpt.megatron import (
     Mapped,
     load_megatron,
@@ -41,7 +41,7 @@ from megagrpo.ckpt.megatron import (
 )
 from megagrpo.compat.startup import paused_gc, weights_only_process
 from megagrpo.models.builder import build_stage
-from megagrpo.models.layout import stage_param_names
+from megagrpo.models.layout import check_stage, param_numels, stage_param_names
 from megagrpo.models.mapping import hf_tensor_shapes
 from megagrpo.models.registry import load_hf_config, shape_from_hf_config
 from megagrpo.models.shape import DTYPE_NAMES, padded_vocab_size
@@ -200,6 +200,8 @@ def _export_stage(ckpt: str, out: str, max_shard_bytes: int, exits_after: bool) 
         params = dict(model.named_parameters())
         full = {names[local]: mapped.get(local, params[local].detach()) for local in params}
         rules = source.arch.rules(source.shape)
+        check_stage(param_numels(model), names, rules, source.shape, ctx)  # every tensor written
+        check_export(full, rules)
         shapes = hf_tensor_shapes(source.shape)
         specs = [
             (name, shapes[name], source.dtype)

@@ -16,8 +16,12 @@ from megagrpo.ckpt.files import Piece
 from megagrpo.ckpt.hf_files import HFCheckpoint
 from megagrpo.ckpt.megatron import Mapped
 from megagrpo.models.layout import (
+    CoverageError,
+    check_stage,
     is_expert,
     is_gated_fc1,
+    listing,
+    param_numels,
     stage_param_names,
     tensor_split,
     tp_partition_dim,
@@ -65,10 +69,11 @@ def load_hf_into_stage(
     by_name = {rule.megatron: rule for rule in rules}
     padded = padded_vocab_size(shape.vocab_size, ctx.sizes.tp)
     params = dict(model.named_parameters())
-    for local, global_name in stage_param_names(model, ctx, shape.num_layers).items():
-        rule = by_name.get(global_name)
-        if rule is None:
-            raise CheckpointError(f"Megatron parameter {global_name} has no rule in the HF map")
+    names = stage_param_names(model, ctx, shape.num_layers)
+    # Every parameter filled and every HF tensor of this stage read, before anything is read.
+    check_stage(param_numels(model), names, rules, shape, ctx)
+    for local, global_name in names.items():
+        rule = by_name[global_name]
         if written_only and (ctx.expert_dp_rank if is_expert(global_name) else ctx.dp_rank) > 0:
             continue
         param, dim = params[local], tp_partition_dim(global_name)
@@ -151,8 +156,11 @@ def hf_tensors_from_full(
     """HF (name, tensor) pairs from full canonical Megatron tensors (TP-merged, global names); a
     fused gate/up weight may be given as its two halves.
 
-    A generator in rule order (embedding, layer 0, layer 1, ...): callers stream the result.
+    A generator in rule order (embedding, layer 0, layer 1, ...): callers stream the result. ``full``
+    must hold every exported rule's tensor and nothing without a rule (:class:`CoverageError`, raised
+    before the first pair): an export never leaves a tensor out silently.
     """
+    check_export(full, rules)
     for rule in rules:
         if rule.export and rule.megatron in full:
             tensor = full[rule.megatron]
@@ -162,3 +170,18 @@ def hf_tensors_from_full(
                 yield from zip(rule.hf, tensor, strict=True)
             else:
                 yield from zip(rule.hf, to_hf(rule, tensor, shape), strict=True)
+
+
+def check_export(full: dict[str, object], rules: list[Rule]) -> None:
+    """Raise :class:`CoverageError` unless the full Megatron tensors and the HF map's rules match: each
+    exported rule's tensor given, each tensor given written or derived (the tied output layer)."""
+    known = {rule.megatron for rule in rules}
+    unwritten = sorted(name for name in full if name not in known)
+    missing = sorted(r.megatron for r in rules if r.export and r.megatron not in full)
+    problems = []
+    if unwritten:
+        problems.append(listing(unwritten, "Megatron tensors the HF map has no rule for"))
+    if missing:
+        problems.append(listing(missing, "rules whose Megatron tensor is not in the model"))
+    if problems:
+        raise CoverageError(f"HF export would not write the whole model: {'; '.join(problems)}")

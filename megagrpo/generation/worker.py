@@ -333,12 +333,23 @@ class GenerationWorker:
         self.llm.reset_prefix_cache()
         return self.llm.collective_rpc(_received_digests) if checksums else []
 
+    def param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """Per worker of this engine (by rank), every parameter a sync fills, with its shape
+        (``vllm_engine.model_param_shapes``): what the controller checks the plan against."""
+        return self.llm.collective_rpc(_param_shapes)
+
     def received_bytes(self) -> list[int]:
         """Bucket bytes each of this engine's workers received in the last sync, by worker rank."""
         return self.llm.collective_rpc(_received_bytes)
 
     def shutdown_weight_sync(self) -> None:
         self.llm.collective_rpc("shutdown_weight_transfer_engine")
+
+
+def _param_shapes(worker) -> dict[str, tuple[int, ...]]:
+    from megagrpo.weight_sync.vllm_engine import model_param_shapes
+
+    return model_param_shapes(worker.weight_transfer_engine.model)
 
 
 def _received_bytes(worker) -> int:

@@ -155,14 +155,34 @@ def layer_spec(config, transformer_impl: str = "auto", *, pp_rank: int = 0):
 
         megatron_moe.install()
     if impl == "transformer_engine":
-        return get_gpt_layer_with_transformer_engine_spec(
+        spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=config.qk_layernorm
         )
+        refuse_legacy_grouped_experts(spec)
+        return spec
     if impl == "torch":
         return torch_layers.block_spec(config, pp_rank)
     return get_gpt_layer_local_spec(
         num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
     )
+
+
+def refuse_legacy_grouped_experts(spec) -> None:
+    """Megatron's TE spec falls back to its legacy ``GroupedMLP`` (every local expert fused into two
+    tensors, ``weight1`` / ``weight2``) when the installed Transformer Engine has no grouped linear
+    layer. The HF map, weight sync and export know ``SequentialMLP``'s and ``TEGroupedMLP``'s per-expert
+    tensors only: refuse it before the model is built."""
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    mlp = getattr(getattr(spec, "submodules", None), "mlp", None)
+    experts = getattr(getattr(mlp, "submodules", None), "experts", None)
+    if getattr(experts, "module", None) is GroupedMLP:
+        raise ValueError(
+            "this Transformer Engine has no grouped linear layer, so Megatron's TE spec builds the legacy "
+            "GroupedMLP experts (fused weight1/weight2), which megagrpo cannot load, sync or export; "
+            "install a Transformer Engine with GroupedLinear (>= 1.7) or set "
+            "parallel.transformer_impl to torch or local"
+        )
 
 
 def build_gpt_model(

@@ -17,6 +17,8 @@ Wildcards: ``*`` in a name stands for the layer index on both sides.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +33,40 @@ _TE_ALIASES = {
 }
 
 
+# Transformer Engine's grouped-GEMM experts (Megatron's ``TEGroupedMLP``, which its TE spec builds
+# with ``moe_grouped_gemm``) hold one ``linear_fc1`` / ``linear_fc2`` per MoE layer, a ``TEGroupedLinear``
+# whose i-th GEMM's weight is the parameter ``weight{i}`` (``bias{i}``), i the local expert index; the
+# local spec's ``SequentialMLP`` names the same tensor ``local_experts.{i}.linear_fc1.weight``. Same
+# shape: an expert's [2 f / ETP, h] and [h, f / ETP].
+_TE_GROUPED_RE = re.compile(r"^(.*\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+_SEQUENTIAL_RE = re.compile(r"^(.*\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+# Megatron's legacy ``GroupedMLP`` fuses every local expert into two tensors; the map has no rule for
+# them, and the builder never selects it (``builder.layer_spec`` refuses it).
+LEGACY_GROUPED_RE = re.compile(r"\.mlp\.experts\.weight[12]$")
+
+
 def canonical_name(name: str) -> str:
-    """A Megatron parameter name as the local layer spec spells it."""
+    """A Megatron parameter name as the local layer spec spells it (TE's fused norms and grouped-GEMM
+    experts as the local spec's separate norms and ``SequentialMLP`` experts)."""
+    grouped = _TE_GROUPED_RE.match(name)
+    if grouped:
+        prefix, linear, kind, expert = grouped.groups()
+        return f"{prefix}local_experts.{expert}.{linear}.{kind}"
     for te_suffix, local_suffix in _TE_ALIASES.items():
         if name.endswith(te_suffix):
             return name[: -len(te_suffix)] + local_suffix
     return name
+
+
+def te_grouped_name(name: str) -> str:
+    """A canonical routed expert's name as Transformer Engine's grouped experts spell it
+    (``...experts.local_experts.3.linear_fc1.weight`` -> ``...experts.linear_fc1.weight3``); the inverse
+    of :func:`canonical_name` for them, other names unchanged."""
+    sequential = _SEQUENTIAL_RE.match(name)
+    if sequential is None:
+        return name
+    prefix, expert, linear, kind = sequential.groups()
+    return f"{prefix}{linear}.{kind}{expert}"
 
 
 def te_name(name: str) -> str:
@@ -145,6 +175,19 @@ def decoder_rules(shape: GPTShape) -> list[Rule]:
     else:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab"))
     return rules
+
+
+def megatron_shape(rule: Rule, hf_shapes: dict[str, tuple[int, ...]], padded_vocab: int) -> tuple[int, ...]:
+    """The full canonical Megatron tensor's shape of ``rule`` (TP = 1, padded vocabulary), from the
+    shapes of its HF tensors, as :func:`to_megatron` makes it."""
+    first = hf_shapes[rule.hf[0]]
+    if rule.transform == "vocab":
+        return (padded_vocab, *first[1:])
+    return (sum(hf_shapes[n][0] for n in rule.hf), *first[1:])
+
+
+def megatron_numel(rule: Rule, hf_shapes: dict[str, tuple[int, ...]], padded_vocab: int) -> int:
+    return math.prod(megatron_shape(rule, hf_shapes, padded_vocab))
 
 
 def _mlp_shapes(prefix: str, h: int, ffn: int) -> dict[str, tuple[int, ...]]:

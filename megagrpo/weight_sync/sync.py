@@ -34,6 +34,7 @@ from megagrpo.config import Config
 from megagrpo.parallel.backends import weight_sync_backend
 from megagrpo.types import TrainBatch
 from megagrpo.weight_sync.buckets import Bucket, interleave
+from megagrpo.weight_sync.coverage import check_engine_plan, worker_blocks
 from megagrpo.weight_sync.ipc import IpcAddress
 from megagrpo.weight_sync.probe import PROBE_BOUNDS, probe_sequences
 from megagrpo.weight_sync.shards import SyncPath
@@ -70,6 +71,18 @@ class ProbeResult:
     """(bucket, vLLM worker) pairs whose digests matched in the sync before it (0: not checked)."""
     replayed: bool = False
     """Whether the trainer replayed the first engine's routing of the probe (rollout routing replay)."""
+
+
+@dataclass(frozen=True)
+class SyncCoverage:
+    """What the start-up coverage checks found complete (they raise on any gap)."""
+
+    trainer_params: tuple[int, ...]
+    """Per trainer rank: its parameters, each matched to an HF map rule and its shard's size."""
+    trainer_shares: tuple[int, ...]
+    """Per trainer rank: the HF tensors (its shares of them) its offer sends whole."""
+    engine_params: tuple[tuple[int, ...], ...]
+    """Per engine, per worker: the model's parameters the plan fills exactly."""
 
 
 def link_addresses(
@@ -154,6 +167,7 @@ class WeightSync:
         self.worker_bytes = [
             sum(b.nbytes for b in self.plan if self.keys[b.source][2] in (-1, j)) for j in range(etp)
         ]
+        self.coverage = self._check_coverage(etp)
         groups = link_addresses(
             links, len(engines), etp, shard_wise=self.path.kind == "shard", colocated=colocated
         )
@@ -169,6 +183,27 @@ class WeightSync:
         self._wait(engine_refs, trainer_refs, "opening the weight-sync groups")
         self.probe_batch = TrainBatch.from_sequences(probe_sequences(vocab_size), [1] * 4)
         self.replays = cfg.grpo.routing_replay == "rollout"
+
+    def _check_coverage(self, engine_tp: int) -> SyncCoverage:
+        """Before any group opens: the ranks' offers were each checked to send every parameter they hold
+        (``WeightSender.offer``); here every parameter of every engine worker's model is checked to be
+        filled exactly by the plan (``coverage.check_engine_plan``). Raises ``CoverageError``."""
+        shape = self.policy.call_first(WeightSyncEndpoints.weight_sync_shape)
+        per_rank = self.policy.call_all(WeightSyncEndpoints.weight_sync_covered)
+        refs = [e.param_shapes.remote() for e in self.engines]
+        engines = []
+        for e, ref in enumerate(refs):
+            try:
+                workers = ray.get(ref, timeout=self.timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                raise WeightSyncError(f"vLLM engine {e} did not list its parameters: {err}", e) from err
+            counts = []
+            for w, params in enumerate(workers):
+                blocks = worker_blocks(self.plan, self.keys, self.path, shape, engine_tp, w)
+                where = f"vLLM engine {e} worker {w}"
+                counts.append(check_engine_plan(blocks, params, tied=shape.tie_word_embeddings, where=where))
+            engines.append(tuple(counts))
+        return SyncCoverage(tuple(n for n, _ in per_rank), tuple(n for _, n in per_rank), tuple(engines))
 
     def _wait(self, engine_refs: list, trainer_refs: list, what: str) -> list:
         """Wait for both sides; a dead or stuck engine becomes an error.

@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.models.layout import (
+    check_stage,
     is_expert,
     is_gated_fc1,
+    param_numels,
     stage_param_names,
     tensor_split,
     tp_merge,
@@ -44,6 +46,7 @@ from megagrpo.models.layout import (
 from megagrpo.models.mapping import hf_tensor_shapes, to_hf
 from megagrpo.parallel.local import free_port, node_ip
 from megagrpo.weight_sync.buckets import Bucket, SentBuckets, Slot, checksum, dtype_name, pack, plan_buckets
+from megagrpo.weight_sync.coverage import check_sender_plan, sender_shares, sent_ranges
 from megagrpo.weight_sync.ipc import IpcSender
 from megagrpo.weight_sync.shards import SyncPath, choose_path, local_hf_tensors, piece_tensor, rank_pieces
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress, Link, LinkKey
@@ -67,6 +70,11 @@ class WeightSender:
         self._buffers: list[torch.Tensor] | None = None  # the two packing buffers (senders only)
         names = stage_param_names(module, ctx, model_info.shape.num_layers)
         params = dict(module.named_parameters())
+        # Every parameter has its rule and its shard's size, before anything is planned.
+        check_stage(
+            param_numels(module), names, model_info.arch.rules(model_info.shape), model_info.shape, ctx
+        )
+        self.covered = (len(params), 0)  # (parameters checked, HF tensor shares the plan covers)
         by_global = {g: params[local] for local, g in names.items()}
         self.sends_dense = ctx.dp_rank == 0 and ctx.cp_rank == 0
         self.sends_experts = ctx.expert_dp_rank == 0 and ctx.cp_rank == 0
@@ -121,12 +129,15 @@ class WeightSender:
             return ()
         stage, dtype = self.ctx.pp_rank, self.info.dtype
         if self.shard_wise:
-            engine_ranks = sorted({p.engine_rank for _, _, p in self._link_pieces_all()})
+            pieces = {j: [p for _, _, p in self._link_pieces(j)] for j in range(engine_tp)}
+            self._check_plan([p for mine in pieces.values() for p in mine], [])
             links = []
-            for j in engine_ranks:
+            for j, mine in pieces.items():
+                if not mine:
+                    continue
                 slots = [
                     Slot(p.param, dtype_name(dtype), p.shape, 0, into=(p.dim, p.dst_start), pad=p.pad)
-                    for _, _, p in self._link_pieces(j)
+                    for p in mine
                 ]
                 links.append(self._link((stage, self.slot, j), plan_buckets(slots, bucket_bytes, -1)))
             return tuple(links)
@@ -137,12 +148,17 @@ class WeightSender:
             if r == 0
             for name in rule.hf
         ]
+        self._check_plan(None, [name for name, _, _ in tensors])
         if not tensors:
             return ()
         return (self._link((stage, self.slot, -1), plan_buckets(tensors, bucket_bytes, -1)),)
 
-    def _link_pieces_all(self):
-        return (x for j in range(self.engine_tp) for x in self._link_pieces(j))
+    def _check_plan(self, pieces, whole: list[str]) -> None:
+        """What this rank offers covers its share of every HF tensor it sends (``weight_sync.coverage``)."""
+        shape = self.info.shape
+        expected = sender_shares(self.rules, self.splits, shape, self.engine_tp, self.shard_wise)
+        shares = check_sender_plan(self.ctx.rank, expected, sent_ranges(pieces, whole, shape))
+        self.covered = (self.covered[0], shares)
 
     def _link(self, key: LinkKey, buckets: list[Bucket]) -> Link:
         link = Link(key, node_ip(), free_port(), tuple(buckets), rank=self.ctx.rank, ipc_port=free_port())
@@ -320,6 +336,15 @@ class WeightSyncEndpoints:
     def weight_sync_offer(self, path: SyncPath, engine_tp: int, bucket_bytes: int) -> tuple[Link, ...]:
         """This rank's links (where each group will listen, and its buckets of <= ``bucket_bytes``)."""
         return self._sender().offer(path, engine_tp, bucket_bytes)
+
+    def weight_sync_covered(self) -> tuple[int, int]:
+        """(parameters of this rank checked against the HF map, HF tensor shares its offer was checked to
+        send whole): the coverage checks passed (they raise otherwise)."""
+        return self._sender().covered
+
+    def weight_sync_shape(self):
+        """The model's shape (``GPTShape``): the controller checks the engines' side of the plan with it."""
+        return self._sender().info.shape
 
     def open_weight_sync(
         self, groups: Sequence[GroupAddress], keys: Sequence[LinkKey], backend: str, timeout_s: float

@@ -204,6 +204,31 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         self.groups, self.ipc = {}, {}
 
 
+def model_param_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the engine's model as a sync fills it: by name, in model format.
+
+    vLLM's post-load processing may change a parameter after loading (its CPU build prepacks the MoE
+    router, leaving shape ``(0,)``); the shapes recorded at model load for its layerwise reload
+    (``record_metadata_for_reloading``), which the reload gives back before loading, are the ones a
+    sync fills. Tensors no loader ever fills (vLLM's ``SKIP_LOAD_TENSORS``) are left out; those the
+    recording skips (``bias``, made after the weights) are taken as they are."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    out = {}
+    for module_name, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        recorded = dict(info.restore_metadata[0]) if info is not None else {}
+        live = dict(module.named_parameters(recurse=False))
+        if recorded:  # live parameters are kernel-format here; keep only those never recorded
+            live = {k: v for k, v in live.items() if k == "bias" and k not in recorded}
+        prefix = f"{module_name}." if module_name else ""
+        for attr, tensor in {**live, **recorded}.items():
+            if attr not in SKIP_LOAD_TENSORS:
+                out[prefix + attr] = tuple(tensor.shape)
+    return out
+
+
 def _block_target(param: torch.Tensor, block: torch.Tensor, dim: int, start: int) -> tuple[torch.Tensor, int]:
     """(the tensor ``block`` goes into, its start there along ``dim``): the parameter itself, or for a
     stacked expert parameter ``[E, ...]`` (a block of one dim fewer) the expert's ``param[x]``, ``x``

@@ -109,12 +109,22 @@ def _sync(cfg, engine, kind: str) -> None:
         sync = WeightSync(cfg, group, [engine], vocab_size=300)
         assert sync.path.kind == kind, sync.path.reason
         assert sync.path.engine_ep == cfg.generation.engine_expert_parallel
+        _assert_covered(sync, engine)
         sync.sync(with_checksums=True)  # every bucket's digest matches on arrival
         probe = sync.probe()
         assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4, probe
         assert probe.replayed == (cfg.grpo.routing_replay == "rollout")
     finally:
         group.shutdown()
+
+
+def _assert_covered(sync, engine) -> None:
+    """The start-up coverage checks passed over every parameter: each trainer rank's, and each vLLM
+    worker's, routed experts' stacked parameters included."""
+    workers = ray.get(engine.param_shapes.remote())
+    assert sync.coverage.engine_params == (tuple(len(params) for params in workers),)
+    assert all(any(name.endswith("experts.routed_experts.w13_weight") for name in p) for p in workers)
+    assert all(n > 0 for n in sync.coverage.trainer_params + sync.coverage.trainer_shares)
 
 
 def _assert_probe_routing_is_transformers(engine, hf_dir) -> None:

@@ -155,7 +155,7 @@ def test_engine_with_tensor_parallel_workers(stack, policy_group):
     (shard-wise) or the whole model (gathered), and after a real optimizer step the engine scores and
     samples exactly like the trainer."""
     from megagrpo.runtime.engines import start_engines
-    from megagrpo.weight_sync.shards import shard_bytes
+    from megagrpo.weight_sync.shards import shard_bytes, vllm_placement
     from megagrpo.weight_sync.sync import WeightSync
 
     hf_dir, _ = stack
@@ -175,6 +175,11 @@ def test_engine_with_tensor_parallel_workers(stack, policy_group):
             )
             group = policy_group(cfg)
             sync = WeightSync(cfg, group, [engine], vocab_size=300)
+            # The start-up coverage checks passed over every parameter of both workers.
+            workers = ray.get(engine.param_shapes.remote())
+            assert sync.coverage.engine_params == (tuple(len(p) for p in workers),)
+            fused = {vllm_placement(name).param for name in hf_tensor_shapes(shape)}
+            assert all(set(p) - {"lm_head.weight"} == fused - {"lm_head.weight"} for p in workers)
             batch = policy_batch(seed=7 + tp)
             metrics = group.call_first(
                 PolicyWorker.train,
