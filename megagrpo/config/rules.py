@@ -528,10 +528,12 @@ def _check_env_args(cls: type, args: dict, settings: tuple[str, ...]) -> None:
             raise ConfigError(
                 f"env.args.{key}", f"{cls.__name__} takes no such argument{hint} (it takes: {accepted})"
             )
+    from megagrpo.envs.base import ArgumentError
+
     try:
         cls.check_args(**args)
-    except ConfigError as err:
-        raise err.with_context("env.args") from None
+    except ArgumentError as err:
+        raise ConfigError(f"env.args.{err.name}", err.message) from None
 
 
 def _check_reward(cfg: Config) -> None:

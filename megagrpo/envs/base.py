@@ -25,7 +25,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["OBSERVATION_ROLES", "Environment", "Step", "check_messages"]
+__all__ = ["OBSERVATION_ROLES", "ArgumentError", "Environment", "Step", "check_messages"]
+
+
+class ArgumentError(ValueError):
+    """An environment argument with a wrong value; the config check reports it as ``env.args.<name>``
+    (environments do not import ``megagrpo.config``: it imports them to check them)."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(f"{name}: {message}")
+        self.name, self.message = name, message
+
 
 OBSERVATION_ROLES = ("user", "tool")
 """Roles an environment may answer a turn with (the opening may also have a "system" message)."""
@@ -60,7 +70,7 @@ class Environment:
     @classmethod
     def check_args(cls, **args: Any) -> None:
         """Called once when the config loads, with ``env.args`` (their names already matched to the
-        constructor's): raise ``megagrpo.config.ConfigError(name, message)`` for an argument whose value
+        constructor's): raise :class:`ArgumentError` ``(name, message)`` for an argument whose value
         is wrong, and the error names ``env.args.<name>``. The default checks nothing."""
 
     @classmethod

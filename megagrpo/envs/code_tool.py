@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import random
 
-from megagrpo.config.errors import ConfigError
-from megagrpo.envs.base import Environment, Step
+from megagrpo.envs.base import ArgumentError, Environment, Step
 from megagrpo.envs.chat import ToolCall, format_tool_call, parse_tool_calls, tool_result_messages
 from megagrpo.envs.sandbox import SandboxLimits, run_python
 
@@ -54,7 +53,7 @@ class PythonTool(Environment):
         allow_unsandboxed: bool = False,
     ):
         if reward not in _REWARDS:
-            raise ConfigError("reward", f"must be one of {', '.join(_REWARDS)}, got {reward!r}")
+            raise ArgumentError("reward", f"must be one of {', '.join(_REWARDS)}, got {reward!r}")
         self.reward, self.question_key, self.answer_key = reward, question_key, answer_key
         self.limits = SandboxLimits(
             cpu_s=cpu_s,

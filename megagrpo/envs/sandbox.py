@@ -70,7 +70,7 @@ import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from megagrpo.config.errors import ConfigError
+from megagrpo.envs.base import ArgumentError
 from megagrpo.envs.seccomp import SECCOMP_ARCHES, filter_program
 
 __all__ = [
@@ -131,7 +131,7 @@ class SandboxLimits:
             number = (int, float) if field.name == "wall_s" else int
             if isinstance(value, bool) or not isinstance(value, number) or not 0 < value < math.inf:
                 kind = "a number" if field.name == "wall_s" else "an integer"
-                raise ConfigError(field.name, f"must be {kind} > 0, got {value!r}")
+                raise ArgumentError(field.name, f"must be {kind} > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
