@@ -12,9 +12,8 @@ and on the trainer after every sync; its error is the mean of exp|logprob_engine
   bf16 kernels against Megatron's bf16 layers, ``--syncs`` GRPO steps each (a sync and a probe per
   step), with the bound lifted so that the run records instead of stopping. ``tiny``: the demo's
   model from its own bf16 warm-up (the weights move every step); ``m25``: ``step``'s ~25M model
-  from random weights, 2 syncs: its rewards stay 0, so its weights do not move (zero advantages, no
-  KL term) and every sync probes the same weights, while a bf16 train step of it takes minutes on 2
-  CPU cores (measured: 245 s at 16 prompts x 8, bf16 matmuls without bf16 instructions).
+  from random weights, 2 syncs only: its rewards are mostly 0 (the weights move little) and a bf16 step
+  of it takes 45-75 s on 2 CPU cores (bf16 matmuls without bf16 instructions; 245 s at 16 prompts x 8).
   Also recorded: ``train/token_mult_prob_error_mean``, the same measure on every step's sampled tokens
   (vLLM's sampling logprobs against the trainer's).
 - ``--against hf`` (gpu suite: the device has no vLLM; on CUDA when torch sees it, else on CPU): Megatron

@@ -134,14 +134,6 @@ BENCHMARKS: tuple[Bench, ...] = (
         args={"gpu": ["--against", "hf", "--preset", "qwen2-1.5b"]},
         quick_args={"gpu": ["--against", "hf"]},
     ),
-    # The same comparison as the gpu suite's on cpu, at the "cpu" preset (~25M): its weights move every sync.
-    Bench(
-        "probe_bf16_hf",
-        ("cpu",),
-        args={"cpu": ["--against", "hf", "--preset", "cpu"]},
-        quick_args={"cpu": ["--against", "hf"]},
-        module="probe_bf16",
-    ),
     # The MoE train step on one GPU (EP 1; vLLM is not on the lent device: no sync, no capture).
     Bench("moe", ("cpu", "gpu"), args={"gpu": MOE_H200}, quick_args={"gpu": MOE_H200_QUICK}),
     # The 256 MB sync point is the sync benchmark's one-engine row (the same run).

@@ -65,7 +65,9 @@ class GenerationConfig:
     """Largest mean exp|logprob delta| between trainer and engines the post-sync probe tolerates (>= 1).
     null: by model.dtype: float32 1.001 (kernels agree to ~1e-7: measured 1.0000002 on CPU);
     bfloat16/float16 1.05, the bound the peers gate bf16 runs on (NeMo-RL's nightly tests: median
-    token_mult_prob_error < 1.05), since bf16 kernels differ by their rounding (typically 1.01-1.05).
+    token_mult_prob_error < 1.05), since bf16 kernels differ by their rounding; measured here at most 1.007
+    (vLLM CPU, tiny model) and 1.021 (Megatron against transformers at Qwen2-1.5B's shape on an H200),
+    benchmarks/probe_bf16.py.
     A wrong sync is caught exactly by the bucket digests every sync checks; this bound is the numerics."""
     sync_timeout_s: float = 600.0
     """Seconds one wait of a weight sync may take (a bucket's broadcast or handoff, on the sender and on
