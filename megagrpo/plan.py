@@ -13,7 +13,8 @@ worker: weights + KV cache for ``model.seq_length`` at the engine's concurrency;
 sender puts on each link and each vLLM worker receives per sync, on the path the runtime takes
 (shard-wise where trainer and engine TP nest: every TP rank sends its own shard; else gathered:
 TP rank 0 of each stage broadcasts its stage). With colocated engines, the bytes on one GPU in
-each phase of a step (train, sync, generation: ``colocated_phases``) under ``policy.offload``.
+each phase of a run (start, resume, step-0 sync, wake, sync, generation, train, save:
+``colocated_phases``) under ``policy.offload``, and which phase is the peak.
 A mixture-of-experts model's routed experts are counted by :mod:`megagrpo.plan_experts` (split over EP
 and ETP, their Adam states over the expert data-parallel group; the dispatcher's activations and
 all-to-all bytes; the engines' layouts of them) and added to each rank's numbers.
@@ -78,7 +79,7 @@ class Plan:
     engine_worker_bytes: dict[str, int]
     sync: dict[str, float]
     colocated: dict[str, object] | None = None
-    """Colocated placement: bytes per GPU in each phase of a step (train, sync, generation) and the peak."""
+    """Colocated placement: bytes per GPU in each phase (:data:`COLOCATED_PHASES`) and the peak."""
     errors: list[str] = field(default_factory=list)
     experts: plan_experts.ExpertPlan | None = None
     """A mixture-of-experts model: the experts' layout and their part of each rank's numbers."""
@@ -373,42 +374,87 @@ def _engine_worker(cfg: Config, shape: GPTShape, non_expert: int, gpu_memory_gib
     )
     return {
         "weights": weights,
+        "largest_tensor": _largest_engine_tensor(shape, etp, wb),
         "kv_cache": int(kv_per_token * cfg.model.seq_length * concurrency),
         "concurrency": concurrency,
         "claimed": int(gen.gpu_memory_utilization * gpu_memory_gib * GIB),
     }
 
 
-def colocated_phases(cfg: Config, ranks: list[RankMemory], engine: dict) -> dict[str, object]:
-    """Bytes on one colocated GPU in each phase of a step, for the rank of the heaviest stage:
+COLOCATED_PHASES = ("start", "resume", "step0_sync", "wake", "sync", "generation", "train", "save")
+"""A colocated GPU's phases, in the order a run meets them (:func:`colocated_phases`)."""
 
-    - train: the trainer's states and activations, beside the sleeping engine (vLLM's sleep level 2:
-      weights and KV cache discarded, its context kept);
-    - sync: the engine woken (its claim, ``gpu_memory_utilization`` of the GPU), beside what the trainer
-      keeps after releasing its allocator's free blocks and offloading the optimizer (and, with
-      ``policy.offload: all``, the gradient buffers): its weights;
-    - generation: the engine, beside what the trainer keeps after the sync (``all``: nothing).
-    Each adds the two shared bucket slots (kept from one sync to the next) and
+
+def _largest_engine_tensor(s: GPTShape, etp: int, wb: int) -> int:
+    """The largest tensor of one engine worker that a weight reload materializes at once: the
+    embedding or output layer, a layer's fused QKV or gate/up projection, or an MoE layer's experts."""
+    from megagrpo.models.shape import padded_vocab_size
+
+    h = s.hidden_size
+    qkv = h * (s.num_attention_heads + 2 * s.num_query_groups) * s.head_dim
+    mlp = 2 * h * s.ffn_hidden_size if not s.is_moe else plan_experts.routed_layer_params(s)
+    return int(max(padded_vocab_size(s.vocab_size) * h, qkv, mlp) * wb / etp)
+
+
+def colocated_phases(cfg: Config, ranks: list[RankMemory], engine: dict) -> dict[str, object]:
+    """Bytes on one colocated GPU in each phase of a run, for the rank of the heaviest stage, in the
+    order the GRPO loop hands the GPU over (``runtime.colocated``): wake weights -> sync -> park the
+    trainer -> wake the KV cache -> generate -> sleep -> train.
+
+    - start: the engine starts beside the built trainer (weights, gradient buffers, optimizer) and
+      claims ``gpu_memory_utilization`` of the GPU (its weights, KV cache and workspace);
+    - resume: a checkpoint loaded with the engine asleep (vLLM's level 2: it keeps its context
+      only); the optimizer's states are counted twice, for the tensors the load reads into;
+    - step0_sync, sync: the trainer has parked what ``policy.offload`` moves before a sync (the
+      optimizer; with ``all`` the gradient buffers too) and the engine has woken its weights only:
+      beside them its two receive buffers (one bucket each) and the layer being reloaded (vLLM
+      re-processes a layer once all of it arrived: the largest tensor, twice, for its copy);
+    - wake: the same without the receive buffers (the weights woken, nothing received yet);
+    - generation: the engine's whole claim beside what the trainer keeps once the weights are synced
+      (``all``: nothing but, while the probe is scored, its weights);
+    - train: the trainer's states and activations beside the sleeping engine;
+    - save: a checkpoint written with the engine asleep, from the weights and the optimizer (and the
+      gradient buffers where they were never parked), the optimizer's states counted twice for the
+      copies the checkpoint's format makes.
+    Each adds the trainer's two shared bucket slots (allocated when the sync is set up and kept) and
     :data:`PROCESS_CONTEXT_BYTES` per process."""
     offload, ctx = cfg.policy.offload, 2 * PROCESS_CONTEXT_BYTES
-    slots = 2 * int(cfg.generation.sync_bucket_mb * 2**20)
-    claimed = engine["claimed"]
+    bucket = int(cfg.generation.sync_bucket_mb * 2**20)
+    slots, claimed, engine_weights = 2 * bucket, engine["claimed"], engine["weights"]
+    receiving = 2 * bucket + 2 * engine.get("largest_tensor", 0)
+
+    def worst(bytes_of) -> int:
+        return max(bytes_of(r) for r in ranks)
 
     def keeps_at_sync(r: RankMemory) -> int:
         return r.weights + (0 if offload == "all" else r.grads) + (r.optimizer if offload == "none" else 0)
 
     def keeps_at_generation(r: RankMemory) -> int:
-        return {"none": r.weights + r.grads + r.optimizer, "optimizer": r.weights + r.grads, "all": 0}[
-            offload
-        ]
+        # "all": the weights are parked, and borrowed back while the probe is scored.
+        return {
+            "none": r.weights + r.grads + r.optimizer,
+            "optimizer": r.weights + r.grads,
+            "all": r.weights,
+        }[offload]
 
-    # The shared slots are allocated once, when the sync is set up, and kept in every phase.
+    def states(r: RankMemory) -> int:
+        return r.weights + r.grads + r.optimizer
+
+    def saved_from(r: RankMemory) -> int:
+        return r.weights + 2 * r.optimizer + (0 if offload == "all" else r.grads)
+
+    sync = worst(keeps_at_sync) + engine_weights + receiving + slots + ctx
     phases = {
+        "start": worst(states) + claimed + ctx,
+        "resume": worst(lambda r: states(r) + r.optimizer) + slots + ctx,
+        "step0_sync": sync,
+        "wake": worst(keeps_at_sync) + engine_weights + slots + ctx,
+        "sync": sync,
+        "generation": worst(keeps_at_generation) + claimed + slots + ctx,
         "train": max(r.total for r in ranks) + slots + ctx,
-        "sync": max(keeps_at_sync(r) for r in ranks) + slots + claimed + ctx,
-        "generation": max(keeps_at_generation(r) for r in ranks) + slots + claimed + ctx,
+        "save": worst(saved_from) + slots + ctx,
     }
-    peak = max(phases, key=phases.get)
+    peak = max(COLOCATED_PHASES, key=phases.get)
     return {**phases, "peak": phases[peak], "peak_phase": peak, "offload": offload}
 
 
@@ -566,10 +612,10 @@ def render(plan: Plan, cfg: Config) -> None:
     )
     if plan.colocated is not None:
         c = plan.colocated
+        phases = ", ".join(f"{phase} {_size(c[phase])}" for phase in COLOCATED_PHASES)
         con.print(
-            f"colocated, per GPU (policy.offload {c['offload']}): train {_size(c['train'])}, sync "
-            f"{_size(c['sync'])}, generation {_size(c['generation'])}; peak {_size(c['peak'])} in the "
-            f"{c['peak_phase']} phase"
+            f"colocated, per GPU (policy.offload {c['offload']}): {phases}; peak {_size(c['peak'])} in "
+            f"the {c['peak_phase']} phase"
         )
     for err in plan.errors:
         con.print(f"[red]error:[/red] {err}")
