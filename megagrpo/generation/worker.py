@@ -133,7 +133,7 @@ class GenerationWorker:
                 load_format="dummy" if dummy_weights else "auto",
                 weight_transfer_config=WeightTransferConfig(backend=BACKEND),
                 # Colocated engines give their memory back while the trainer runs (vLLM: CUDA only;
-                # on CPU they share the host's memory and stay up).
+                # on CPU their sleep is imitated, see ``sleep``).
                 enable_sleep_mode=gen.placement == "colocated" and cfg.cluster.gpus_per_node > 0,
                 **scheduler_args(cfg),
                 **(self.routing.engine_args() if self.routing is not None else {}),

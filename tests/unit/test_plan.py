@@ -270,7 +270,8 @@ def test_recipe_stages_chain_and_fit_one_node_of_8_gpus(tmp_path, stage, capsys)
         rf"colocated, per GPU \(policy.offload all\): {phases}; peak (\S+)G in the (\w+) phase", line
     )
     assert said is not None, out
-    assert float(said.group(1)) < 80 and said.group(2) in ("start", "generation")
+    # The engine starting beside the built trainer (vLLM claims gpu_memory_utilization of the GPU).
+    assert (said.group(1), said.group(2)) == ({"8k": "56.4", "16k": "72.4", "24k": "72.4"}[stage], "start")
     cfg = load_config(f"deepscaler/{stage}")
     previous = {"8k": None, "16k": "runs/deepscaler-8k", "24k": "runs/deepscaler-16k"}[stage]
     assert cfg.model.init_from == previous
