@@ -14,7 +14,7 @@ sender puts on each link and each vLLM worker receives per sync, on the path the
 (shard-wise where trainer and engine TP nest: every TP rank sends its own shard; else gathered:
 TP rank 0 of each stage broadcasts its stage). With colocated engines, the bytes on one GPU in
 each phase of a run (start, resume, step-0 sync, wake, sync, generation, train, save:
-``colocated_phases``) under ``policy.offload``, and which phase is the peak.
+:mod:`megagrpo.plan_colocated`) under ``policy.offload``, and which phase is the peak.
 A mixture-of-experts model's routed experts are counted by :mod:`megagrpo.plan_experts` (split over EP
 and ETP, their Adam states over the expert data-parallel group; the dispatcher's activations and
 all-to-all bytes; the engines' layouts of them) and added to each rank's numbers.
