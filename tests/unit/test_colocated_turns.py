@@ -23,9 +23,7 @@ class Engine:
 
     def _call(self, method):
         def remote(*args):
-            self.log.append(
-                (self.name, method, *[a for a in args if isinstance(a, list) and method == "wake_up"])
-            )
+            self.log.append((self.name, method, *args))
             return self, method
 
         return remote
