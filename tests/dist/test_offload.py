@@ -31,10 +31,10 @@ def _three_steps(cfg, offload: bool) -> dict:
             probes.append(worker.logprobs(batch))
             again = [p.untyped_storage().nbytes() for p in worker.engine.module.parameters()]
             assert max(again) == 0 and sorted(worker.offloader.parked) == ["grads", "optimizer", "weights"]
+            if step == 1:  # else the next train call brings them back by itself
+                assert worker.reload() == sync + generation
         else:
             probes.append(worker.logprobs(batch))
-            if step == 1:  # the next forward brings them back by itself
-                assert worker.reload() == sync + generation
     worker.reload()  # the last step's parked states
     weights = {n: p.detach().clone() for n, p in worker.engine.module.named_parameters()}
     return {
