@@ -13,7 +13,8 @@ worker: weights + KV cache for ``model.seq_length`` at the engine's concurrency;
 sender puts on each link and each vLLM worker receives per sync, on the path the runtime takes
 (shard-wise where trainer and engine TP nest: every TP rank sends its own shard; else gathered:
 TP rank 0 of each stage broadcasts its stage). With colocated engines, the bytes on one GPU in
-each phase of a step (train, sync, generation: ``colocated_phases``) under ``policy.offload``.
+each phase of a run (start, resume, step-0 sync, wake, sync, generation, train, save:
+:mod:`megagrpo.plan_colocated`) under ``policy.offload``, and which phase is the peak.
 A mixture-of-experts model's routed experts are counted by :mod:`megagrpo.plan_experts` (split over EP
 and ETP, their Adam states over the expert data-parallel group; the dispatcher's activations and
 all-to-all bytes; the engines' layouts of them) and added to each rank's numbers.
@@ -34,20 +35,18 @@ from megagrpo.config import rules
 from megagrpo.config.errors import ConfigError
 from megagrpo.config.resolution import packs_sequences
 from megagrpo.parallel import backends
+from megagrpo.plan_colocated import COLOCATED_PHASES, colocated_phases, largest_engine_tensor
 
 if TYPE_CHECKING:
     from megagrpo.config import Config
     from megagrpo.models.shape import GPTShape
 
-__all__ = ["Plan", "make_plan", "read_shape"]
+__all__ = ["COLOCATED_PHASES", "Plan", "colocated_phases", "make_plan", "read_shape"]
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 VLLM_MAX_NUM_SEQS = 256
 """vLLM's default cap on sequences an engine decodes at once (the plan's engine concurrency bound)."""
-PROCESS_CONTEXT_BYTES = GIB // 2
-"""What a process keeps on a GPU whatever it does (CUDA context, allocator pools): an estimate, for
-each of the two processes on a colocated GPU (a sleeping vLLM engine keeps about this much)."""
 
 
 @dataclass
@@ -78,7 +77,7 @@ class Plan:
     engine_worker_bytes: dict[str, int]
     sync: dict[str, float]
     colocated: dict[str, object] | None = None
-    """Colocated placement: bytes per GPU in each phase of a step (train, sync, generation) and the peak."""
+    """Colocated placement: bytes per GPU in each phase (:data:`COLOCATED_PHASES`) and the peak."""
     errors: list[str] = field(default_factory=list)
     experts: plan_experts.ExpertPlan | None = None
     """A mixture-of-experts model: the experts' layout and their part of each rank's numbers."""
@@ -373,43 +372,11 @@ def _engine_worker(cfg: Config, shape: GPTShape, non_expert: int, gpu_memory_gib
     )
     return {
         "weights": weights,
+        "largest_tensor": largest_engine_tensor(shape, etp, wb),
         "kv_cache": int(kv_per_token * cfg.model.seq_length * concurrency),
         "concurrency": concurrency,
         "claimed": int(gen.gpu_memory_utilization * gpu_memory_gib * GIB),
     }
-
-
-def colocated_phases(cfg: Config, ranks: list[RankMemory], engine: dict) -> dict[str, object]:
-    """Bytes on one colocated GPU in each phase of a step, for the rank of the heaviest stage:
-
-    - train: the trainer's states and activations, beside the sleeping engine (vLLM's sleep level 2:
-      weights and KV cache discarded, its context kept);
-    - sync: the engine woken (its claim, ``gpu_memory_utilization`` of the GPU), beside what the trainer
-      keeps after releasing its allocator's free blocks and offloading the optimizer (and, with
-      ``policy.offload: all``, the gradient buffers): its weights;
-    - generation: the engine, beside what the trainer keeps after the sync (``all``: nothing).
-    Each adds the two shared bucket slots (kept from one sync to the next) and
-    :data:`PROCESS_CONTEXT_BYTES` per process."""
-    offload, ctx = cfg.policy.offload, 2 * PROCESS_CONTEXT_BYTES
-    slots = 2 * int(cfg.generation.sync_bucket_mb * 2**20)
-    claimed = engine["claimed"]
-
-    def keeps_at_sync(r: RankMemory) -> int:
-        return r.weights + (0 if offload == "all" else r.grads) + (r.optimizer if offload == "none" else 0)
-
-    def keeps_at_generation(r: RankMemory) -> int:
-        return {"none": r.weights + r.grads + r.optimizer, "optimizer": r.weights + r.grads, "all": 0}[
-            offload
-        ]
-
-    # The shared slots are allocated once, when the sync is set up, and kept in every phase.
-    phases = {
-        "train": max(r.total for r in ranks) + slots + ctx,
-        "sync": max(keeps_at_sync(r) for r in ranks) + slots + claimed + ctx,
-        "generation": max(keeps_at_generation(r) for r in ranks) + slots + claimed + ctx,
-    }
-    peak = max(phases, key=phases.get)
-    return {**phases, "peak": phases[peak], "peak_phase": peak, "offload": offload}
 
 
 def memory_errors(
@@ -566,10 +533,10 @@ def render(plan: Plan, cfg: Config) -> None:
     )
     if plan.colocated is not None:
         c = plan.colocated
+        phases = ", ".join(f"{phase} {_size(c[phase])}" for phase in COLOCATED_PHASES)
         con.print(
-            f"colocated, per GPU (policy.offload {c['offload']}): train {_size(c['train'])}, sync "
-            f"{_size(c['sync'])}, generation {_size(c['generation'])}; peak {_size(c['peak'])} in the "
-            f"{c['peak_phase']} phase"
+            f"colocated, per GPU (policy.offload {c['offload']}): {phases}; peak {_size(c['peak'])} in "
+            f"the {c['peak_phase']} phase"
         )
     for err in plan.errors:
         con.print(f"[red]error:[/red] {err}")

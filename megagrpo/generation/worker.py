@@ -27,6 +27,9 @@ from megagrpo.weight_sync.buckets import Bucket
 from megagrpo.weight_sync.plugin import BACKEND
 from megagrpo.weight_sync.transport import GroupAddress
 
+SLEEP_TAGS = ("weights", "kv_cache")
+"""What a colocated engine's sleep gives back, as vLLM tags it (``LLM.wake_up(tags=...)``)."""
+
 
 def scheduler_args(cfg: Config) -> dict:
     """vLLM scheduler settings: ``generation.max_num_seqs`` when set; on vLLM's CPU build, whole-prompt
@@ -108,6 +111,7 @@ class GenerationWorker:
         self.cfg, self.model_dir = cfg, model_dir
         self.engine_index = engine_index
         self._episodes = None  # the episode runner's renderer and environment pool, made on first use
+        self.asleep: set[str] = set()  # the SLEEP_TAGS given back (colocated placement)
         # Routed experts with every completion (grpo.routing_replay), else None.
         self.routing = engine_routing(cfg, model_dir)
         has_tokenizer = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
@@ -129,7 +133,7 @@ class GenerationWorker:
                 load_format="dummy" if dummy_weights else "auto",
                 weight_transfer_config=WeightTransferConfig(backend=BACKEND),
                 # Colocated engines give their memory back while the trainer runs (vLLM: CUDA only;
-                # on CPU they share the host's memory and stay up).
+                # on CPU their sleep is imitated, see ``sleep``).
                 enable_sleep_mode=gen.placement == "colocated" and cfg.cluster.gpus_per_node > 0,
                 **scheduler_args(cfg),
                 **(self.routing.engine_args() if self.routing is not None else {}),
@@ -181,6 +185,8 @@ class GenerationWorker:
         """
         from vllm import SamplingParams
 
+        self._require_awake("generate")
+
         def params(seed: int | None) -> SamplingParams:
             return SamplingParams(
                 n=settings.n,
@@ -225,6 +231,7 @@ class GenerationWorker:
         worker processes and loads the model's tokenizer (its chat template renders the messages)."""
         from megagrpo.envs.episodes import EpisodeRunner, vllm_turn_engine
 
+        self._require_awake("run_episodes")
         renderer, pool = self.episode_parts()
         engine = vllm_turn_engine(self.llm, settings, renderer.stop_token_ids, self.routing)
         runner = EpisodeRunner(engine, renderer, pool, self.cfg.env, max_context=self.cfg.model.seq_length)
@@ -272,6 +279,7 @@ class GenerationWorker:
         """
         from vllm import SamplingParams
 
+        self._require_awake("the probe")
         if routed and self.routing is None:
             raise ValueError("routed experts were asked of an engine started without grpo.routing_replay")
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
@@ -288,15 +296,42 @@ class GenerationWorker:
         return result, [per[0] for per in self.routing.collect(self.llm, outputs)]
 
     def sleep(self) -> None:
-        """Colocated placement: free weights and KV cache for the trainer's turn (CUDA only).
+        """Colocated placement: give the GPU to the trainer, weights and KV cache both (vLLM's level 2:
+        discarded, not copied to host memory as at level 1, since every wake-up is followed by a full
+        weight sync; vLLM keeps the model's buffers, such as rotary tables, itself). An engine asleep
+        already stays so.
 
-        vLLM's level 2: weights and KV cache are discarded, not copied to host memory (level 1), since
-        every wake-up is followed by a full weight sync; vLLM keeps the model's buffers (rotary tables)
-        itself. Never run here: vLLM's sleep mode is CUDA's."""
+        vLLM's CPU worker ignores sleep (its engine still pauses scheduling): there the discarded
+        weights are imitated, every weight the forward reads made NaN (:func:`_forget_weights`), so
+        that a sync which misses a tensor fails the probe as on a GPU, where the woken memory holds
+        whatever it held."""
+        from vllm.platforms import current_platform
+
+        if self.asleep == set(SLEEP_TAGS):
+            return
         self.llm.sleep(level=2)
+        if current_platform.is_cpu():
+            self.llm.collective_rpc(_forget_weights)
+        self.asleep = set(SLEEP_TAGS)
 
-    def wake_up(self) -> None:
-        self.llm.wake_up()
+    def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
+        """Take back ``tags`` of the GPU memory: "weights" before a sync receives them, "kv_cache" once
+        the trainer parked its states; vLLM schedules again once both are back."""
+        unknown = set(tags) - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; vLLM's are {list(SLEEP_TAGS)}")
+        waking = [t for t in SLEEP_TAGS if t in tags and t in self.asleep]
+        if waking:
+            self.llm.wake_up(tags=waking)
+            self.asleep -= set(waking)
+
+    def _require_awake(self, what: str) -> None:
+        """vLLM queues requests while it sleeps (it would wait for ever): an error instead."""
+        if self.asleep:
+            raise RuntimeError(
+                f"{what} on vLLM engine {self.engine_index} while its {' and '.join(sorted(self.asleep))} "
+                "sleep (colocated placement wakes the weights for a sync, then the KV cache)"
+            )
 
     # --------------------------------------------------------------------------------- weight sync
 
@@ -324,6 +359,10 @@ class GenerationWorker:
         With ``checksums``: per worker of this engine (by rank), {plan index: digest} of every bucket
         it received; else [].
         """
+        if "weights" in self.asleep:
+            raise RuntimeError(
+                f"weights sent to vLLM engine {self.engine_index} while its weights sleep: wake them first"
+            )
         # vLLM hands this dict to the worker's transfer engine as ``MegagrpoUpdateInfo(**update_info)``.
         update_info = {"buckets": tuple(plan), "checksums": checksums}
         self.llm.collective_rpc("start_weight_update")
@@ -342,6 +381,10 @@ class GenerationWorker:
         """Bucket bytes each of this engine's workers received in the last sync, by worker rank."""
         return self.llm.collective_rpc(_received_bytes)
 
+    def receive_buffer_bytes(self) -> list[int]:
+        """The receive buffers' bytes each of this engine's workers held in the last sync (two buckets)."""
+        return self.llm.collective_rpc(_receive_buffer_bytes)
+
     def shutdown_weight_sync(self) -> None:
         self.llm.collective_rpc("shutdown_weight_transfer_engine")
 
@@ -354,6 +397,37 @@ def _param_shapes(worker) -> dict[str, tuple[int, ...]]:
 
 def _received_bytes(worker) -> int:
     return worker.weight_transfer_engine.received_bytes
+
+
+def _forget_weights(worker) -> None:
+    """Inside a vLLM CPU worker: what its sleep at level 2 would do to the weights on a GPU, imitated.
+
+    Every floating-point parameter is filled with NaN, and so is the output of every linear layer
+    whose weight vLLM's CPU build packed away into a GEMM kernel (``cpu_linear``; the parameter left
+    empty). A layer the next sync loads is re-processed by vLLM's layerwise reload, which makes its
+    kernel anew; a layer it misses keeps answering NaN."""
+    import torch
+
+    model = worker.model_runner.model
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.fill_(float("nan"))
+        for module in model.modules():
+            linear = module.__dict__.get("cpu_linear")
+            if linear is not None:
+                module.cpu_linear = _answering_nan(linear)
+
+
+def _answering_nan(linear):
+    def forgotten(x, weight, bias):
+        return linear(x, weight, bias).fill_(float("nan"))
+
+    return forgotten
+
+
+def _receive_buffer_bytes(worker) -> int:
+    return worker.weight_transfer_engine.buffer_bytes
 
 
 def _received_digests(worker) -> dict[int, str]:

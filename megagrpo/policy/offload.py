@@ -17,7 +17,8 @@ round trip, and the bytes counted are what a GPU would get back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -64,18 +65,35 @@ class Offloader:
         self.parked[group] = parked
         return sum(p.nbytes for p in parked)
 
-    def reload(self) -> int:
-        """Bring every parked storage back, bytes unchanged; returns the bytes put back on the device."""
+    def reload(self, groups: Iterable[str] | None = None) -> int:
+        """Bring the parked storages of ``groups`` (every group when None) back, bytes unchanged;
+        returns the bytes put back on the device."""
         restored = 0
-        for parked in self.parked.values():
-            for p in parked:
+        for group in [g for g in self.parked if groups is None or g in groups]:
+            for p in self.parked.pop(group):
                 p.storage.resize_(p.nbytes)
                 _whole(p.storage, self.device).copy_(p.host)
                 restored += p.nbytes
-        self.parked = {}
-        if self.device.type == "cuda":
+        if restored and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return restored
+
+    @contextmanager
+    def borrowed(self, group: str) -> Iterator[None]:
+        """Inside: ``group``'s storages on the device for reading (a no-op when it is not parked);
+        on the way out they leave it again. Their host copies still hold the bytes, so nothing is
+        copied back: whoever borrows them must not write them."""
+        parked = self.parked.get(group, [])
+        for p in parked:
+            p.storage.resize_(p.nbytes)
+            _whole(p.storage, self.device).copy_(p.host)
+        try:
+            yield
+        finally:
+            for p in parked:
+                p.storage.resize_(0)
+            if parked:
+                release_cached_memory(self.device)
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:

@@ -180,10 +180,11 @@ class MegatronRank:
         """Everything ``offload`` parked, back on the device bit for bit; returns the bytes."""
         return self.offloader.reload()
 
-    def _on_device(self) -> None:
-        """Whatever reads or steps the states first brings them back (a no-op when nothing is parked)."""
+    def _on_device(self, *groups: str) -> None:
+        """Whatever reads or steps the states first brings them back: the ``groups`` it needs
+        ("weights", "optimizer", "grads"), or all of them (a no-op when nothing is parked)."""
         if self.offloader.parked:
-            self.offloader.reload()
+            self.offloader.reload(groups or None)
 
     # ----------------------------------------------------------------------------------- weights
 
@@ -340,7 +341,11 @@ class MegatronRank:
         ``temperature`` defaults to the rank's (GRPO: ``generation.temperature``, the distribution
         rollouts are sampled from; the weight-sync probe uses 1.0).
         """
-        self._on_device()
+        # The weights only (the probe, with the engines awake): borrowed, and parked again after.
+        with self.offloader.borrowed("weights"):
+            return self._logprobs(batch, temperature)
+
+    def _logprobs(self, batch, temperature: float | None) -> torch.Tensor:
         mine = self._my_shard(batch)
         result = torch.zeros(batch.size, batch.input_ids.shape[1] - 1)
         collected: list[tuple[list[int], torch.Tensor]] = []
@@ -460,7 +465,7 @@ class MegatronRank:
         (for the checkpoint's manifest). A failed write raises on every rank, never leaving one
         waiting for another.
         """
-        self._on_device()
+        self._on_device("weights", "optimizer")  # parked gradient buffers stay so: not saved
         path = Path(path)
         model_sd = self.engine.module.sharded_state_dict()
         with DigestCollector() as digests:

@@ -142,10 +142,11 @@ class PolicyWorker(MegatronRank, WeightSyncEndpoints):
     # --------------------------------------------------------------------------------- weight sync
 
     def send_weights(self, plan, with_checksums: bool = False):
-        """As ``WeightSyncEndpoints.send_weights``, with the weights brought back first if
-        ``policy.offload: all`` parked them (an engine replaced during generation is re-synced)."""
-        self._on_device()
-        return super().send_weights(plan, with_checksums)
+        """As ``WeightSyncEndpoints.send_weights``, with the weights borrowed back if
+        ``policy.offload: all`` parked them (an engine replaced during generation is re-synced):
+        the weights only, parked again once sent; the optimizer stays in host memory."""
+        with self.offloader.borrowed("weights"):
+            return super().send_weights(plan, with_checksums)
 
     def weight_source(self) -> tuple[ParallelContext, torch.nn.Module, ModelDescription]:
         """(parallel context, model stage, model description): what the weight-sync sender reads."""

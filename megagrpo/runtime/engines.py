@@ -19,12 +19,14 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megagrpo.config import Config
+from megagrpo.runtime.colocated import GpuTurns
 from megagrpo.runtime.faults import EngineFailure, first_line
 from megagrpo.runtime.groups import COLOCATED_SHARE, NODE_LABEL_AMOUNT, RankGroup
 from megagrpo.weight_sync.sync import ProbeResult, WeightSync, WeightSyncError
@@ -136,6 +138,8 @@ class SyncOutcome:
     """How far the engines' probe logprobs are from the trainer's."""
     probe_s: float
     """Time the probe took (scored by every engine and the trainer; part of the sync's time)."""
+    offloaded: int = 0
+    """Colocated: the device bytes the trainer parked around the sync (the most of any rank)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +183,11 @@ class EnginePool:
         policy: RankGroup | None = None,
         engine_cls: type[GenerationWorker] | None = None,
         vocab_size: int | None = None,
+        log_dir: Path | None = None,
     ):
         """``actors``: the engines, started and ready; with ``policy``, its weight-sync groups are formed
-        with them (``vocab_size``: the model's, for the probe)."""
+        with them (``vocab_size``: the model's, for the probe). Colocated with a policy, the GPUs are
+        handed over by ``turns`` (``runtime.colocated``; its events go to ``log_dir``)."""
         if policy is not None and vocab_size is None:
             raise TypeError("EnginePool with a policy needs the model's vocab_size (the probe's tokens)")
         self.cfg, self.model_dir, self.policy, self.engine_cls = cfg, model_dir, policy, engine_cls
@@ -189,6 +195,8 @@ class EnginePool:
         self.actors = list(actors)
         self._weights: WeightSync | None = self._connect()
         gen = cfg.generation
+        colocated = gen.placement == "colocated" and policy is not None
+        self.turns = GpuTurns(policy, timeout_s=gen.sync_timeout_s, log_dir=log_dir) if colocated else None
         self.budget = RestartBudget(gen.max_engine_restarts, gen.engine_restart_window_steps)
         self.restarts: list[tuple[int, float]] = []
         """(engine, seconds from its failure to the probe of its replacement), one per restart."""
@@ -202,6 +210,7 @@ class EnginePool:
         *,
         launched: list | None = None,
         engine_cls: type[GenerationWorker] | None = None,
+        log_dir: Path | None = None,
     ) -> EnginePool:
         """The pool of ``generation.num_engines`` engines loading ``model_dir``: ``launched`` (started by
         ``launch_engines``, still starting) once they are ready, or engines started now. With
@@ -216,7 +225,15 @@ class EnginePool:
             actors = wait_for_engines(launched)
         else:
             actors = start_engines(cfg, model_dir, policy=policy, engine_cls=engine_cls)
-        return cls(cfg, model_dir, actors, policy=policy, engine_cls=engine_cls, vocab_size=vocab_size)
+        return cls(
+            cfg,
+            model_dir,
+            actors,
+            policy=policy,
+            engine_cls=engine_cls,
+            vocab_size=vocab_size,
+            log_dir=log_dir,
+        )
 
     @property
     def sync(self) -> SyncLayout:
@@ -247,6 +264,7 @@ class EnginePool:
         out = []
         timeout_s = self.cfg.generation.timeout_s
         method = "run_episodes" if episodes else "generate"
+        self.record(step, "engines generate")
         for i, comps in self.call(method, shares, timeout_s, step=step, restartable=restartable).items():
             out += [dataclasses.replace(c, prompt_index=c.prompt_index + i * per) for c in comps]
         return out
@@ -275,16 +293,24 @@ class EnginePool:
         return results
 
     def sync_weights(self, *, step: int) -> SyncOutcome:
-        """Send the trainer's weights to every engine and probe them; an engine that fails meanwhile is
-        replaced (counted at ``step``), which sends and probes again."""
+        """Send the trainer's weights to every engine and probe them (colocated: in the order of
+        ``runtime.colocated``); an engine that fails meanwhile is replaced (counted at ``step``), which
+        sends and probes again."""
         weights = self._require_weights()
         try:
-            weights.sync()
-            return self._probe(weights)
+            return self._sync_and_probe(weights, step)
         except WeightSyncError as err:
             if err.engine is None:
                 raise
             return self.replace(err.engine, err, step=step)
+
+    def _sync_and_probe(self, weights: WeightSync, step: int) -> SyncOutcome:
+        """Colocated: wake the weights, sync, park the trainer, wake the KV cache, probe."""
+        offloaded = self.turns.before_sync(self.actors, step) if self.turns else 0
+        weights.sync()
+        if self.turns:
+            offloaded += self.turns.after_sync(self.actors, step)
+        return dataclasses.replace(self._probe(weights), offloaded=offloaded)
 
     def replace(
         self, index: int, err: BaseException, *, step: int, restartable: bool = True
@@ -319,21 +345,32 @@ class EnginePool:
         self._weights = self._connect()
         outcome = None
         if self._weights is not None:
-            self._weights.sync()
-            outcome = self._probe(self._weights)
+            outcome = self._sync_and_probe(self._weights, step)
         seconds = time.perf_counter() - start
         self.restarts.append((index, seconds))
         print(f"vLLM engine {index} restarted, weights re-synced and probed in {seconds:.1f}s", flush=True)
         return outcome
 
-    def set_awake(self, awake: bool) -> None:
-        """Colocated placement: engines release their GPU memory while the trainer runs (``False``) and
-        take it back before receiving the new weights (``True``). Disaggregated engines stay up, and so
-        do colocated ones without GPUs (vLLM's sleep mode is CUDA's; host memory is not handed back)."""
-        if self.cfg.generation.placement != "colocated" or self.cfg.cluster.gpus_per_node == 0:
-            return
-        calls = [(e.wake_up if awake else e.sleep).remote() for e in self.actors]
-        ray.get(calls, timeout=self.cfg.generation.sync_timeout_s)
+    def record(self, step: int, event: str) -> None:
+        """Colocated: an event in the log of the GPUs' hand-overs (``runtime.colocated``)."""
+        if self.turns is not None:
+            self.turns.record(step, event)
+
+    @property
+    def asleep(self) -> bool:
+        """Colocated: whether the engines gave their GPU memory back (the next sync wakes them)."""
+        return self.turns is not None and self.turns.engines_asleep
+
+    def hand_to_trainer(self, *, step: int) -> None:
+        """Colocated: the engines sleep and the trainer's parked states come back (else nothing)."""
+        if self.turns is not None:
+            self.turns.to_trainer(self.actors, step)
+
+    def sleep(self, *, step: int, tolerate_dead: bool = False) -> None:
+        """Colocated: the engines sleep (a checkpoint is written, or one loaded, beside them); the next
+        ``sync_weights`` wakes them. ``tolerate_dead``: skip engines that died."""
+        if self.turns is not None:
+            self.turns.engines_sleep(self.actors, step, tolerate_dead=tolerate_dead)
 
     def close(self) -> None:
         """Stop the engines (their actors are killed; ``shutdown_ray`` also does)."""

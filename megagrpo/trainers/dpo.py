@@ -215,6 +215,9 @@ class DPOSteps:
     def checkpoint_files(self):
         return None
 
+    def before_save(self) -> None:
+        pass
+
     def finish(self) -> None:
         pass
 

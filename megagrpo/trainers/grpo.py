@@ -109,9 +109,10 @@ class GRPOSteps:
         self.cfg, self.source, self.scorer = cfg, source, scorer
         self.policy, self.engines, self.schedule, self.teacher = None, None, None, None
         try:
-            self.policy, self.engines = start_workers(cfg, model_dir)
+            self.policy, self.engines = start_workers(cfg, model_dir, Path(cfg.logging.dir) / cfg.run_name)
             print_layout(self.policy, self.engines)
             self.teacher = start_teacher(cfg)
+            self.engines.sleep(step=0)  # colocated: a checkpoint is loaded beside sleeping engines
             step, position, pending = restore(self.policy, resume_from)
             self.start_step, self._trained, self.position = step, Trained(step, position), position
             self.initial_timings: dict = {}
@@ -135,6 +136,10 @@ class GRPOSteps:
 
     def step(self, step: int, due: Due) -> dict:
         cfg, timings, t0 = self.cfg, {}, time.perf_counter()
+        colocated = cfg.generation.placement == "colocated"
+        if colocated and self.engines.asleep:  # a checkpoint was written beside sleeping engines
+            with timed(timings, "wake_sync_s"):
+                self.engines.sync_weights(step=step)
         current, generated_now = self.schedule.rollouts_for(step, self.position)
         if generated_now:
             timings["generation_s"] = current.seconds
@@ -142,11 +147,9 @@ class GRPOSteps:
         self.position = current.position
         self.schedule.start_ahead(step, self.position)  # overlapped: the next step's rollouts, meanwhile
         batch = to_train_batch(cfg, current.rollouts)
-        self.engines.set_awake(False)  # colocated: hand the GPUs to the trainer
-        colocated = cfg.generation.placement == "colocated"
-        if colocated:
+        if colocated:  # the engines sleep, the trainer's states come back (runtime.colocated)
             with timed(timings, "reload_s"):
-                self.policy.call_all(PolicyWorker.reload)
+                self.engines.hand_to_trainer(step=step)
         batch, distill_metrics = distill(cfg, self.teacher, batch, timings)
         batch, train_metrics = train_on(cfg, self.policy, batch, timings)
         self._trained = Trained(step, self.position)
@@ -160,14 +163,8 @@ class GRPOSteps:
             timings["generation_ahead_s"] = engine_busy = ahead.seconds
         probe_error = float("nan")
         if self.schedule.needs_sync(step, due.validate or due.save):
-            offloaded = 0
-            with timed(timings, "sync_s"):
-                if colocated:  # what the trainer hands back before the engines wake
-                    offloaded += max(self.policy.call_all(PolicyWorker.offload, "sync"))
-                self.engines.set_awake(True)
+            with timed(timings, "sync_s"):  # colocated: the trainer parks and the engines wake, in turns
                 synced = self.engines.sync_weights(step=step)
-                if colocated:  # and once the weights are synced
-                    offloaded += max(self.policy.call_all(PolicyWorker.offload, "generation"))
             timings["probe_s"] = synced.probe_s  # part of sync_s
             probe_error = synced.probe.error
             self.schedule.synced(step)
@@ -175,7 +172,7 @@ class GRPOSteps:
         if not math.isnan(probe_error):
             metrics["sync/verified_buckets"] = synced.probe.verified_buckets
             if colocated:
-                metrics["memory/offloaded_gib"] = offloaded / 2**30  # the largest of any rank
+                metrics["memory/offloaded_gib"] = synced.offloaded / 2**30  # the largest of any rank
         metrics |= distill_metrics
         metrics |= staleness_metrics(current.rollouts, current.version, trained_version=step - 1)
         metrics |= self.source.counts
@@ -207,6 +204,12 @@ class GRPOSteps:
         pending = self.schedule.pending if self.schedule else None
         return pending.save if pending is not None else None
 
+    def before_save(self) -> None:
+        """Colocated: the engines sleep while the checkpoint is written (the next step's sync wakes
+        them); engines that died hold nothing."""
+        self.engines.sleep(step=self._trained.step, tolerate_dead=True)
+        self.engines.record(self._trained.step, "checkpoint")
+
     def finish(self) -> None:
         pass
 
@@ -221,13 +224,13 @@ class GRPOSteps:
 # --------------------------------------------------------------------------------------- set-up
 
 
-def start_workers(cfg: Config, model_dir: str) -> tuple[RankGroup, EnginePool]:
+def start_workers(cfg: Config, model_dir: str, run_dir: Path | None = None) -> tuple[RankGroup, EnginePool]:
     """The policy ranks and the engine pool. The engines start while the ranks set up (before them
     where ``starts_engines_first``), except beside them on one GPU (colocated): vLLM sizes its cache
-    from the memory free at its start."""
+    from the memory free at its start. Colocated, the GPUs' hand-overs are logged in ``run_dir``."""
     early = launch_engines(cfg, model_dir) if starts_engines_first(cfg) else None
     policy = RankGroup(cfg, PolicyWorker, wait=cfg.generation.placement == "colocated")
-    return policy, EnginePool.start(cfg, model_dir, policy, launched=early)
+    return policy, EnginePool.start(cfg, model_dir, policy, launched=early, log_dir=run_dir)
 
 
 def start_teacher(cfg: Config) -> RankGroup | None:

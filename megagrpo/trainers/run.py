@@ -64,6 +64,10 @@ class Steps(Protocol):
     def checkpoint_files(self) -> Callable[[Path], None] | None:
         """Files the controller adds to a checkpoint being written, or None."""
 
+    def before_save(self) -> None:
+        """Right before a checkpoint is written (every rank): e.g. colocated engines give their GPU
+        memory back, so that the save does not meet them there."""
+
     def finish(self) -> None:
         """After the final checkpoint (every rank): e.g. the warm-up's saved model."""
 
@@ -150,6 +154,7 @@ def run_steps(
 def save(cfg: Config, group: RankCalls, trainer: Steps) -> Path | None:
     """A checkpoint of what ``trainer``'s policy holds now."""
     now = trainer.trained()
+    trainer.before_save()
     return save_checkpoint(
         cfg, group, trainer.save_method, now.step, now.position, trainer.checkpoint_files()
     )

@@ -183,6 +183,9 @@ class SFTSteps:
             return None
         return lambda tmp: save_tokenizer(self.source.tok, tmp / "hf")
 
+    def before_save(self) -> None:
+        pass
+
     def finish(self) -> None:
         if self.final_model is not None:
             save_model(self.group, self.save_method, self.final_model, self.checkpoint_files())

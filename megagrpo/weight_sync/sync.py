@@ -324,7 +324,18 @@ class WeightSync:
         result = ProbeResult(error, worst[0], worst[1], self.verified_buckets, self.replays)
         bound = probe_bound(self.cfg)
         if not math.isfinite(error) or error > bound:
-            if self.verified_buckets:
+            digests = (
+                f"{self.verified_buckets} bucket digests matched"
+                if self.verified_buckets
+                else "digests were not checked"
+            )
+            if not math.isfinite(error):
+                cause = (
+                    "an engine computed non-finite logprobs: weights it runs were not sent, not loaded or "
+                    "damaged (a colocated engine's sleep discards them, and a sync must fill every one), "
+                    f"or they overflow; {digests}"
+                )
+            elif self.verified_buckets:
                 cause = (
                     f"every engine received exactly the bytes sent ({self.verified_buckets} bucket digests "
                     "match), so this is numerics (kernels, dtype, a config difference), not a broken sync"

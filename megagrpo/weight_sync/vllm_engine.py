@@ -10,7 +10,8 @@ worker methods ``init_weight_transfer_engine`` / ``start_weight_update`` / ``upd
 Each worker joins the groups of its engine TP rank (all of them on the gathered path) and receives
 the plan's buckets of those groups; a link whose sender shares this worker's device hands its buckets
 over through shared slots instead (``weight_sync.ipc``), copied out into the same receive buffers.
-Receiving overlaps loading: the broadcast of bucket k+1 is posted before bucket k is loaded.
+Receiving overlaps loading: the broadcast of bucket k+1 is posted before bucket k is loaded, into
+the other of two receive buffers (the engine never holds more than two buckets of received bytes).
 Gathered buckets hold whole HF tensors and go through ``model.load_weights`` (vLLM's loaders cut
 out the worker's shard); shard-wise buckets hold blocks of this worker's own parameters, copied in
 place at their offset (:func:`load_block`), inside vLLM's layerwise reload like any other load, so
@@ -85,7 +86,8 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         self.last_digests: dict[int, str] = {}  # plan index -> digest of the buckets it received
         self.received_bytes = 0  # bucket bytes this worker received in the last sync
         self._loaders: dict[int, tuple[torch.Tensor, dict]] = {}  # parameters given _copy_block, by id
-        self._kept: list[torch.Tensor] = []  # receive buffers kept between syncs (CPU)
+        self._kept: list[torch.Tensor] = []  # the two receive buffers, kept between syncs (CPU)
+        self.buffer_bytes = 0  # the receive buffers' bytes in the last sync
         self._moe_kernels: list = []  # MoE kernels dropped for the reload (compat.vllm_moe_reload)
 
     def init_transfer_engine(self, init_info: MegagrpoInitInfo) -> None:
@@ -164,23 +166,25 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         if not buckets:
             return
 
-        # A buffer per bucket: vLLM's layerwise reload keeps the tensors it is given (views into
-        # the buffer) until their layer is complete, so no buffer is reused within a sync. On CPU
-        # the buffers are kept for the next sync (every layer is complete by then): fresh ones
-        # would cost a page fault per 4 KiB each time. CUDA's caching allocator reuses memory itself.
-        sizes = [b.nbytes for b in buckets]
-        if [b.numel() for b in self._kept] != sizes:
-            self._kept = []
-        buffers = self._kept or [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
-        if torch.device(self.device).type == "cpu":
-            self._kept = buffers
+        # Two receive buffers, each as large as the largest bucket: bucket k + 1 arrives in one while
+        # bucket k loads from the other. vLLM's layerwise reload keeps the tensors it is given until
+        # their layer is complete, and a layer may span buckets (and links): each tensor goes to it as a
+        # copy of its own, so a buffer is free again once its bucket is loaded, and the engine holds two
+        # buckets, not the model. On CPU the buffers are kept for the next sync (fresh ones would cost
+        # a page fault per 4 KiB each time); on a GPU they are let go, and vLLM's sleep (it empties the
+        # caching allocator) gives the memory back to the trainer on the same device.
+        size, kept = max(b.nbytes for b in buckets), self._kept
+        if not kept or kept[0].numel() < size:
+            kept = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self._kept = kept if torch.device(self.device).type == "cpu" else []
+        self.buffer_bytes = sum(k.numel() for k in kept)
 
         def post(i: int):
-            source = buckets[i].source
+            source, buf = buckets[i].source, kept[i % 2][: buckets[i].nbytes]
             if source in self.ipc:  # taken from the slot when waited for
-                return buffers[i], _Handoff(self.ipc[source], indices[i], buffers[i])
+                return buf, _Handoff(self.ipc[source], indices[i], buf)
             group = self.groups[source]
-            return buffers[i], _Received(group, group.broadcast(buffers[i], root=0), indices[i])
+            return buf, _Received(group, group.broadcast(buf, root=0), indices[i])
 
         self.last_digests = {}
         pending = post(0)
@@ -192,10 +196,10 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
             if update_info.checksums:
                 self.last_digests[indices[i]] = checksum(buf)
             if bucket.slots[0].into is None:
-                self.model.load_weights(list(unpack(bucket, buf)))
+                self.model.load_weights([(name, tensor.clone()) for name, tensor in unpack(bucket, buf)])
             else:
                 for slot, (_, block) in zip(bucket.slots, unpack(bucket, buf), strict=True):
-                    load_block(self.model, slot, block, self._loaders)
+                    load_block(self.model, slot, block.clone(), self._loaders)
 
     def shutdown(self) -> None:
         self._kept = []

@@ -9,7 +9,6 @@ from hf_models import make_tiny_hf
 from policy_cases import policy_batch, policy_config
 from rank_cases import case, run_cases
 
-
 pytestmark = pytest.mark.dist
 
 
@@ -17,7 +16,7 @@ def _three_steps(cfg, offload: bool) -> dict:
     from megagrpo.policy.worker import PolicyWorker
 
     worker = PolicyWorker(cfg)
-    freed, metrics = [], []
+    freed, metrics, probes = [], [], []
     for step in range(3):
         batch = policy_batch(seed=step)
         metrics += worker.train(batch.replace(old_logprobs=worker.logprobs(batch)))
@@ -27,11 +26,23 @@ def _three_steps(cfg, offload: bool) -> dict:
             generation = worker.offload("generation")
             parked = [p.untyped_storage().nbytes() for p in worker.engine.module.parameters()]
             freed.append((sync, generation, min(after_sync), max(parked)))
-            if step == 1:  # the next forward brings them back by itself
+            # The probe, scored with the engines awake: the weights are borrowed and parked again,
+            # the optimizer and the gradient buffers stay in host memory.
+            probes.append(worker.logprobs(batch))
+            again = [p.untyped_storage().nbytes() for p in worker.engine.module.parameters()]
+            assert max(again) == 0 and sorted(worker.offloader.parked) == ["grads", "optimizer", "weights"]
+            if step == 1:  # else the next train call brings them back by itself
                 assert worker.reload() == sync + generation
+        else:
+            probes.append(worker.logprobs(batch))
     worker.reload()  # the last step's parked states
     weights = {n: p.detach().clone() for n, p in worker.engine.module.named_parameters()}
-    return {"metrics": [(m.loss, m.grad_norm) for m in metrics], "weights": weights, "freed": freed}
+    return {
+        "metrics": [(m.loss, m.grad_norm) for m in metrics],
+        "weights": weights,
+        "freed": freed,
+        "probes": probes,
+    }
 
 
 def test_training_after_offload_and_reload_equals_training_without(tmp_path):
@@ -43,6 +54,8 @@ def test_training_after_offload_and_reload_equals_training_without(tmp_path):
     plain, moved = case(results, "plain"), case(results, "moved")  # one spawn for both
     for a, b in zip(plain, moved, strict=True):
         assert a["metrics"] == b["metrics"]  # loss and grad norm, bit for bit, every step
+        for plain_probe, borrowed_probe in zip(a["probes"], b["probes"], strict=True):
+            assert torch.equal(plain_probe, borrowed_probe)
         for name, tensor in a["weights"].items():
             assert torch.equal(tensor, b["weights"][name]), name
     params = sum(t.numel() for t in plain[0]["weights"].values())

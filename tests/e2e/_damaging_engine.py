@@ -30,6 +30,14 @@ class DamagingGenerationWorker(GenerationWorker):
         """The next sync's first broadcast is posted ``seconds`` late: a stuck engine, alive."""
         self.llm.collective_rpc(_stall_on_post, args=(seconds,))
 
+    def skip_in_next_sync(self, name: str) -> None:
+        """The next sync leaves vLLM parameter ``name`` unloaded (its bytes still arrive and are
+        digested): a sync that misses a tensor."""
+        self.llm.collective_rpc(_skip_on_load, args=(name,))
+
+    def skipped_in_last_sync(self) -> list[str]:
+        return self.llm.collective_rpc(_skipped)[0]
+
     def drift_loaded_weights(self) -> None:
         """Change the loaded model after a sync (its bytes arrived intact): what kernel or dtype
         differences do to the logprobs, short of a broken sync."""
@@ -99,3 +107,34 @@ def _stall_on_post(worker, seconds: float) -> None:
 
     for group in groups.values():
         group.broadcast = wrap(group.broadcast)
+
+
+def _skip_on_load(worker, name: str) -> None:
+    """Inside the vLLM worker: the shard-wise loader passes ``name`` over, for one sync."""
+    from megagrpo.weight_sync import vllm_engine
+
+    plain = vllm_engine.__dict__.get("_plain_load_block", vllm_engine.load_block)
+    vllm_engine._plain_load_block = plain
+    worker.megagrpo_skipped = []
+
+    def load_block(model, slot, block, touched):
+        if slot.name == name:
+            worker.megagrpo_skipped.append(name)
+            return None
+        return plain(model, slot, block, touched)
+
+    def finish(engine_finish):
+        def finish_weight_update():
+            vllm_engine.load_block = plain
+            engine.finish_weight_update = engine_finish
+            return engine_finish()
+
+        return finish_weight_update
+
+    engine = worker.weight_transfer_engine
+    vllm_engine.load_block = load_block
+    engine.finish_weight_update = finish(engine.finish_weight_update)
+
+
+def _skipped(worker) -> list[str]:
+    return list(getattr(worker, "megagrpo_skipped", []))

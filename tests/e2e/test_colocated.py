@@ -1,10 +1,13 @@
 """Colocated placement on CPU: engine 0 shares trainer rank 0's bundle and takes that rank's buckets
 from shared slots (the CUDA IPC protocol over /dev/shm), rank 1's by broadcast, and the trainer parks
-its optimizer, gradients and weights in host memory while the engine runs (``policy.offload: all``).
+its optimizer, gradients and weights in host memory while the engine runs (``policy.offload: all``),
+handing the GPU over in the order of ``megagrpo.runtime.colocated``.
 The run repeats the disaggregated reference run step for step, with every bucket's digest checked on
 every sync."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from _grpo_runs import assert_same_steps, metrics, reuse_warmup, run_overrides
@@ -37,3 +40,26 @@ def test_a_colocated_run_repeats_the_disaggregated_one(undisturbed, tmp_path, ca
         assert got[step]["sync/verified_buckets"] >= 2
         assert got[step]["memory/offloaded_gib"] > 0 and got[step]["timing/reload_s"] >= 0
     assert_same_steps(got, undisturbed.metrics, (1, 2, 3, 4))
+    # The GPUs' hand-overs, as the controller made them (runtime.colocated): the engines wake their
+    # weights, the sync, the trainer parks, the engines wake their KV cache, then generate; they sleep
+    # before the trainer's states come back and before every checkpoint (so the next step wakes them
+    # through a sync). On CPU their sleep discards the weights as on a GPU (NaN): the probe checks
+    # that every sync refilled them.
+    events: dict[int, list[str]] = {}
+    for line in (run_dir / "colocated.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        events.setdefault(row["step"], []).append(row["event"])
+    sync = [
+        "trainer parks (sync)",
+        "engines wake weights",
+        "weights synced",
+        "trainer parks (generation)",
+        "engines wake kv_cache",
+    ]
+    assert events[0] == ["engines sleep", *sync, "engines generate"]  # validation before step 1
+    for step in (1, 2, 3, 4):
+        validated = ["engines generate"] if step % 2 == 0 else []
+        want = [*(sync if step > 1 else []), "engines generate", "engines sleep", "trainer reloads", *sync]
+        want += [*validated, "engines sleep", "checkpoint"]
+        assert events[step][: len(want)] == want, (step, events[step])
+        assert events[step][len(want) :] in ([], ["engines sleep", "checkpoint"])  # the final save

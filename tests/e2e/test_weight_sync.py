@@ -136,6 +136,12 @@ def test_engines_match_trainer_after_real_updates(layout, stack, policy_group):
         )
         assert metrics[0].update_applied == 1.0  # a real optimizer step changed the weights
         sync.sync(with_checksums=True)  # debug mode: every bucket's digest matches on arrival
+        # Two receive buffers of a bucket each (kept between syncs on CPU), not one per bucket.
+        largest = max(b.nbytes for b in sync.plan)
+        assert all(
+            2 * largest <= n <= 2 * 2**18 < sync.total_bytes
+            for n in ray.get(targets[0].receive_buffer_bytes.remote())
+        )
         probe = sync.probe()
         assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4
         assert _sampled_logprob_error(sync, group, targets, cfg) <= 1.001
@@ -230,6 +236,48 @@ def test_corrupted_bucket_is_caught_by_the_probe(stack, policy_group):
     ):
         sync.probe()
     sync.sync()
+    assert sync.probe().error <= 1.001
+
+
+def test_a_tensor_a_sync_misses_is_caught_once_the_engine_slept(stack, policy_group):
+    """A colocated engine sleeps at vLLM's level 2 (its weights discarded; on CPU, where vLLM's worker
+    ignores sleep, imitated: every weight the forward reads becomes NaN), so every sync must fill
+    every weight: a tensor it leaves out fails the probe, although every bucket's digest matched."""
+    from megagrpo.types import SamplingSettings
+    from megagrpo.weight_sync.sync import WeightSync, WeightSyncError
+
+    hf_dir, engines = stack
+    engine, missed = engines[0], "model.layers.0.mlp.down_proj.weight"
+    cfg = policy_config(hf_dir, extra=["generation.sync_bucket_mb=0.25"])
+    sync = WeightSync(cfg, policy_group(cfg), [engine], vocab_size=300)
+    sync.sync()
+    assert sync.probe().error <= 1.001
+    # Awake, a missed tensor goes unnoticed: the engine still holds it from the sync before.
+    ray.get(engine.skip_in_next_sync.remote(missed))
+    sync.sync()
+    assert ray.get(engine.skipped_in_last_sync.remote()) == [missed]
+    assert sync.probe().error <= 1.001
+    # Asleep, it neither generates nor is probed; woken without a sync it holds no weights at all.
+    ray.get(engine.sleep.remote())
+    with pytest.raises(Exception, match="generate on vLLM engine 0 while its kv_cache and weights sleep"):
+        ray.get(engine.generate.remote([[5, 6]], SamplingSettings(max_tokens=2)))
+    ray.get(engine.wake_up.remote(["weights", "kv_cache"]))
+    with pytest.raises(WeightSyncError, match="non-finite logprobs"):
+        sync.probe()
+    # Slept, its weights woken, synced but for one tensor, its KV cache woken: caught by the probe.
+    ray.get(engine.sleep.remote())
+    ray.get(engine.wake_up.remote(["weights"]))
+    ray.get(engine.skip_in_next_sync.remote(missed))
+    sync.sync()
+    ray.get(engine.wake_up.remote(["kv_cache"]))
+    assert ray.get(engine.skipped_in_last_sync.remote()) == [missed]
+    with pytest.raises(WeightSyncError, match=r"non-finite logprobs.*; \d+ bucket digests matched"):
+        sync.probe()
+    # The same order with nothing missed: exact again.
+    ray.get(engine.sleep.remote())
+    ray.get(engine.wake_up.remote(["weights"]))
+    sync.sync()
+    ray.get(engine.wake_up.remote(["kv_cache"]))
     assert sync.probe().error <= 1.001
 
 

@@ -469,6 +469,9 @@ class TrainedSoFar:
     def checkpoint_files(self):
         return None
 
+    def before_save(self):
+        pass
+
 
 def test_engines_failing_past_their_restarts_checkpoint_what_was_trained(tmp_path):
     from megagrpo.runtime.faults import EngineFailure

@@ -160,9 +160,6 @@ class StandInPool:
         self.version = step
         return SyncOutcome(SimpleNamespace(error=1.0, verified_buckets=1), 0.0)
 
-    def set_awake(self, awake):
-        self.log.append(("awake", awake))
-
 
 class StandInPolicy:
     last_call_s = 0.0

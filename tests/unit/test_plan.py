@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -262,8 +263,15 @@ def test_recipe_stages_chain_and_fit_one_node_of_8_gpus(tmp_path, stage, capsys)
     assert main([*argv, "--transformer-engine", "yes", "--gpu-memory-gib", "80"]) == 0
     out = capsys.readouterr().out
     assert "plan OK" in out and "8 ranks" in out
-    # Colocated: every phase of a step fits one 80 GB GPU, and the plan says which one is the peak.
-    assert "colocated, per GPU (policy.offload all): train " in out and " phase" in out
+    # Colocated: every phase of a run fits one 80 GB GPU, and the plan says which one is the peak.
+    phases = "start .*, resume .*, step0_sync .*, wake .*, sync .*, generation .*, train .*, save .*"
+    line = " ".join(out.split())  # rich wraps the line at 120 columns
+    said = re.search(
+        rf"colocated, per GPU \(policy.offload all\): {phases}; peak (\S+)G in the (\w+) phase", line
+    )
+    assert said is not None, out
+    # The engine starting beside the built trainer (vLLM claims gpu_memory_utilization of the GPU).
+    assert (said.group(1), said.group(2)) == ({"8k": "56.4", "16k": "72.4", "24k": "72.4"}[stage], "start")
     cfg = load_config(f"deepscaler/{stage}")
     previous = {"8k": None, "16k": "runs/deepscaler-8k", "24k": "runs/deepscaler-16k"}[stage]
     assert cfg.model.init_from == previous
@@ -271,22 +279,37 @@ def test_recipe_stages_chain_and_fit_one_node_of_8_gpus(tmp_path, stage, capsys)
 
 
 @pytest.mark.parametrize(
-    ("offload", "sync", "generation"),
-    # By hand, GiB: weights 1, grads 2, optimizer 3, activations + logits 10; engine claim 48;
-    # slots 2 x 0.5 (every phase); contexts 2 x 0.5.
+    ("offload", "kept_at_sync", "kept_at_generation", "saved", "peak_phase"),
+    # By hand, GiB: weights 1, grads 2, optimizer 3, activations + logits 10. Kept by the trainer in the
+    # sync (and wake) phases: none all 6, optimizer weights + grads 3, all weights 1; in generation the
+    # same, "all" borrowing its weights for the probe; saved from: weights + optimizer twice, + grads
+    # unless they were parked.
     [
-        ("none", 1 + 2 + 3 + 1 + 48 + 1, 1 + 2 + 3 + 1 + 48 + 1),
-        ("optimizer", 1 + 2 + 1 + 48 + 1, 1 + 2 + 1 + 48 + 1),
-        ("all", 1 + 1 + 48 + 1, 1 + 48 + 1),
+        ("none", 6, 6, 1 + 6 + 2, "generation"),
+        ("optimizer", 3, 3, 1 + 6 + 2, "start"),
+        ("all", 1, 1, 1 + 6, "start"),
     ],
 )
-def test_colocated_phases_by_hand(offload, sync, generation):
-    from megagrpo.plan import GIB, RankMemory, colocated_phases
+def test_colocated_phases_by_hand(offload, kept_at_sync, kept_at_generation, saved, peak_phase):
+    from megagrpo.plan import COLOCATED_PHASES, GIB, RankMemory, colocated_phases
 
     cfg = load_config("deepscaler/8k", [f"policy.offload={offload}"])
     assert cfg.generation.sync_bucket_mb == 512
     rank = RankMemory(0, 0, 1 * GIB, 2 * GIB, 3 * GIB, 3 * GIB, 9 * GIB, 1 * GIB)
-    phases = colocated_phases(cfg, [rank], {"claimed": 48 * GIB})
-    assert phases["train"] == (1 + 2 + 3 + 10 + 1 + 1) * GIB
-    assert (phases["sync"], phases["generation"]) == (sync * GIB, generation * GIB)
-    assert phases["peak_phase"] == "sync" and phases["peak"] == max(sync, generation) * GIB
+    # The engine: a claim of 48, weights of 4, its largest tensor a quarter; 2 bucket slots of 0.5 in
+    # every phase, 2 receive buffers of 0.5 and the reloaded layer (twice its largest tensor) during a
+    # sync; 2 process contexts of 0.5.
+    engine = {"claimed": 48 * GIB, "weights": 4 * GIB, "largest_tensor": GIB // 4}
+    phases = colocated_phases(cfg, [rank], engine)
+    want = {
+        "start": 1 + 2 + 3 + 48 + 1,
+        "resume": 1 + 2 + 3 + 3 + 1 + 1,
+        "step0_sync": kept_at_sync + 4 + 1 + 0.5 + 1 + 1,
+        "wake": kept_at_sync + 4 + 1 + 1,
+        "sync": kept_at_sync + 4 + 1 + 0.5 + 1 + 1,
+        "generation": kept_at_generation + 48 + 1 + 1,
+        "train": 1 + 2 + 3 + 10 + 1 + 1,
+        "save": saved + 1 + 1,
+    }
+    assert {phase: phases[phase] / GIB for phase in COLOCATED_PHASES} == want
+    assert phases["peak_phase"] == peak_phase and phases["peak"] == max(want.values()) * GIB
