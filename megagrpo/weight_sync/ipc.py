@@ -23,13 +23,19 @@ import datetime
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megagrpo.compat import cuda_ipc
 from megagrpo.compat.torch_store import bound_tcp_store
+from megagrpo.config import ConfigError
+
+if TYPE_CHECKING:
+    from megagrpo.config import Config
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,48 @@ class IpcAddress:
     port: int
     engine: int
     """The engine (its index in the sync) on the sender's device."""
+
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""Where PyTorch reads its CUDA allocator's settings (the second is the newer name of the first)."""
+
+
+def expandable_segments_setting(environ: Mapping[str, str] = os.environ) -> str | None:
+    """``NAME=VALUE`` of the allocator variable that turns expandable segments on, else None.
+
+    Memory of expandable segments is exported by CUDA IPC as a POSIX file descriptor that the receiver
+    takes from the sender with ``pidfd_getfd``, which an unprivileged container refuses between sibling
+    processes (EPERM): the colocated handoff could not open the slots."""
+    for name in ALLOC_CONF_VARS:
+        for item in environ.get(name, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() in ("true", "1"):
+                return f"{name}={environ[name]}"
+    return None
+
+
+def expandable_segments_refusal(setting: str) -> str:
+    """Why a colocated handoff refuses ``setting`` (from :func:`expandable_segments_setting`), and the fix."""
+    name = setting.partition("=")[0]
+    return (
+        f"{setting} with generation.placement colocated: CUDA IPC exports expandable segments as file "
+        "descriptors the engine must take with pidfd_getfd, which unprivileged containers refuse between "
+        f"sibling processes (EPERM); remove expandable_segments:True from {name} (or set it False) for "
+        "colocated runs, or use generation.placement disaggregated"
+    )
+
+
+def check_colocated_allocator(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
+    """Before any worker starts: colocated engines on GPUs receive the weights by CUDA IPC, which this
+    environment's allocator setting (inherited by the trainer ranks of a local Ray) would break.
+    ConfigError naming ``generation.placement`` and the variable; each rank checks its own again."""
+    if cfg.generation.placement != "colocated" or cfg.cluster.gpus_per_node == 0:
+        return
+    setting = expandable_segments_setting(environ)
+    if setting is not None:
+        raise ConfigError(
+            ("generation.placement", setting.partition("=")[0]), expandable_segments_refusal(setting)
+        )
 
 
 def _shm_dir() -> str:
@@ -81,6 +129,9 @@ class IpcSender:
         self.store = _Store(addr, is_master=True, timeout_s=timeout_s, name=name)
         total = 2 * self.slot_bytes
         if device.type == "cuda":
+            setting = expandable_segments_setting()  # this process's allocator is what exports
+            if setting is not None:
+                raise RuntimeError(f"{name}: {expandable_segments_refusal(setting)}")
             self.memory = torch.empty(total, dtype=torch.uint8, device=device)
             export = {"kind": "cuda", **cuda_ipc.export_handle(self.memory)}
         else:

@@ -3,15 +3,25 @@ reaches the engines under each placement."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from megagrpo.config import ConfigError, load_config
 from megagrpo.parallel.local import free_port
 from megagrpo.weight_sync.buckets import Bucket
-from megagrpo.weight_sync.ipc import IpcAddress, IpcReceiver, IpcSender
+from megagrpo.weight_sync.ipc import (
+    IpcAddress,
+    IpcReceiver,
+    IpcSender,
+    check_colocated_allocator,
+    expandable_segments_setting,
+)
 from megagrpo.weight_sync.sync import link_addresses
 from megagrpo.weight_sync.transport import Link
 
@@ -102,3 +112,75 @@ def test_disaggregated_gathered_groups_hold_every_worker_of_every_engine():
     (group,) = link_addresses(_links([0], -1), engines=2, engine_tp=2, shard_wise=False, colocated=False)
     assert group.ipc is None and group.world_size == 5
     assert [group.broadcast_rank(e, w, 2) for e in (0, 1) for w in (0, 1)] == [1, 2, 3, 4]
+
+
+# --- the allocator setting CUDA IPC cannot hand over --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("environ", "found"),
+    [
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_CUDA_ALLOC_CONF"),
+        (
+            {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:true"},
+            "PYTORCH_CUDA_ALLOC_CONF",
+        ),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_ALLOC_CONF"),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, None),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, None),
+        ({}, None),
+    ],
+)
+def test_expandable_segments_are_found_in_either_allocator_variable(environ, found):
+    setting = expandable_segments_setting(environ)
+    assert (setting and setting.partition("=")[0]) == found
+
+
+def _placed(placement: str, gpus: int):
+    cfg = load_config(None)
+    return dataclasses.replace(
+        cfg,
+        generation=dataclasses.replace(cfg.generation, placement=placement),
+        cluster=dataclasses.replace(cfg.cluster, gpus_per_node=gpus),
+    )
+
+
+def test_colocated_gpu_runs_refuse_expandable_segments_before_any_worker_starts():
+    environ = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    with pytest.raises(
+        ConfigError,
+        match=r"generation.placement, PYTORCH_CUDA_ALLOC_CONF: "
+        r"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True with generation.placement colocated: "
+        r".*pidfd_getfd.*EPERM.*remove expandable_segments:True",
+    ):
+        check_colocated_allocator(_placed("colocated", 8), environ)
+    check_colocated_allocator(_placed("disaggregated", 8), environ)  # NCCL broadcasts: no IPC export
+    check_colocated_allocator(_placed("colocated", 0), environ)  # CPU: /dev/shm slots
+    check_colocated_allocator(
+        _placed("colocated", 8), {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    )
+
+
+def test_a_sender_on_a_cuda_device_refuses_expandable_segments_before_allocating(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    addr = IpcAddress("127.0.0.1", free_port(), engine=3)
+    with pytest.raises(RuntimeError, match=r"^link 7: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"):
+        IpcSender(addr, 64, device=torch.device("cuda", 0), timeout_s=5.0, name="link 7")
+
+
+def test_the_benchmark_suite_runs_the_ipc_handoff_without_expandable_segments(monkeypatch, tmp_path):
+    from benchmarks import suite
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    seen = {}
+
+    def run(command, cwd, env):
+        seen[command[2]] = env
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(suite.subprocess, "run", run)
+    args = argparse.Namespace(suite="gpu", quick=True, repeat=None, out=tmp_path)
+    suite.run_one(suite.BY_NAME["ipc_handoff"], args)
+    suite.run_one(suite.BY_NAME["moe"], args)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in seen["benchmarks.ipc_handoff"]
+    assert seen["benchmarks.moe"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
