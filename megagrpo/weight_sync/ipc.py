@@ -94,6 +94,72 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+@dataclass(frozen=True)
+class ProcessId:
+    """A process as the sender can recognise it later: pid, its start time (a reused pid has another)
+    and its pid namespace (pids of another namespace cannot be looked up here)."""
+
+    pid: int
+    start: str
+    namespace: str
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId | None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # from field 3 on
+            namespace = os.readlink(f"/proc/{pid}/ns/pid")
+        except OSError:
+            return None
+        if fields[0] == "Z":
+            return None  # ended, not yet reaped
+        return cls(pid, fields[19], namespace)  # field 22: the start time
+
+    def encode(self) -> str:
+        return f"{self.pid} {self.start} {self.namespace}"
+
+    @classmethod
+    def decode(cls, text: str) -> ProcessId | None:
+        parts = text.split(" ")
+        return cls(int(parts[0]), parts[1], parts[2]) if len(parts) == 3 else None
+
+    def ended(self) -> bool | None:
+        """Whether the process has ended; None when this process cannot tell (another pid namespace)."""
+        if self.namespace != os.readlink("/proc/self/ns/pid"):
+            return None
+        return ProcessId.of(self.pid) != self
+
+
+_HELD: list[tuple[ProcessId, dict]] = []
+"""CUDA exports of closed senders whose receiver process was still running: its reference is released
+here once it ends (``release_ended_receivers``)."""
+
+
+def hold_until_receiver_ends(receiver: ProcessId, export: dict) -> None:
+    _HELD.append((receiver, export))
+
+
+def release_ended_receivers() -> int:
+    """Release the references that receivers which ended (an engine replaced, killed while it mapped
+    the slots) still hold on closed senders' memory, so that the allocator frees it (without this, each
+    engine restart would keep its two slots, ~1 GiB at 512 MB buckets, for the rest of the run);
+    returns how many were released. A receiver that released its own (it closed first) is left alone."""
+    released, kept = 0, []
+    for receiver, export in _HELD:
+        ended = receiver.ended()
+        if ended is None:
+            continue  # cannot be told: the reference stays, as it would without this
+        if not ended:
+            kept.append((receiver, export))
+            continue
+        if (cuda_ipc.receiver_references(export) or 0) > 0:
+            cuda_ipc.release_receiver_reference(export)
+            released += 1
+    _HELD[:] = kept
+    if released and torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # the freed blocks leave the allocator's limbo now, not at its next miss
+    return released
+
+
 class _Store:
     def __init__(self, addr: IpcAddress, *, is_master: bool, timeout_s: float, name: str):
         self.timeout_s, self.name = timeout_s, name
@@ -146,10 +212,16 @@ class IpcSender:
         self.slots = [self.memory[: self.slot_bytes], self.memory[self.slot_bytes :]]
         self.store.put("slots", json.dumps({**export, "slot_bytes": self.slot_bytes}))
         try:
-            self.store.take("opened", f"engine {addr.engine} mapping the slots")
+            opened = self.store.take("opened", f"engine {addr.engine} mapping the slots")
+        except TimeoutError:
+            if export["kind"] == "cuda":  # the engine never mapped them: its reference is released now
+                cuda_ipc.release_receiver_reference(export)
+            self.memory = self.slots = None
+            raise
         finally:
             if export["kind"] == "shm":
                 Path(export["path"]).unlink(missing_ok=True)  # both have it mapped: no file left behind
+        self.receiver = ProcessId.decode(opened.decode())
         self._pending: dict[int, int] = {}  # slot -> plan index whose ack frees it
 
     def slot(self, n: int) -> torch.Tensor:
@@ -173,10 +245,15 @@ class IpcSender:
             self.store.take(f"ack/{index}", f"the engine's receipt of bucket {index}")
 
     def close(self) -> None:
+        """Drop the slots. On CUDA their memory is freed once the engine has unmapped it: at once when
+        it closed first, else when its process ends (``release_ended_receivers``, also run here)."""
+        if self.export["kind"] == "cuda" and self.receiver is not None:
+            hold_until_receiver_ends(self.receiver, self.export)
         self._pending = {}
         self.slots = []
         self.memory = None
         self.store = None
+        release_ended_receivers()
 
 
 class IpcReceiver:
@@ -196,7 +273,8 @@ class IpcReceiver:
         else:
             raise RuntimeError(f"{name}: unknown slot kind {export['kind']!r}")
         self.slots = [memory[:slot_bytes], memory[slot_bytes:]]
-        self.store.put("opened", "1")
+        me = ProcessId.of(os.getpid())
+        self.store.put("opened", me.encode() if me is not None else "")
 
     def receive(self, index: int, out: torch.Tensor) -> torch.Tensor:
         """Bucket ``index`` of the plan, copied into ``out`` (its size); the slot is then released."""

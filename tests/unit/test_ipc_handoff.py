@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import struct
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from megagrpo.compat import cuda_ipc
 from megagrpo.config import ConfigError, load_config
 from megagrpo.parallel.local import free_port
 from megagrpo.weight_sync.buckets import Bucket
@@ -19,8 +23,11 @@ from megagrpo.weight_sync.ipc import (
     IpcAddress,
     IpcReceiver,
     IpcSender,
+    ProcessId,
     check_colocated_allocator,
     expandable_segments_setting,
+    hold_until_receiver_ends,
+    release_ended_receivers,
 )
 from megagrpo.weight_sync.sync import link_addresses
 from megagrpo.weight_sync.transport import Link
@@ -184,3 +191,77 @@ def test_the_benchmark_suite_runs_the_ipc_handoff_without_expandable_segments(mo
     suite.run_one(suite.BY_NAME["moe"], args)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in seen["benchmarks.ipc_handoff"]
     assert seen["benchmarks.moe"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+# --- an engine replaced after the export: its slots are released ----------------------------------------
+
+_RECEIVER = """
+import sys, time, torch
+from megagrpo.weight_sync.ipc import IpcAddress, IpcReceiver
+r = IpcReceiver(IpcAddress("127.0.0.1", int(sys.argv[1]), engine=0), device=torch.device("cpu"),
+                timeout_s=60, name="engine")
+time.sleep(600)  # holds the slots mapped until killed, as an engine that failed
+"""
+
+
+def _sync_slots_mapped() -> int:
+    return sum("megagrpo-sync-" in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def _engine(port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _RECEIVER, str(port)])
+
+
+def test_an_engine_restart_releases_the_replaced_engines_slots():
+    before = _sync_slots_mapped()
+    senders = []
+    for restart in range(3):
+        addr = IpcAddress("127.0.0.1", free_port(), engine=0)
+        engine = _engine(addr.port)
+        sender = IpcSender(addr, 1 << 20, device=CPU, timeout_s=60, name=f"link, engine generation {restart}")
+        assert sender.receiver == ProcessId.of(engine.pid)  # the engine said who holds the slots
+        engine.kill()  # the engine fails holding them; a new one replaces it
+        engine.wait()
+        sender.close()  # as WeightSender.open does before the new engine's link
+        senders.append(sender)
+        assert _sync_slots_mapped() == before  # the replaced engine's slots are gone, each time
+    assert all(s.memory is None for s in senders)
+
+
+@pytest.fixture
+def counter_file():
+    """A shared-memory counter file laid out as torch's CUDA IPC reference counters (int64 each), and an
+    export naming its counter 2, as ``cuda_ipc.export_handle`` would."""
+    name = f"megagrpo-test-counters-{os.getpid()}-{free_port()}"
+    path = Path("/dev/shm") / name
+    path.write_bytes(struct.pack("<4q", 0, 0, 1, 0))  # the export set its counter to 1: one receiver
+    yield path, {"kind": "cuda", "ref_handle": f"/{name}".encode().hex(), "ref_offset": 2}
+    path.unlink(missing_ok=True)
+
+
+def _counter(path: Path) -> int:
+    return struct.unpack("<4q", path.read_bytes())[2]
+
+
+def test_a_receiver_that_ended_holding_cuda_slots_has_its_reference_released_once(counter_file):
+    path, export = counter_file
+    engine = subprocess.Popen(["sleep", "600"])
+    hold_until_receiver_ends(ProcessId.of(engine.pid), export)
+    assert release_ended_receivers() == 0 and _counter(path) == 1  # still running: it may still read them
+    engine.kill()
+    engine.wait()
+    assert cuda_ipc.receiver_references(export) == 1
+    assert release_ended_receivers() == 1 and _counter(path) == 0  # the allocator may now free them
+    assert release_ended_receivers() == 0 and _counter(path) == 0  # never twice
+
+
+def test_a_receiver_that_released_its_own_reference_is_left_alone(counter_file):
+    path, export = counter_file
+    engine = subprocess.Popen(["sleep", "600"])
+    hold_until_receiver_ends(ProcessId.of(engine.pid), export)
+    path.write_bytes(struct.pack("<4q", 0, 0, 0, 0))  # it closed its receiver first
+    engine.kill()
+    engine.wait()
+    assert release_ended_receivers() == 0 and _counter(path) == 0
+    other_namespace = ProcessId(os.getpid(), "0", "pid:[1]")  # pids there cannot be looked up here
+    assert other_namespace.ended() is None
