@@ -19,6 +19,7 @@ When a link also has engines on other devices, the slot is what the sender broad
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -215,13 +216,15 @@ class IpcSender:
             opened = self.store.take("opened", f"engine {addr.engine} mapping the slots")
         except TimeoutError:
             if export["kind"] == "cuda":  # the engine never mapped them: its reference is released now
-                cuda_ipc.release_receiver_reference(export)
+                with contextlib.suppress(OSError):
+                    cuda_ipc.release_receiver_reference(export)
             self.memory = self.slots = None
             raise
         finally:
             if export["kind"] == "shm":
                 Path(export["path"]).unlink(missing_ok=True)  # both have it mapped: no file left behind
         self.receiver = ProcessId.decode(opened.decode())
+        release_ended_receivers()  # an engine this one replaces has ended by now
         self._pending: dict[int, int] = {}  # slot -> plan index whose ack frees it
 
     def slot(self, n: int) -> torch.Tensor:
