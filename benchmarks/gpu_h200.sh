@@ -33,6 +33,10 @@ QUICK=()
 if [[ "${1:-}" == "--quick" ]]; then QUICK=(--quick); shift; fi  # the rest goes to the suite (--only ...)
 OUT_DIR="${OUT:-benchmarks/results}/suite_gpu${QUICK[*]:+_quick}"
 mkdir -p "$OUT_DIR"
+# Expandable segments keep the long-sequence train steps from fragmenting the allocator. The suite runs
+# ipc_handoff without them (benchmarks/suite.py, unset_env): CUDA IPC exports expandable segments as file
+# descriptors taken with pidfd_getfd, which unprivileged containers refuse (EPERM) between sibling
+# processes, and the colocated sender refuses the setting.
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 {

@@ -60,8 +60,8 @@ class Bench:
     """``--repeat`` of a full run per suite where it is not the module's default."""
     module: str = ""
     """The benchmark's module when it is not ``name`` (one module run twice with other settings)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Environment variables set for this benchmark's process."""
+    unset_env: tuple[str, ...] = ()
+    """Environment variables the benchmark's process runs without (set for the rest of the suite)."""
 
     def command(self, suite: str, quick: bool, repeat: int | None, out: Path) -> list[str]:
         """The command line of this benchmark in ``suite``, writing ``out/<name>.json``."""
@@ -116,15 +116,16 @@ BENCHMARKS: tuple[Bench, ...] = (
     Bench("step", ("cpu",)),
     Bench("sync", ("cpu",)),
     Bench("shard_sync", ("cpu",)),
-    # The colocated handoff: on cpu through /dev/shm, on the lent GPU through CUDA IPC handles.
+    # The colocated handoff: on cpu through /dev/shm, on the lent GPU through CUDA IPC handles. Without
+    # the allocator's expandable segments (gpu_h200.sh sets them for the train steps): CUDA IPC exports
+    # those as file descriptors the receiver takes with pidfd_getfd, refused (EPERM) between sibling
+    # processes in an unprivileged container, and the sender refuses them (weight_sync.ipc).
     Bench(
         "ipc_handoff",
         ("cpu", "gpu"),
         args={"gpu": ["--device", "cuda"]},
         quick_args={"gpu": ["--device", "cuda"]},
-        # Expandable segments make CUDA IPC export POSIX file descriptors, which a sibling process may
-        # not open in an unprivileged container (pidfd_getfd: EPERM): the handoff uses plain segments.
-        env={"PYTORCH_CUDA_ALLOC_CONF": ""},
+        unset_env=("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"),
     ),
     # The probe's error in bf16 (generation.probe_max_error's bound): vLLM's CPU kernels against Megatron's
     # in real GRPO runs on cpu; on the lent GPU (no vLLM) transformers' against Megatron's at Qwen2-1.5B.
@@ -177,7 +178,8 @@ def run_one(bench: Bench, args) -> dict:
     command = bench.command(args.suite, args.quick, args.repeat, args.out)
     print(f"=== {bench.name}: {' '.join(command)}", flush=True)
     start = time.perf_counter()
-    rc = subprocess.run(command, cwd=REPO, env={**os.environ, **bench.env}).returncode
+    env = {k: v for k, v in os.environ.items() if k not in bench.unset_env}
+    rc = subprocess.run(command, cwd=REPO, env=env).returncode
     entry = {
         "command": " ".join(record.relative(c) for c in command[1:]),
         "wall_s": time.perf_counter() - start,

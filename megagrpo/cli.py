@@ -157,6 +157,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from megagrpo.ckpt.links import check_no_outside_links
     from megagrpo.config import load_config
     from megagrpo.evaluate import run_eval
     from megagrpo.trainers.checkpoints import model_dir_for_eval
@@ -180,6 +181,7 @@ def _eval(args: argparse.Namespace) -> int:
     model_dir = given if args.model else model_dir_for_eval(given, out)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (an HF model directory is expected)")
+    check_no_outside_links(model_dir)  # the engines read it; eval's report names it
     cfg = load_config(args.config, [*args.overrides, *evaluated(model_dir)], trainer="eval")
     report = run_eval(cfg, model_dir, out, samples=args.samples)
     print(report.to_markdown(f"megagrpo eval: {cfg.run_name}"))

@@ -24,6 +24,7 @@ import torch
 from megagrpo.ckpt import CheckpointError
 from megagrpo.ckpt.durable import WRITEBACK_STEP, WritebackThread, background_writeback
 from megagrpo.ckpt.files import CopyingFile, FileCopies, FileMaps, Piece
+from megagrpo.ckpt.links import check_no_outside_links
 
 # Files that travel with the weights: what transformers and vLLM read besides the tensors.
 AUX_FILES = (
@@ -322,7 +323,11 @@ def _write_shard(
 
 
 def copy_aux_files(src: Path, dst: Path) -> list[str]:
-    """Copy config, generation config and tokenizer files present in ``src``; return their names."""
+    """Copy config, generation config and tokenizer files present in ``src``; return their names.
+
+    A directory with a link out of it is refused first (``links``): what is copied here is published
+    with checkpoints and exports."""
+    check_no_outside_links(src)
     copied = []
     for name in AUX_FILES:
         if (src / name).is_file():

@@ -23,6 +23,7 @@ import json
 import mmap
 import multiprocessing
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -218,19 +219,38 @@ def read(ckpt: Path) -> dict[str, FileDigest]:
         raise CheckpointCorrupt(ckpt, MANIFEST_NAME, f"unreadable ({err})") from None
 
 
+def _check_hf_listed(ckpt: Path, listed: Mapping[str, FileDigest]) -> None:
+    """Every entry of ``ckpt/hf/`` is in the manifest: an added one would reach exports unverified."""
+    for here, dirs, files in os.walk(ckpt / "hf"):
+        for name in [*files, *(d for d in dirs if (Path(here) / d).is_symlink())]:
+            rel = (Path(here) / name).relative_to(ckpt).as_posix()
+            if rel not in listed:
+                why = "hf/ is copied into exports: all of it is verified"
+                raise CheckpointCorrupt(ckpt, rel, f"not listed in {MANIFEST_NAME} ({why})")
+
+
 def verify(ckpt: Path) -> int:
     """Check every file ``ckpt/manifest.json`` lists: present, of its size, with its checksum.
 
     Raises CheckpointCorrupt naming the first file that fails and the check (sizes are checked
-    before any checksum, so a truncated file is named at once). Returns the bytes verified. Files
-    the manifest does not list are not checked.
+    before any checksum, so a truncated file is named at once). Returns the bytes verified. A listed
+    entry must be a regular file inside ``ckpt`` (a writer never makes links: a link, a device or a
+    path out of the checkpoint was put there); every file of ``hf/`` must be listed (exports copy
+    them); other files the manifest does not list are not checked.
     """
     ckpt = Path(ckpt)
     listed = read(ckpt)
+    _check_hf_listed(ckpt, listed)
     for rel, want in listed.items():
         path = ckpt / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise CheckpointCorrupt(ckpt, rel, f"a path out of the checkpoint (listed in {MANIFEST_NAME})")
         if not path.is_file():
             raise CheckpointCorrupt(ckpt, rel, f"missing (listed in {MANIFEST_NAME})")
+        if not stat.S_ISREG(path.lstat().st_mode):
+            raise CheckpointCorrupt(
+                ckpt, rel, f"a link to {os.path.realpath(path)}, not a file (listed in {MANIFEST_NAME})"
+            )
         size = path.stat().st_size
         if size != want.size:
             raise CheckpointCorrupt(ckpt, rel, f"size {size} bytes, {MANIFEST_NAME} says {want.size}")

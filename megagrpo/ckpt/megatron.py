@@ -29,6 +29,7 @@ from megagrpo.ckpt.dist_files import MappedDistCheckpoint, trusted_metadata_only
 from megagrpo.ckpt.durable import writeback_as_written
 from megagrpo.ckpt.files import CopyingFile, FileCopies, FileMaps, Piece
 from megagrpo.ckpt.hf_files import copy_aux_files
+from megagrpo.ckpt.links import check_no_outside_links
 from megagrpo.ckpt.manifest import DigestCollector
 from megagrpo.compat.megatron_writer import in_process_results_queue, writers_can_open_with, writers_open_with
 from megagrpo.compat.torch_save import without_crc32
@@ -286,6 +287,7 @@ def read_model(ckpt: Path) -> ModelDescription:
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')} is not {FORMAT_VERSION}")
     hf_dir = ckpt / "hf"
+    check_no_outside_links(hf_dir, within=ckpt)  # before its config is read or its files are copied
     arch, shape = shape_from_hf_config(load_hf_config(hf_dir), str(hf_dir / "config.json"))
     return ModelDescription(
         arch=arch, shape=shape, dtype=DTYPES[meta["dtype"]], hf_dir=hf_dir, megatron_ckpt=ckpt

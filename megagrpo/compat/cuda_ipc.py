@@ -12,9 +12,21 @@ are numbered per process under ``CUDA_VISIBLE_DEVICES``; the GPU is matched by i
 
 Nothing is replaced, so nothing is restored. Where a torch version lacks either method,
 :func:`require` says so before any sync starts.
+
+The sender's memory outlives its own tensor while a receiver may still map it: torch counts the
+receiver's reference in a shared-memory counter (``ref_handle``, a POSIX shared-memory name; the
+int64 at index ``ref_offset``), set to 1 by the export and decremented when the receiver's storage is
+freed; until then the sender's allocator keeps the block ("limbo"). A receiver killed while holding
+it never decrements: :func:`receiver_references` reads the counter and :func:`release_receiver_reference`
+decrements it on the dead receiver's behalf, as torch's own ``UntypedStorage._release_ipc_counter_cuda``
+does (the file mapped, the int64 decremented).
 """
 
 from __future__ import annotations
+
+import mmap
+import os
+import struct
 
 import torch
 
@@ -83,3 +95,33 @@ def open_handle(info: dict, device: torch.device) -> torch.Tensor:
         info["event_sync"],
     )
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)[: info["numel"]]
+
+
+def _counter_path(info: dict) -> str:
+    # shm_open names ("/torch_<pid>_...") live in /dev/shm on Linux
+    return "/dev/shm/" + bytes.fromhex(info["ref_handle"]).decode().lstrip("/")
+
+
+def receiver_references(info: dict) -> int | None:
+    """References receivers still hold on the memory ``info`` exports (torch's shared counter), or None
+    when the counter file is gone (every slot of it released: nothing is held)."""
+    try:
+        with open(_counter_path(info), "rb") as fh:
+            fh.seek(8 * info["ref_offset"])
+            raw = fh.read(8)
+    except FileNotFoundError:
+        return None
+    return struct.unpack("<q", raw)[0] if len(raw) == 8 else None
+
+
+def release_receiver_reference(info: dict) -> None:
+    """Drop one receiver's reference on the memory ``info`` exports, for a receiver that can no longer
+    drop it itself (its process is gone)."""
+    fd = os.open(_counter_path(info), os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0) as counters:
+            at = 8 * info["ref_offset"]
+            (value,) = struct.unpack_from("<q", counters, at)
+            struct.pack_into("<q", counters, at, value - 1)
+    finally:
+        os.close(fd)

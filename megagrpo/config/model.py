@@ -173,7 +173,8 @@ class ParallelConfig:
     transformer_impl: Literal["auto", "local", "torch", "transformer_engine"] = "auto"
     """Megatron layer implementation: "local" (Megatron's own, unfused attention), "torch" (PyTorch's
     SDPA/varlen attention and fused RMSNorm), "transformer_engine"; "auto" picks transformer_engine when
-    importable, else torch (PyTorch >= 2.5), else local (decided once: ``cfg.resolved.transformer_impl``)."""
+    Megatron-Core imports it (its HAVE_TE), else torch (PyTorch >= 2.5), else local (decided once:
+    ``cfg.resolved.transformer_impl``)."""
 
     def __post_init__(self) -> None:
         positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")

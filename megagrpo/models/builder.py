@@ -61,7 +61,7 @@ def transformer_config(
     }
     if recompute not in recompute_args:
         raise ValueError(f"recompute must be one of {sorted(recompute_args)}, got {recompute!r}")
-    return TransformerConfig(
+    config = TransformerConfig(
         **recompute_args[recompute],
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -97,6 +97,21 @@ def transformer_config(
         attention_softmax_in_fp32=True,
         **moe_config(shape, ep=ep, etp=etp, aux_loss_coeff=moe_aux_loss_coeff, routing_replay=routing_replay),
     )
+    check_router_replay(config)
+    return config
+
+
+def check_router_replay(config) -> None:
+    """Refuse Megatron's fused router top-k together with router replay: in Megatron-Core 0.16.1
+    ``topk_routing_with_score_function`` returns the fused kernel's experts before it looks at the
+    router's replay, so the experts vLLM sampled with (``grpo.routing_replay``) would be ignored without
+    a word and the trainer would route on its own."""
+    if getattr(config, "moe_router_fusion", False) and getattr(config, "moe_enable_routing_replay", False):
+        raise ValueError(
+            "moe_router_fusion (Megatron's fused router top-k) with grpo.routing_replay 'rollout' "
+            "(moe_enable_routing_replay): the fused top-k returns before the replayed experts are applied; "
+            "turn one of them off"
+        )
 
 
 def moe_config(
@@ -129,6 +144,7 @@ def moe_config(
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=aux_loss_coeff,
         moe_enable_routing_replay=routing_replay,
+        moe_router_fusion=False,  # its fused top-k returns before replay applies (check_router_replay)
         moe_token_dispatcher_type="alltoall",
         moe_expert_capacity_factor=None,
         moe_grouped_gemm=False,
@@ -196,6 +212,8 @@ def build_gpt_model(
 ):
     """One pipeline stage of the GPT model, its parameters on the current device."""
     from megatron.core.models.gpt import GPTModel
+
+    check_router_replay(config)  # again: callers adjust the config between building it and the model
 
     tp = config.tensor_model_parallel_size
     model = GPTModel(

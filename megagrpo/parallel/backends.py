@@ -8,7 +8,8 @@ accept ``"auto"`` too, for callers that are not config-driven (the converters, t
 as well; they also ask for ``check_available``: the machine that is about to use a backend or a layer
 implementation must have it, while a config may name one that only the trainer's machines have.
 
-No torch import at module level: loading a config stays cheap unless ``"auto"`` needs the CUDA probe.
+No torch import at module level: loading a config stays cheap unless ``"auto"`` needs the CUDA probe, or
+finds Transformer Engine installed (then Megatron's import of it decides).
 """
 
 from __future__ import annotations
@@ -58,11 +59,25 @@ def cuda_available() -> bool:
 
 
 def transformer_engine_available() -> bool:
-    """Whether Transformer Engine is installed (found, not imported: importing it is slow)."""
+    """Whether Megatron's own import of Transformer Engine succeeded (``HAVE_TE`` of the module that builds
+    its TE layer spec), not merely whether the package is found: an installed TE whose extension does not
+    load (built for another torch or CUDA, cuDNN missing) leaves Megatron without it, and a TE spec would
+    then fail at build. Looked up first, so a machine without TE imports nothing (importing TE is slow)."""
     try:
-        return importlib.util.find_spec("transformer_engine") is not None
+        if importlib.util.find_spec("transformer_engine") is None:
+            return False
     except (ImportError, ValueError):
         return False
+    try:
+        from megatron.core.models.gpt import gpt_layer_specs
+    except ImportError as err:
+        # Megatron takes a missing module for "no TE" but lets other import errors through (a library
+        # that does not load): then no layer implementation can be built here.
+        raise ValueError(
+            f"transformer_engine is installed but fails to import ({err}), and Megatron-Core fails with it: "
+            "repair or uninstall it"
+        ) from None
+    return bool(gpt_layer_specs.HAVE_TE)
 
 
 def torch_layers_available() -> bool:
@@ -93,7 +108,7 @@ def resolve_backend(name: str = "auto", *, check_available: bool = False) -> Bac
 
 
 def resolve_transformer_impl(name: str = "auto", *, check_available: bool = False) -> TransformerImpl:
-    """``auto`` means Transformer Engine when it is installed, else the ``torch`` layers (PyTorch's fused
+    """``auto`` means Transformer Engine when Megatron imported it, else the ``torch`` layers (PyTorch's fused
     kernels) when this PyTorch has them, else Megatron's local modules.
 
     With ``check_available``, a named implementation this machine lacks is an error.
@@ -108,7 +123,8 @@ def resolve_transformer_impl(name: str = "auto", *, check_available: bool = Fals
         )
     if check_available and name == "transformer_engine" and not transformer_engine_available():
         raise ValueError(
-            "parallel.transformer_impl='transformer_engine' but transformer_engine is not installed"
+            "parallel.transformer_impl='transformer_engine' but transformer_engine is not installed, or "
+            "Megatron-Core could not import it (python -c 'import transformer_engine.pytorch' says why)"
         )
     if check_available and name == "torch" and not torch_layers_available():
         raise ValueError(

@@ -7,13 +7,15 @@ on the loopback interface) and does not outlive the driver that started it (``ru
 from __future__ import annotations
 
 import os
+import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from megagrpo.compat.ray_loopback import local_ray_on_loopback
-from megagrpo.config import ClusterConfig, Config
+from megagrpo.config import ClusterConfig, Config, ConfigError
 from megagrpo.runtime import watchdog
 
 # Environment of every Ray worker of a local run: process groups on the loopback interface.
@@ -31,6 +33,7 @@ def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Confi
     """
     if ray.is_initialized():
         return
+    check_ray_token_file()
     if num_cpus is None and cfg is not None:
         actors = cfg.parallel.world_size + cfg.generation.num_engines
         if cfg.generation.placement == "colocated":  # every rank's bundle holds room for an engine
@@ -64,6 +67,30 @@ def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Confi
     _local_session = (session, watchdog.claim(session))
     for swept in watchdog.sweep_orphans(session.parent):
         print(f"stopped the processes left by {swept}, the local Ray of a driver that was killed")
+
+
+def check_ray_token_file(environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse a Ray token file that group or others may read or write, before Ray reads it.
+
+    With token authentication (``RAY_AUTH_MODE=token``) and no ``RAY_AUTH_TOKEN``, Ray takes the token
+    from ``RAY_AUTH_TOKEN_PATH`` (default ``~/.ray/auth_token``, which Ray's own ``ray start`` writes
+    with mode 644). A token others could read may already be theirs: ConfigError naming the file, its
+    mode and what to do (``launch/ray_auth.sh`` refuses it the same way)."""
+    if environ.get("RAY_AUTH_MODE") != "token" or environ.get("RAY_AUTH_TOKEN"):
+        return
+    path = Path(environ.get("RAY_AUTH_TOKEN_PATH") or Path(environ.get("HOME", "~")) / ".ray" / "auth_token")
+    try:
+        mode = stat.S_IMODE(path.expanduser().stat().st_mode)
+    except FileNotFoundError:
+        return  # Ray reports a missing token itself
+    if mode & 0o066:
+        raise ConfigError(
+            "RAY_AUTH_TOKEN_PATH",
+            f"the Ray token {path} has mode {mode:o}: group or others may read or replace it, so anyone on "
+            "this machine may already hold it; refused. Make a new token (remove the file and start the "
+            f"head with launch/ray_head.sh, which writes one with mode 600), or, where no one else could "
+            f"have read it, chmod 600 {path}",
+        )
 
 
 def shutdown_ray() -> None:

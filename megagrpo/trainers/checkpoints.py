@@ -21,6 +21,7 @@ from megagrpo.ckpt import manifest
 from megagrpo.ckpt import run as ckpt_io
 from megagrpo.ckpt.convert import megatron_to_hf
 from megagrpo.ckpt.durable import publish
+from megagrpo.ckpt.links import check_no_outside_links
 from megagrpo.config import Config, ConfigError, config_to_dict
 from megagrpo.runtime.spmd import RankCalls
 
@@ -167,14 +168,20 @@ def verified_resume_point(cfg: Config) -> Path | None:
 
 def resolve_init_from(cfg: Config) -> Config:
     """``cfg`` with ``model.init_from`` (an earlier run's directory) replaced by the model it names
-    (:func:`run_result`); ConfigError naming ``model.init_from`` when that run has no result."""
-    if cfg.model.init_from is None:
-        return cfg
-    hf_dir, ckpt = run_result(Path(cfg.model.init_from), "model.init_from")
-    model = dataclasses.replace(
-        cfg.model, init_from=None, hf_dir=str(hf_dir), megatron_ckpt=str(ckpt) if ckpt else None
-    )
-    return dataclasses.replace(cfg, model=model)
+    (:func:`run_result`); ConfigError naming ``model.init_from`` when that run has no result.
+
+    The model directory the run starts from (``model.hf_dir``, given or found here) is checked for
+    links out of it (``ckpt.links``) before anything starts: the ranks copy its files into every
+    checkpoint."""
+    if cfg.model.init_from is not None:
+        hf_dir, ckpt = run_result(Path(cfg.model.init_from), "model.init_from")
+        model = dataclasses.replace(
+            cfg.model, init_from=None, hf_dir=str(hf_dir), megatron_ckpt=str(ckpt) if ckpt else None
+        )
+        cfg = dataclasses.replace(cfg, model=model)
+    if cfg.model.hf_dir is not None:
+        check_no_outside_links(cfg.model.hf_dir)
+    return cfg
 
 
 def run_result(run: Path, key: str) -> tuple[Path, Path | None]:

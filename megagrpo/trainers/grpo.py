@@ -50,6 +50,7 @@ from megagrpo.trainers.rollouts import (
 )
 from megagrpo.trainers.run import Cadence, Due, Trained, prefixed, run_steps, timed, wandb_settings
 from megagrpo.types import SamplingSettings, TrainBatch
+from megagrpo.weight_sync.ipc import check_colocated_allocator
 
 
 def train(cfg: Config) -> Path:
@@ -59,6 +60,7 @@ def train(cfg: Config) -> Path:
     run_dir = Path(cfg.logging.dir) / cfg.run_name
     cfg = resolve_init_from(cfg)  # a staged recipe's previous stage, checked before anything starts
     check_checkpoint_dir(cfg)
+    check_colocated_allocator(cfg)  # the CUDA IPC handoff to colocated engines, before any worker starts
     resume_from = verified_resume_point(cfg)  # checked before any worker starts
     if cfg.distill.teacher_hf_dir is not None:
         check_same_tokenizer(cfg)  # student and teacher: the same token ids, before any actor starts

@@ -19,17 +19,24 @@ When a link also has engines on other devices, the slot is what the sender broad
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megagrpo.compat import cuda_ipc
 from megagrpo.compat.torch_store import bound_tcp_store
+from megagrpo.config import ConfigError
+
+if TYPE_CHECKING:
+    from megagrpo.config import Config
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,116 @@ class IpcAddress:
     """The engine (its index in the sync) on the sender's device."""
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""Where PyTorch reads its CUDA allocator's settings (the second is the newer name of the first)."""
+
+
+def expandable_segments_setting(environ: Mapping[str, str] = os.environ) -> str | None:
+    """``NAME=VALUE`` of the allocator variable that turns expandable segments on, else None.
+
+    Memory of expandable segments is exported by CUDA IPC as a POSIX file descriptor that the receiver
+    takes from the sender with ``pidfd_getfd``, which an unprivileged container refuses between sibling
+    processes (EPERM): the colocated handoff could not open the slots."""
+    for name in ALLOC_CONF_VARS:
+        for item in environ.get(name, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() in ("true", "1"):
+                return f"{name}={environ[name]}"
+    return None
+
+
+def expandable_segments_refusal(setting: str) -> str:
+    """Why a colocated handoff refuses ``setting`` (from :func:`expandable_segments_setting`), and the fix."""
+    name = setting.partition("=")[0]
+    return (
+        f"{setting} with generation.placement colocated: CUDA IPC exports expandable segments as file "
+        "descriptors the engine must take with pidfd_getfd, which unprivileged containers refuse between "
+        f"sibling processes (EPERM); remove expandable_segments:True from {name} (or set it False) for "
+        "colocated runs, or use generation.placement disaggregated"
+    )
+
+
+def check_colocated_allocator(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
+    """Before any worker starts: colocated engines on GPUs receive the weights by CUDA IPC, which this
+    environment's allocator setting (inherited by the trainer ranks of a local Ray) would break.
+    ConfigError naming ``generation.placement`` and the variable; each rank checks its own again."""
+    if cfg.generation.placement != "colocated" or cfg.cluster.gpus_per_node == 0:
+        return
+    setting = expandable_segments_setting(environ)
+    if setting is not None:
+        raise ConfigError(
+            ("generation.placement", setting.partition("=")[0]), expandable_segments_refusal(setting)
+        )
+
+
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """A process as the sender can recognise it later: pid, its start time (a reused pid has another)
+    and its pid namespace (pids of another namespace cannot be looked up here)."""
+
+    pid: int
+    start: str
+    namespace: str
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId | None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # from field 3 on
+            namespace = os.readlink(f"/proc/{pid}/ns/pid")
+        except OSError:
+            return None
+        if fields[0] == "Z":
+            return None  # ended, not yet reaped
+        return cls(pid, fields[19], namespace)  # field 22: the start time
+
+    def encode(self) -> str:
+        return f"{self.pid} {self.start} {self.namespace}"
+
+    @classmethod
+    def decode(cls, text: str) -> ProcessId | None:
+        parts = text.split(" ")
+        return cls(int(parts[0]), parts[1], parts[2]) if len(parts) == 3 else None
+
+    def ended(self) -> bool | None:
+        """Whether the process has ended; None when this process cannot tell (another pid namespace)."""
+        if self.namespace != os.readlink("/proc/self/ns/pid"):
+            return None
+        return ProcessId.of(self.pid) != self
+
+
+_HELD: list[tuple[ProcessId, dict]] = []
+"""CUDA exports of closed senders whose receiver process was still running: its reference is released
+here once it ends (``release_ended_receivers``)."""
+
+
+def hold_until_receiver_ends(receiver: ProcessId, export: dict) -> None:
+    _HELD.append((receiver, export))
+
+
+def release_ended_receivers() -> int:
+    """Release the references that receivers which ended (an engine replaced, killed while it mapped
+    the slots) still hold on closed senders' memory, so that the allocator frees it (without this, each
+    engine restart would keep its two slots, ~1 GiB at 512 MB buckets, for the rest of the run);
+    returns how many were released. A receiver that released its own (it closed first) is left alone."""
+    released, kept = 0, []
+    for receiver, export in _HELD:
+        ended = receiver.ended()
+        if ended is None:
+            continue  # cannot be told: the reference stays, as it would without this
+        if not ended:
+            kept.append((receiver, export))
+            continue
+        if (cuda_ipc.receiver_references(export) or 0) > 0:
+            cuda_ipc.release_receiver_reference(export)
+            released += 1
+    _HELD[:] = kept
+    if released and torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # the freed blocks leave the allocator's limbo now, not at its next miss
+    return released
 
 
 class _Store:
@@ -81,6 +196,9 @@ class IpcSender:
         self.store = _Store(addr, is_master=True, timeout_s=timeout_s, name=name)
         total = 2 * self.slot_bytes
         if device.type == "cuda":
+            setting = expandable_segments_setting()  # this process's allocator is what exports
+            if setting is not None:
+                raise RuntimeError(f"{name}: {expandable_segments_refusal(setting)}")
             self.memory = torch.empty(total, dtype=torch.uint8, device=device)
             export = {"kind": "cuda", **cuda_ipc.export_handle(self.memory)}
         else:
@@ -95,10 +213,18 @@ class IpcSender:
         self.slots = [self.memory[: self.slot_bytes], self.memory[self.slot_bytes :]]
         self.store.put("slots", json.dumps({**export, "slot_bytes": self.slot_bytes}))
         try:
-            self.store.take("opened", f"engine {addr.engine} mapping the slots")
+            opened = self.store.take("opened", f"engine {addr.engine} mapping the slots")
+        except TimeoutError:
+            if export["kind"] == "cuda":  # the engine never mapped them: its reference is released now
+                with contextlib.suppress(OSError):
+                    cuda_ipc.release_receiver_reference(export)
+            self.memory = self.slots = None
+            raise
         finally:
             if export["kind"] == "shm":
                 Path(export["path"]).unlink(missing_ok=True)  # both have it mapped: no file left behind
+        self.receiver = ProcessId.decode(opened.decode())
+        release_ended_receivers()  # an engine this one replaces has ended by now
         self._pending: dict[int, int] = {}  # slot -> plan index whose ack frees it
 
     def slot(self, n: int) -> torch.Tensor:
@@ -122,10 +248,15 @@ class IpcSender:
             self.store.take(f"ack/{index}", f"the engine's receipt of bucket {index}")
 
     def close(self) -> None:
+        """Drop the slots. On CUDA their memory is freed once the engine has unmapped it: at once when
+        it closed first, else when its process ends (``release_ended_receivers``, also run here)."""
+        if self.export["kind"] == "cuda" and self.receiver is not None:
+            hold_until_receiver_ends(self.receiver, self.export)
         self._pending = {}
         self.slots = []
         self.memory = None
         self.store = None
+        release_ended_receivers()
 
 
 class IpcReceiver:
@@ -145,7 +276,8 @@ class IpcReceiver:
         else:
             raise RuntimeError(f"{name}: unknown slot kind {export['kind']!r}")
         self.slots = [memory[:slot_bytes], memory[slot_bytes:]]
-        self.store.put("opened", "1")
+        me = ProcessId.of(os.getpid())
+        self.store.put("opened", me.encode() if me is not None else "")
 
     def receive(self, index: int, out: torch.Tensor) -> torch.Tensor:
         """Bucket ``index`` of the plan, copied into ``out`` (its size); the slot is then released."""

@@ -41,6 +41,7 @@ def two_nodes(tmp_path):
 
     token = tmp_path / "ray_token"
     token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)  # a token others may read is refused
     env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     temp = tempfile.mkdtemp(prefix="mgray", dir="/tmp")  # Ray's socket paths must stay short
     address = f"{get_node_ip_address()}:{free_port()}"

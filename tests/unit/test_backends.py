@@ -1,8 +1,16 @@
 """The one resolver of "auto" backends and layer implementations, and who uses it."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from megagrpo.parallel import backends
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.unit
 
@@ -107,3 +115,66 @@ def test_the_policy_ranks_act_on_the_decisions_made_where_the_run_started():
     ):
         assert read in source
     assert "cfg.parallel.backend" not in source and "cfg.parallel.transformer_impl" not in source
+
+
+def _probe(tmp_path, te_init: str | None) -> dict:
+    """transformer_engine_available and auto's choice in a fresh interpreter whose path holds a
+    ``transformer_engine`` package with ``te_init`` as its ``__init__`` (None: no such package)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    if te_init is not None:
+        (site / "transformer_engine").mkdir()
+        (site / "transformer_engine" / "__init__.py").write_text(te_init)
+    code = (
+        "import importlib.util, json, sys\n"
+        "from megagrpo.parallel import backends\n"
+        "found = importlib.util.find_spec('transformer_engine') is not None\n"
+        "have = backends.transformer_engine_available()\n"
+        "try:\n"
+        "    backends.resolve_transformer_impl('transformer_engine', check_available=True)\n"
+        "    named = ''\n"
+        "except ValueError as err:\n"
+        "    named = str(err)\n"
+        "print(json.dumps({'found': found, 'have': have, 'auto': backends.resolve_transformer_impl('auto'),\n"
+        "                  'megatron_imported': 'megatron.core' in sys.modules, 'named': named}))\n"
+    )
+    path = os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=os.environ | {"PYTHONPATH": path}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_auto_takes_transformer_engine_only_when_megatron_imported_it(tmp_path):
+    # Installed without its PyTorch extension (source-only, built in a step of its own): Megatron's own
+    # import finds no module and sets HAVE_TE False, so auto must not pick it, and naming it is refused.
+    missing = "transformer_engine_torch"
+    broken = _probe(tmp_path, f'raise ModuleNotFoundError("No module named {missing!r}", name={missing!r})')
+    assert broken.pop("named").endswith(
+        "Megatron-Core could not import it (python -c 'import transformer_engine.pytorch' says why)"
+    )
+    assert broken == {"found": True, "have": False, "auto": "torch", "megatron_imported": True}
+
+
+def test_a_transformer_engine_that_breaks_megatron_is_named(tmp_path):
+    # Any other import error escapes Megatron's own guards: no layer implementation can be built here.
+    site = tmp_path / "site" / "transformer_engine"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("raise ImportError('libcudnn.so.9: cannot open shared object file')")
+    code = "from megagrpo.parallel import backends\nbackends.resolve_transformer_impl('auto')\n"
+    path = os.pathsep.join([str(site.parent), str(REPO), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=os.environ | {"PYTHONPATH": path}, capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert (
+        "ValueError: transformer_engine is installed but fails to import (libcudnn.so.9: cannot open shared "
+        "object file), and Megatron-Core fails with it" in done.stderr
+    )
+
+
+def test_a_machine_without_transformer_engine_imports_nothing_to_find_out(tmp_path):
+    probe = _probe(tmp_path, None)
+    assert "not installed" in probe.pop("named")
+    assert probe == {"found": False, "have": False, "auto": "torch", "megatron_imported": False}

@@ -7,6 +7,7 @@ import pytest
 
 from megagrpo.config import ConfigError, load_config
 from megagrpo.config.rules import check_shape
+from megagrpo.models.builder import build_gpt_model, check_router_replay, transformer_config
 from megagrpo.models.layout import expert_global_name, is_gated_fc1, tp_partition_dim
 from megagrpo.models.mapping import decoder_rules, hf_tensor_shapes
 from megagrpo.models.registry import UnsupportedModelError, hf_config_for, shape_from_hf_config
@@ -171,3 +172,18 @@ def test_vllms_expert_parallelism_is_refused_where_it_cannot_split_the_experts()
         assert "must be > 1 and divide num_experts" in str(err.value)
     with pytest.raises(ConfigError, match=r"engine_expert_parallel=True is for mixture-of-experts"):
         load_config(None, ["parallel.transformer_impl=local", "generation.engine_expert_parallel=true"])
+
+
+def test_router_replay_never_runs_with_megatrons_fused_router():
+    # Megatron-Core 0.16.1's topk_routing_with_score_function returns the fused top-k before it applies
+    # the router's replay: a replaying config keeps the fused router off, and one with both is refused.
+    _, shape = shape_from_hf_config(QWEN3_MOE)
+    config = transformer_config(shape, on_cpu=True, routing_replay=True)
+    assert config.moe_enable_routing_replay and not config.moe_router_fusion
+    config.moe_router_fusion = True
+    with pytest.raises(ValueError, match=r"moe_router_fusion .* with grpo.routing_replay 'rollout'"):
+        check_router_replay(config)
+    with pytest.raises(ValueError, match="moe_router_fusion"):
+        build_gpt_model(shape, config, pgs=None)
+    config.moe_enable_routing_replay = False
+    check_router_replay(config)  # the fused router alone is Megatron's business
