@@ -4,9 +4,13 @@ These groups live outside both jobs' default process groups: the sending trainer
 TCPStore and is rank 0 of its group. On the gathered path there is one group per pipeline stage and
 every vLLM worker joins every group; on the shard-wise path one group per link (stage, trainer TP
 rank, engine TP rank: ``weight_sync.shards``), joined by that engine rank's worker of every engine.
+
 No call of a sync blocks past the sync's timeout (``generation.sync_timeout_s``), so that the Ray
 actor making it, a synchronous one, is free for the next call (the groups re-formed with an engine's
-replacement) instead of queueing it behind a stuck one:
+replacement) instead of queueing it behind a stuck one. The actors stay synchronous on purpose (no
+threaded actor or concurrency group for control calls): a trainer rank's calls are Megatron
+collectives that must run one at a time and in order, and re-forming groups beside a broadcast still
+holding the device and its communicator would race with it. So each wait ends by itself:
 
 - **Connecting.** A group connects when it is made, on both sides, under the timeout: its store, its
   process group and its communicator. NCCL would otherwise make the communicator inside the first
