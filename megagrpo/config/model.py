@@ -173,8 +173,7 @@ class ParallelConfig:
     ``cfg.resolved.backend``)."""
     collective_timeout_s: float = 600.0
     """Seconds one collective of the trainer's process groups may take (torch.distributed's, and
-    Megatron's, whose timeout is in whole minutes: rounded up) before the backend fails it; NCCL's
-    watchdog then ends the rank, which the driver reports naming it."""
+    Megatron's, whose timeout is in whole minutes: rounded up) before the backend fails it."""
     transformer_impl: Literal["auto", "local", "torch", "transformer_engine"] = "auto"
     """Megatron layer implementation: "local" (Megatron's own, unfused attention), "torch" (PyTorch's
     SDPA/varlen attention and fused RMSNorm), "transformer_engine"; "auto" picks transformer_engine when

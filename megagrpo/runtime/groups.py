@@ -205,7 +205,7 @@ class RankGroup:
                 silent = ", ".join(f"rank {refs.index(r)} on {self.nodes[refs.index(r)]}" for r in pending)
                 raise RankFailure(
                     f"{len(pending)} of {len(refs)} {self.name} ranks did not answer within "
-                    f"{self.timeout_s:.0f}s: {silent}"
+                    f"{self.timeout_s:.0f}s (cluster.rank_call_timeout_s): {silent}"
                 )
             try:
                 results[done[0]] = ray.get(done[0])
