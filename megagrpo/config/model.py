@@ -1,5 +1,6 @@
 """The model and its split over the trainer's ranks: ``model`` (with ``model.tiny``) and ``parallel``."""
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -170,6 +171,9 @@ class ParallelConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; "auto" picks nccl when CUDA is available, else gloo (decided once:
     ``cfg.resolved.backend``)."""
+    collective_timeout_s: float = 600.0
+    """Seconds one collective of the trainer's process groups may take (torch.distributed's, and
+    Megatron's, whose timeout is in whole minutes: rounded up) before the backend fails it."""
     transformer_impl: Literal["auto", "local", "torch", "transformer_engine"] = "auto"
     """Megatron layer implementation: "local" (Megatron's own, unfused attention), "torch" (PyTorch's
     SDPA/varlen attention and fused RMSNorm), "transformer_engine"; "auto" picks transformer_engine when
@@ -179,6 +183,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
         positive(self, "expert_model_parallel_size", "data_parallel_size")
+        check(
+            self,
+            "collective_timeout_s",
+            math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0,
+            "finite and > 0",
+        )
         require(
             not self.sequence_parallel or self.tensor_model_parallel_size > 1,
             ("sequence_parallel", "tensor_model_parallel_size"),

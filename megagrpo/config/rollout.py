@@ -70,9 +70,9 @@ class GenerationConfig:
     benchmarks/probe_bf16.py.
     A wrong sync is caught exactly by the bucket digests every sync checks; this bound is the numerics."""
     sync_timeout_s: float = 600.0
-    """Seconds one wait of a weight sync may take (a bucket's broadcast or handoff, on the sender and on
-    each engine; a colocated engine's sleep/wake-up) before it fails naming the link; the controller
-    allows the whole sync 1.5x as long."""
+    """Seconds one wait of a weight sync may take (connecting a link's group, a bucket's broadcast or
+    handoff, on the sender and on each engine; a colocated engine's sleep/wake-up) before it fails naming
+    the link; the controller allows the whole sync 1.5x as long."""
     timeout_s: float = 6000.0
     """Seconds to wait for one engine's completions of a generate call before it counts as failed."""
     max_engine_restarts: int = 2

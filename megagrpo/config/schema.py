@@ -15,6 +15,7 @@ nothing else: no environment probe, no user code. The checks across sections, pe
 YAML and overrides is :mod:`megagrpo.config.load`, which takes all three steps.
 """
 
+import math
 import re
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, Literal
@@ -146,6 +147,9 @@ class ClusterConfig:
     engine_resource: str | None = None
     """Custom Ray resource every vLLM engine requires (disaggregated placement): puts engines on the
     nodes started with it; null places engines on any node."""
+    rank_call_timeout_s: float = 600.0
+    """Seconds the driver waits for every policy (or teacher) rank to answer one call (a train step, a
+    logprob pass, a checkpoint save) before the run stops on a fault naming the ranks that did not."""
 
     def __post_init__(self) -> None:
         positive(self, "num_nodes")
@@ -160,6 +164,12 @@ class ClusterConfig:
         check(self, "gpus_per_node", self.gpus_per_node >= 0, ">= 0")
         check(self, "cpus_per_worker", self.cpus_per_worker > 0, "> 0")
         check(self, "cpu_threads", self.cpu_threads is None or self.cpu_threads > 0, "> 0 or null")
+        check(
+            self,
+            "rank_call_timeout_s",
+            math.isfinite(self.rank_call_timeout_s) and self.rank_call_timeout_s > 0,
+            "finite and > 0",
+        )
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -9,6 +9,7 @@ groups from there instead of reaching into Megatron's globals.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -116,7 +117,8 @@ def init_parallel(
     MASTER_ADDR, MASTER_PORT, LOCAL_RANK). Seeds Megatron's RNG tracker so TP ranks draw
     different dropout masks and identical everything else. ``backend``: "gloo" or "nccl" (a loaded
     config's ``cfg.resolved.backend``), or "auto" for callers without a config, resolved by
-    :mod:`megagrpo.parallel.backends`.
+    :mod:`megagrpo.parallel.backends`. ``timeout_s`` (``parallel.collective_timeout_s``): the default
+    group's collective timeout, and Megatron's groups' in whole minutes, rounded up.
     """
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -150,7 +152,7 @@ def init_parallel(
         context_parallel_size=sizes.cp,
         expert_model_parallel_size=sizes.ep,
         expert_tensor_parallel_size=sizes.expert_tp,
-        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
         # Gloo side-groups only serve Megatron's CPU-side checkpoint exchanges on GPU;
         # with a gloo default backend the main groups already are gloo.
         create_gloo_process_groups=backend == "nccl",

@@ -102,7 +102,9 @@ class MegatronRank:
         self.model_info = describe_model(cfg)
         self.temperature = temperature
         sizes = ParallelSizes.from_config(cfg.parallel)
-        self.ctx = init_parallel(sizes, backend=cfg.resolved.backend, seed=seed)
+        self.ctx = init_parallel(
+            sizes, backend=cfg.resolved.backend, timeout_s=cfg.parallel.collective_timeout_s, seed=seed
+        )
         pol = cfg.policy
         # THD micro-batches where the layers keep a row's sequences apart (torch, TE), without CP.
         self.packed = cfg.resolved.packs_sequences

@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megagrpo.config import Config
 from megagrpo.runtime.colocated import GpuTurns
-from megagrpo.runtime.faults import EngineFailure, first_line
+from megagrpo.runtime.faults import EngineFailure, RankFailure, first_line
 from megagrpo.runtime.groups import COLOCATED_SHARE, NODE_LABEL_AMOUNT, RankGroup
 from megagrpo.weight_sync.sync import ProbeResult, WeightSync, WeightSyncError
 
@@ -300,6 +300,8 @@ class EnginePool:
         try:
             return self._sync_and_probe(weights, step)
         except WeightSyncError as err:
+            if err.ranks:  # a replacement's groups would queue behind the stuck ranks' call
+                raise RankFailure(f"policy rank(s) stuck in a weight sync: {first_line(err)}") from err
             if err.engine is None:
                 raise
             return self.replace(err.engine, err, step=step)

@@ -135,11 +135,12 @@ class RankGroup:
         worker_cls: type,
         *,
         name: str = "policy",
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,
         wait: bool = True,
     ):
         """Start the ranks and set them up; ``wait=False`` returns while they set up (call
-        ``ready()`` before the first method: a set-up error surfaces there)."""
+        ``ready()`` before the first method: a set-up error surfaces there). ``timeout_s``: how long
+        one call (set-up included) may take on the slowest rank; None: ``cluster.rank_call_timeout_s``."""
         if not isinstance(worker_cls, type):
             raise TypeError(
                 f"RankGroup needs the worker class itself (e.g. PolicyWorker), got {worker_cls!r}"
@@ -147,7 +148,7 @@ class RankGroup:
         self.worker_cls = worker_cls
         self.name = name
         self.world_size = cfg.parallel.world_size
-        self.timeout_s = timeout_s
+        self.timeout_s = cfg.cluster.rank_call_timeout_s if timeout_s is None else timeout_s
         gpus = cfg.cluster.gpus_per_node > 0
         colocated = cfg.generation.placement == "colocated"
         bundle = {"CPU": cfg.cluster.cpus_per_worker}
@@ -158,7 +159,7 @@ class RankGroup:
         if colocated:
             bundle["CPU"] += cfg.cluster.cpus_per_worker  # room for the engine sharing the bundle
         self.pg = placement_group([bundle] * self.world_size, strategy="PACK", name=f"megagrpo-{name}")
-        ray.get(self.pg.ready(), timeout=timeout_s)
+        ray.get(self.pg.ready(), timeout=self.timeout_s)
         self.nodes = ["?"] * self.world_size  # filled in once the actors answer
         self.actors = [
             RankActor.options(
@@ -172,9 +173,9 @@ class RankGroup:
             ).remote()
             for rank in range(self.world_size)
         ]
-        master = ray.get(self.actors[0].address.remote(), timeout=timeout_s)
-        self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=timeout_s)
-        self.node_ids = ray.get([a.node_id.remote() for a in self.actors], timeout=timeout_s)
+        master = ray.get(self.actors[0].address.remote(), timeout=self.timeout_s)
+        self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=self.timeout_s)
+        self.node_ids = ray.get([a.node_id.remote() for a in self.actors], timeout=self.timeout_s)
         per_node = Counter(self.node_ids)
         self._setup: list | None = [
             a.setup.remote(worker_cls, cfg, rank, self.world_size, master, per_node[self.node_ids[rank]])
@@ -204,7 +205,7 @@ class RankGroup:
                 silent = ", ".join(f"rank {refs.index(r)} on {self.nodes[refs.index(r)]}" for r in pending)
                 raise RankFailure(
                     f"{len(pending)} of {len(refs)} {self.name} ranks did not answer within "
-                    f"{self.timeout_s:.0f}s: {silent}"
+                    f"{self.timeout_s:.0f}s (cluster.rank_call_timeout_s): {silent}"
                 )
             try:
                 results[done[0]] = ray.get(done[0])

@@ -49,12 +49,13 @@ class WeightSyncError(RuntimeError):
     """A sync did not complete in time, or the probe shows vLLM and the trainer disagree.
 
     ``engine``: the engine that died or did not answer in time, when that is the cause (one a
-    ``runtime.engines.EnginePool`` can replace); None otherwise.
+    ``runtime.engines.EnginePool`` can replace); None otherwise. ``ranks``: trainer ranks still inside
+    the call past their own deadline, which cannot take another (the pool then stops the run).
     """
 
-    def __init__(self, message: str, engine: int | None = None):
+    def __init__(self, message: str, engine: int | None = None, ranks: tuple[int, ...] = ()):
         super().__init__(message)
-        self.engine = engine
+        self.engine, self.ranks = engine, ranks
 
 
 @dataclass(frozen=True)
@@ -208,12 +209,22 @@ class WeightSync:
     def _wait(self, engine_refs: list, trainer_refs: list, what: str) -> list:
         """Wait for both sides; a dead or stuck engine becomes an error.
 
-        Each rank gives up on a broadcast or handoff that does not finish within the timeout by
-        itself, naming the link (``transport.BroadcastGroup.wait``); this wait allows half as much
-        again, so that the rank's own error is the one reported. An engine still receiving when a
-        rank failed is named as the one to replace."""
+        Each rank gives up on connecting, a broadcast or a handoff that does not finish within the
+        timeout by itself, naming the link (``transport.BroadcastGroup``); this wait allows half as
+        much again, so that the rank's own error is the one reported. An engine still receiving when a
+        rank failed is named as the one to replace. A rank still inside the call by then could not
+        give up: replacing an engine would only queue the new groups behind it (the rank is a
+        synchronous actor): the error names those ranks (``WeightSyncError.ranks``) instead."""
         refs = engine_refs + trainer_refs
         done, pending = ray.wait(refs, num_returns=len(refs), timeout=1.5 * self.timeout_s)
+        silent = [trainer_refs.index(r) for r in pending if r in trainer_refs]
+        if silent:
+            raise WeightSyncError(
+                f"{what}: trainer rank(s) {', '.join(map(str, silent))} still inside it after "
+                f"{1.5 * self.timeout_s:.0f}s, past their own deadline (generation.sync_timeout_s = "
+                f"{self.timeout_s:g}); their weight-sync groups could not be aborted",
+                ranks=tuple(silent),
+            )
         stuck = [engine_refs.index(r) for r in pending if r in engine_refs]
         # Engines first: an engine that died also fails the trainer's side of the broadcast.
         for ref in sorted(done, key=lambda r: r not in engine_refs):
@@ -229,11 +240,9 @@ class WeightSync:
                     index if dead else (stuck[0] if stuck else None),
                 ) from err
         if pending:
-            names = [f"engine {i}" for i in stuck]
-            names += [f"trainer rank {trainer_refs.index(r)}" for r in pending if r in trainer_refs]
+            names = ", ".join(f"engine {i}" for i in stuck)
             raise WeightSyncError(
-                f"{what} did not finish within {1.5 * self.timeout_s:.0f}s; waiting on {', '.join(names)}",
-                stuck[0] if stuck else None,
+                f"{what} did not finish within {1.5 * self.timeout_s:.0f}s; waiting on {names}", stuck[0]
             )
         return [result for _, result in ray.get(trainer_refs)]  # the ranks answer (seconds, result)
 

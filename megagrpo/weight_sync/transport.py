@@ -4,12 +4,29 @@ These groups live outside both jobs' default process groups: the sending trainer
 TCPStore and is rank 0 of its group. On the gathered path there is one group per pipeline stage and
 every vLLM worker joins every group; on the shard-wise path one group per link (stage, trainer TP
 rank, engine TP rank: ``weight_sync.shards``), joined by that engine rank's worker of every engine.
-Every wait on a broadcast blocks the host until the broadcast is done, polling ``Work.is_completed``
-(which for NCCL queries the CUDA event: ``Work.wait`` alone only orders the stream, so a hung NCCL
-broadcast would never be seen), up to the sync's timeout; past it the group is aborted
-(``ProcessGroup.abort``: ``ncclCommAbort`` on NCCL, so no kernel stays queued) and the rank raises an
-error naming the link, the trainer rank and the engines. NCCL's own watchdog timeout is set to twice
-that, as the backstop that would otherwise kill the process; gloo's group timeout likewise.
+
+No call of a sync blocks past the sync's timeout (``generation.sync_timeout_s``), so that the Ray
+actor making it, a synchronous one, is free for the next call (the groups re-formed with an engine's
+replacement) instead of queueing it behind a stuck one. The actors stay synchronous on purpose (no
+threaded actor or concurrency group for control calls): a trainer rank's calls are Megatron
+collectives that must run one at a time and in order, and re-forming groups beside a broadcast still
+holding the device and its communicator would race with it. So each wait ends by itself:
+
+- **Connecting.** A group connects when it is made, on both sides, under the timeout: its store, its
+  process group and its communicator. NCCL would otherwise make the communicator inside the first
+  broadcast, blocking, before any wait of ours starts, and forever if a peer never joins (an engine
+  that died before its first receive): it is connected eagerly (``eager_connect_single_device``) on a
+  helper thread the caller waits for with a deadline. Past it the caller raises and returns; the
+  helper thread is left behind, since a blocking NCCL init cannot be aborted (gloo's ends by itself at
+  its own, doubled, timeout).
+- **Broadcasting.** Posting a broadcast on a connected group does not block; every wait on one polls
+  ``Work.is_completed`` (which for NCCL queries the CUDA event: ``Work.wait`` alone only orders the
+  stream, so a hung NCCL broadcast would never be seen) up to the timeout; past it the group is aborted
+  (``ProcessGroup.abort``: ``ncclCommAbort`` on NCCL, so no kernel stays queued).
+
+Either way the error names the link, the group rank, the trainer rank and the engines. NCCL's own
+watchdog timeout is set to twice the sync's, as the backstop that would otherwise kill the process;
+gloo's group timeout likewise.
 
 An engine on the sender's own device (colocated placement) is not in the link's group: it receives
 the link's buckets through shared slots (``weight_sync.ipc``), and the group holds the others.
@@ -18,6 +35,7 @@ the link's buckets through shared slots (``weight_sync.ipc``), and the group hol
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from dataclasses import dataclass
 
@@ -91,6 +109,12 @@ _ABORTED: list = []  # aborted process groups, never destroyed (one per failed s
 
 
 class BroadcastGroup:
+    """One link's group as one of its members sees it: rank 0 is the sender, the others receive.
+
+    Made connected, within ``timeout_s`` (see the module docstring), or a ``TimeoutError`` naming the
+    group and this member's rank in it.
+    """
+
     def __init__(
         self,
         addr: GroupAddress,
@@ -98,24 +122,67 @@ class BroadcastGroup:
         *,
         backend: str,
         timeout_s: float,
-        device: torch.device,
+        device: torch.device | str,
         name: str = "weight sync group",
     ):
-        # The backend's own timeout is the backstop; ``wait`` gives up first, with a message.
-        timeout = datetime.timedelta(seconds=2 * timeout_s)
-        self.rank, self.device, self.timeout_s, self.name = rank, device, timeout_s, name
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"weight sync backend must be gloo or nccl, got {backend!r}")
+        self.rank, self.timeout_s, self.name = rank, timeout_s, name
+        self.device = _indexed(torch.device(device))
+        self.store = self.pg = None
+        self._connect(addr, backend)
+
+    # ----------------------------------------------------------------------------------- connecting
+
+    def _connect(self, addr: GroupAddress, backend: str) -> None:
+        """Make and connect the group on a helper thread, waiting for it up to the timeout: the
+        blocking parts run inside torch and the backend, out of reach of any poll of ours."""
+        outcome: list[BaseException | None] = []
+
+        def connect() -> None:
+            try:
+                self._open(addr, backend)
+                outcome.append(None)
+            except BaseException as err:  # re-raised by the caller
+                outcome.append(err)
+
+        thread = threading.Thread(target=connect, name=f"connect {self.name}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            # Nothing to abort yet: a blocking NCCL init is not in the group's communicators, and an
+            # abort could wait on it. The thread keeps the half-made group; this member is free.
+            raise TimeoutError(
+                f"{self.name}: connecting did not finish within {self.timeout_s:.0f}s "
+                f"(generation.sync_timeout_s) at group rank {self.rank} of {addr.world_size}: "
+                "a member did not join; the connection was given up"
+            )
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    def _open(self, addr: GroupAddress, backend: str) -> None:
+        """Blocking: the rendezvous store, the process group, and its communicator connected."""
+        # The backend's own timeout is the backstop; our deadlines give up first, with a message.
+        timeout = datetime.timedelta(seconds=2 * self.timeout_s)
         # The sender's store listens on its advertised address only (127.0.0.1 on a local run).
         self.store = bound_tcp_store(
-            addr.address, addr.port, addr.world_size, is_master=rank == 0, timeout=timeout
+            addr.address, addr.port, addr.world_size, is_master=self.rank == 0, timeout=timeout
         )
+        pg = self._make_group(backend, addr.world_size, timeout)
+        # NCCL makes its communicator inside the first collective, unless told to now; gloo has
+        # connected in its constructor (a no-op there).
+        pg.eager_connect_single_device(self.device)
+        self.pg = pg
+
+    def _make_group(self, backend: str, world_size: int, timeout: datetime.timedelta):
+        """The process group of ``backend``, as torch makes it (NCCL: not yet connected)."""
         if backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(self.store, rank, addr.world_size, timeout)
-        elif backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, addr.world_size, opts)
-        else:
-            raise ValueError(f"weight sync backend must be gloo or nccl, got {backend!r}")
+            return dist.ProcessGroupGloo(self.store, self.rank, world_size, timeout)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(self.store, self.rank, world_size, opts)
+
+    # --------------------------------------------------------------------------------- broadcasting
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0):
         """Start a broadcast from ``root``; returns the work handle (:meth:`wait` for it)."""
@@ -126,14 +193,14 @@ class BroadcastGroup:
 
     def wait(self, work, what: str) -> None:
         """Block until ``work`` is done (its error raised, if it failed); past the timeout, abort the
-        group and raise ``TimeoutError`` naming it and ``what``."""
+        group and raise ``TimeoutError`` naming it, this member's rank in it and ``what``."""
         deadline, pause = time.monotonic() + self.timeout_s, 1e-4
         while not work.is_completed():
             if time.monotonic() > deadline:
                 self.abort()
                 raise TimeoutError(
                     f"{self.name}: {what} did not finish within {self.timeout_s:.0f}s "
-                    "(generation.sync_timeout_s); the group was aborted"
+                    f"(generation.sync_timeout_s) at group rank {self.rank}; the group was aborted"
                 )
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
@@ -152,3 +219,10 @@ class BroadcastGroup:
     def close(self) -> None:
         self.pg = None
         self.store = None
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: NCCL keys its communicators by it (``cuda`` alone would be -1)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -102,6 +102,8 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
                     backend=init_info.backend,
                     timeout_s=init_info.timeout_s,
                     device=self.device,
+                    name=f"weight sync link {index} (trainer rank {address.sender} -> engine {engine} "
+                    f"worker {par.rank})",
                 )
             handoff = address.ipc_for(engine, par.rank)
             if handoff is not None:

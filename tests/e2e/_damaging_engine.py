@@ -13,12 +13,15 @@ from __future__ import annotations
 import itertools
 import sys
 
+import lazy_groups
 import ray.cloudpickle
+from lazy_groups import connected_by, defer_group_creation
 
 from megagrpo.generation.worker import GenerationWorker
 
-# Ray's workers cannot import this test module by name: ship its classes and functions by value.
+# Ray's workers cannot import the test modules by name: ship their classes and functions by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(lazy_groups)
 
 
 class DamagingGenerationWorker(GenerationWorker):
@@ -38,10 +41,27 @@ class DamagingGenerationWorker(GenerationWorker):
     def skipped_in_last_sync(self) -> list[str]:
         return self.llm.collective_rpc(_skipped)[0]
 
+    def defer_group_creation(self) -> None:
+        """The weight-sync groups this engine makes from now on connect as NCCL's do, in the first
+        broadcast (``tests/lazy_groups.py``)."""
+        self.llm.collective_rpc(_defer_group_creation)
+
+    def group_connections(self) -> list[str | None]:
+        """What connected each weight-sync group of the engine's first worker (``DeferredGloo``)."""
+        return self.llm.collective_rpc(_group_connections)[0]
+
     def drift_loaded_weights(self) -> None:
         """Change the loaded model after a sync (its bytes arrived intact): what kernel or dtype
         differences do to the logprobs, short of a broken sync."""
         self.llm.collective_rpc(_scale_final_norm)
+
+
+def _defer_group_creation(worker) -> None:
+    defer_group_creation()
+
+
+def _group_connections(worker) -> list[str | None]:
+    return connected_by(worker.weight_transfer_engine.groups.values())
 
 
 def _scale_final_norm(worker) -> None:

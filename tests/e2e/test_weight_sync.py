@@ -1,5 +1,6 @@
 """Weight sync Megatron -> vLLM over gloo: exact after real optimizer steps, at TP=1/TP=2/PP=2 with
-1 and 2 engines; a corrupted bucket is caught; a dead engine is an error within the timeout.
+1 and 2 engines; a corrupted bucket is caught; a dead engine is an error within the timeout; on groups
+that connect as NCCL's do, an engine killed before its first receive is replaced and re-synced.
 
 The shared engines are ``DamagingGenerationWorker``s (``_damaging_engine.py``): production engines
 plus a way to damage a bucket of the next sync.
@@ -47,6 +48,8 @@ def policy_group(stack):
     actors importing Megatron and building the model; ``WeightSync`` takes its settings (path, buckets,
     timeout, placement) from its own config, the group only its layout. One group at a time: the Ray of
     ``stack`` has CPUs for one."""
+    from _deferred_groups import DeferringPolicyWorker
+
     from megagrpo.runtime.groups import RankGroup
 
     held: dict[tuple, RankGroup] = {}
@@ -62,7 +65,8 @@ def policy_group(stack):
             # start elsewhere (``stack``).
             generation = dataclasses.replace(cfg.generation, placement="disaggregated")
             cfg = dataclasses.replace(cfg, generation=generation)
-            held[key] = RankGroup(cfg, PolicyWorker, timeout_s=300)
+            # Policy workers that can be told to make their groups as NCCL does (the last test).
+            held[key] = RankGroup(cfg, DeferringPolicyWorker, timeout_s=300)
         return held[key]
 
     yield get
@@ -367,3 +371,39 @@ def test_ignore_eos_generates_max_tokens_past_stop_tokens(stack):
     ran = ray.get(engines[0].generate.remote(prompts, running, seeds))
     assert [len(c.token_ids) for c in ran] == [6] * 4
     assert all(c.finish_reason == "length" for c in ran)
+
+
+def test_engine_killed_before_its_first_receive_is_replaced_on_groups_that_connect_like_nccl(
+    stack, policy_group
+):
+    """NCCL connects a group in its first broadcast, unless made to at set-up; here gloo groups that
+    wait the same way (``tests/lazy_groups.py``: connecting then blocks with no deadline). The
+    transport connects them at set-up; an engine killed after that and before its first receive fails
+    the sync within its timeout on the trainer side too (else its rank would still be inside the call
+    1.5 x the timeout later and the pool would stop: a RankFailure), the pool replaces the engine,
+    re-syncs, probes, and the new engine generates. Runs last: it kills the module's engine 0."""
+    from _deferred_groups import DeferringGenerationWorker, DeferringPolicyWorker
+
+    from megagrpo.runtime.engines import EnginePool
+    from megagrpo.types import SamplingSettings
+
+    hf_dir, engines = stack
+    cfg = policy_config(hf_dir, extra=["generation.num_engines=1", "generation.sync_timeout_s=10"])
+    group = policy_group(cfg)
+    group.call_all(DeferringPolicyWorker.defer_group_creation)
+    ray.get(engines[0].defer_group_creation.remote())
+    pool = EnginePool(
+        cfg, hf_dir, engines[:1], policy=group, engine_cls=DeferringGenerationWorker, vocab_size=300
+    )
+    # Connected at set-up on both sides, not by a first broadcast.
+    assert group.call_first(DeferringPolicyWorker.group_connections) == ["eager"]
+    assert ray.get(engines[0].group_connections.remote()) == ["eager"]
+    ray.kill(engines[0])
+
+    outcome = pool.sync_weights(step=1)
+    assert [engine for engine, _ in pool.restarts] == [0] and pool.actors[0] is not engines[0]
+    assert outcome.probe.error <= 1.001 and outcome.probe.verified_buckets > 0
+    assert ray.get(pool.actors[0].group_connections.remote()) == ["eager"]
+    settings = SamplingSettings(max_tokens=4, temperature=1.0, seed=3)
+    (completions,) = pool.call("generate", {0: ([[5, 17, 42, 7]], settings)}, 120, step=1).values()
+    assert len(completions) == 1 and 1 <= len(completions[0].token_ids) <= 4

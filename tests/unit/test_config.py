@@ -228,6 +228,8 @@ def test_yaml_syntax_error_and_non_mapping_top_level(tmp_path):
     [
         (["parallel.tensor_model_parallel_size=0"], ["parallel.tensor_model_parallel_size"], ">= 1"),
         (["grpo.num_prompts_per_step=-1"], ["grpo.num_prompts_per_step"], ">= 1"),
+        (["cluster.rank_call_timeout_s=0"], ["cluster.rank_call_timeout_s"], "finite and > 0"),
+        (["parallel.collective_timeout_s=.inf"], ["parallel.collective_timeout_s"], "finite and > 0"),
         (
             ["parallel.tensor_model_parallel_size=3"],
             ["parallel.tensor_model_parallel_size", "model.tiny.num_attention_heads"],

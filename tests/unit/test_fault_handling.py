@@ -455,6 +455,39 @@ def test_a_stuck_engine_is_killed_and_replaced(monkeypatch):
     assert killed == [stuck] and pool.actors[0] is started[1]
 
 
+def test_a_rank_stuck_in_a_sync_past_its_deadline_stops_the_run_instead_of_a_replacement(monkeypatch):
+    """A trainer rank still inside a sync 1.5 x generation.sync_timeout_s later did not give up by itself:
+    a replacement's groups would queue behind its call, so the pool stops the run (a RankFailure)."""
+    import ray
+
+    from megagrpo.runtime.faults import RankFailure
+    from megagrpo.weight_sync.sync import WeightSync, WeightSyncError
+
+    # The engine answered (it died), rank 1 did not.
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (["engine 0", "rank 0"], ["rank 1"]))
+    monkeypatch.setattr(ray, "get", lambda ref: None)
+    weights = object.__new__(WeightSync)
+    weights.timeout_s = 10.0
+    with pytest.raises(WeightSyncError) as err:
+        weights._wait(["engine 0"], ["rank 0", "rank 1"], "weight sync")
+    assert err.value.ranks == (1,) and err.value.engine is None
+    assert str(err.value).startswith("weight sync: trainer rank(s) 1 still inside it after 15s")
+
+    class StuckSync(FakeSync):
+        def sync(self):
+            raise err.value
+
+    log, started = [], []
+    engines = fake_engines(monkeypatch, log, started)
+    monkeypatch.setattr(engines, "WeightSync", lambda cfg, policy, actors, vocab_size: StuckSync(actors, log))
+    pool = engines.EnginePool.start(load_config(None, []), "model", ReadyPolicy())
+    with pytest.raises(
+        RankFailure, match=r"policy rank\(s\) stuck in a weight sync: weight sync: trainer rank"
+    ):
+        pool.sync_weights(step=1)
+    assert len(started) == 1 and pool.restarts == []  # no replacement started
+
+
 class TrainedSoFar:
     """The trainer surface the skeleton's checkpoints read: what the policy holds."""
 
