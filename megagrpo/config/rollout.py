@@ -199,11 +199,15 @@ class RewardConfig:
     format_reward: float = 0.0
     """math_verify: reward of a wrong answer given in a complete final \\boxed{} (a correct one scores 1,
     no box 0); in [0, 1), 0 disables it."""
+    import_timeout_s: float = 120.0
+    """kind python: deadline of importing function's module in a child process at load; a module that
+    takes longer (or exits, or raises) is refused naming it."""
 
     def __post_init__(self) -> None:
         positive(self, "num_workers")
         check(self, "timeout_s", math.isfinite(self.timeout_s) and self.timeout_s > 0, "finite and > 0")
         check(self, "format_reward", 0 <= self.format_reward < 1, "in [0, 1)")
+        check(self, "import_timeout_s", 0 < self.import_timeout_s < math.inf, "finite and > 0")
         require(
             self.format_reward == 0 or self.kind == "math_verify",
             ("format_reward", "kind"),
@@ -290,10 +294,14 @@ class EnvConfig:
     allow_unsandboxed: bool = False
     """Code tools: run model-written code without the bubblewrap sandbox when it is unavailable
     (rlimits, a private directory and the deadline only). false: refuse to start without it."""
+    import_timeout_s: float = 120.0
+    """Deadline of importing environment's module in a child process at load; a module that takes longer
+    (or exits, or raises) is refused naming it."""
 
     def __post_init__(self) -> None:
         positive(self, "max_turns", "max_new_tokens", "max_episode_tokens", "num_workers")
         check(self, "step_timeout_s", math.isfinite(self.step_timeout_s) and self.step_timeout_s > 0, "> 0")
+        check(self, "import_timeout_s", 0 < self.import_timeout_s < math.inf, "finite and > 0")
         check(
             self,
             "max_new_tokens",
