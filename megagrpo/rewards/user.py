@@ -108,8 +108,9 @@ def check_callable(spec: str) -> None:
 def check_in_child(spec: str, check: str, deadline_s: float, deadline_key: str) -> Any:
     """``check(spec)`` (``check``: a "module:function" of megagrpo returning plain data) run in a child
     process that imports the user's module, killed at ``deadline_s``; its value. ValueError naming the
-    module when the import or the check raises, exits or passes the deadline. A spec of megagrpo's own
-    modules is checked in this process."""
+    module when the import or the check raises, exits or passes the deadline. The deadline starts once the
+    child has started (its interpreter and megagrpo's modules loaded), so a busy machine does not charge
+    the user's module for them. A spec of megagrpo's own modules is checked in this process."""
     target, _ = _split(spec)
     if not _is_path(target) and target.split(".")[0] == "megagrpo":
         return _run_check(spec, check)
@@ -119,19 +120,14 @@ def check_in_child(spec: str, check: str, deadline_s: float, deadline_key: str) 
     child.start()
     theirs.close()
     try:
-        if not mine.poll(deadline_s):
-            raise ValueError(
-                f"importing {target!r} did not finish within {deadline_s:g} s ({deadline_key}): does it "
-                "run, wait or loop at import?"
+        late = f"the process importing {target!r} did not start within {_START_LIMIT_S:g} s"
+        kind, value = _answer(mine, child, _START_LIMIT_S, target, late)
+        if kind == "started":
+            late = (
+                f"importing {target!r} did not finish within {deadline_s:g} s ({deadline_key}): does it run, "
+                "wait or loop at import?"
             )
-        try:
-            kind, value = mine.recv()
-        except EOFError:
-            child.join()
-            raise ValueError(
-                f"the process importing {target!r} ended with exit status {child.exitcode} and no answer "
-                "(os._exit or a crash at import)"
-            ) from None
+            kind, value = _answer(mine, child, deadline_s, target, late)
     finally:
         if child.is_alive():
             child.kill()
@@ -140,6 +136,24 @@ def check_in_child(spec: str, check: str, deadline_s: float, deadline_key: str) 
     if kind != "ok":
         raise ValueError(value)
     return value
+
+
+_START_LIMIT_S = 120.0
+"""How long a checking child may take to start (a fresh interpreter importing megagrpo's modules)."""
+
+
+def _answer(conn, child, timeout_s: float, target: str, late: str) -> tuple[str, Any]:
+    """The child's next message, or ValueError ``late`` after ``timeout_s``, or one saying it died."""
+    if not conn.poll(timeout_s):
+        raise ValueError(late)
+    try:
+        return conn.recv()
+    except EOFError:
+        child.join()
+        raise ValueError(
+            f"the process importing {target!r} ended with exit status {child.exitcode} and no answer "
+            "(os._exit or a crash at import)"
+        ) from None
 
 
 def _run_check(spec: str, check: str) -> Any:
@@ -152,8 +166,11 @@ def _run_check(spec: str, check: str) -> Any:
 
 
 def _child_check(conn, spec: str, check: str) -> None:
-    """The child of :func:`check_in_child`: ("ok", value) or ("error", message) on ``conn``."""
+    """The child of :func:`check_in_child`: ("started", None) once megagrpo's check is loaded, then ("ok",
+    value) or ("error", message) on ``conn``."""
     try:
+        load_function(check)  # megagrpo's own module, imported before the user's module's clock starts
+        conn.send(("started", None))
         reply = ("ok", _run_check(spec, check))
     except ValueError as err:
         reply = ("error", str(err))
