@@ -157,9 +157,10 @@ class DataConfig:
     rejected_key: str = "rejected"
     """DPO: record field holding the dispreferred response (a string or a list of assistant messages)."""
     on_bad_row: Literal["error", "skip"] = "error"
-    """A row with a missing or empty field (GRPO, eval, SFT, DPO), a pair whose chosen equals rejected, or
-    an SFT/DPO sequence longer than model.seq_length stops the run naming file and row ("error"), or is
-    left out and counted in the metrics ("skip"). GRPO prompts too long for the context are always
+    """A row with a missing, empty or wrongly typed field (GRPO, eval, SFT, DPO), bytes that are not UTF-8,
+    a text too long in characters for its token budget (checked before tokenizing), a pair whose chosen
+    equals rejected, or an SFT/DPO sequence longer than model.seq_length stops the run naming file and row
+    ("error"), or is left out and counted in the metrics ("skip"). GRPO prompts too long for the context are always
     skipped and counted (data/skipped_long_prompts)."""
 
     def __post_init__(self) -> None:

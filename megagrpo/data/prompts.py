@@ -230,7 +230,10 @@ def task_source(cfg: Config) -> PromptSource:
     from megagrpo.envs.runner import load_environment
 
     data, env = cfg.data, cfg.env
-    cls = load_environment(env.spec)
+    try:  # imported in a child at load already (megagrpo.rewards.user): this is the second import
+        cls = load_environment(env.spec)
+    except ValueError as err:
+        raise DataError(f"env.environment: {err}") from None
 
     def prompt(task: dict) -> Prompt:
         return Prompt([], str(task.get(data.answer_key, "")), dict(task))

@@ -333,3 +333,12 @@ def test_an_in_process_import_that_exits_is_a_value_error_naming_the_module(tmp_
     module.write_text("import sys\nsys.exit(4)\n")
     with pytest.raises(ValueError, match=r"importing '.*exits_later\.py' called sys\.exit\(4\)"):
         load_function(f"{module}:anything")
+    # The driver's environment tasks: a data error naming the key (one line from the command).
+    import dataclasses
+
+    cfg = load_config(
+        None, ["env.environment=guess_number", "env.max_episode_tokens=128", "env.max_new_tokens=16"]
+    )
+    cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, environment=f"{module}:Env"))
+    with pytest.raises(DataError, match=r"^env\.environment: importing '.*exits_later\.py' called sys\.exit"):
+        task_source(cfg)
