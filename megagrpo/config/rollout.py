@@ -160,8 +160,8 @@ class DataConfig:
     """A row with a missing, empty or wrongly typed field (GRPO, eval, SFT, DPO), bytes that are not UTF-8,
     a text too long in characters for its token budget (checked before tokenizing), a pair whose chosen
     equals rejected, or an SFT/DPO sequence longer than model.seq_length stops the run naming file and row
-    ("error"), or is left out and counted in the metrics ("skip"). GRPO prompts too long for the context are always
-    skipped and counted (data/skipped_long_prompts)."""
+    ("error"), or is left out and counted in the metrics ("skip"). GRPO prompts too long in tokens for
+    the context are always skipped and counted (data/skipped_long_prompts)."""
 
     def __post_init__(self) -> None:
         require("{prompt}" in self.template, "template", f"must contain '{{prompt}}', got {self.template!r}")
