@@ -17,13 +17,18 @@ modules (the built-in rewards and environments) are checked in process.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
-import multiprocessing as mp
+import json
+import os
+import signal
+import subprocess
 import sys
 import zlib
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -114,25 +119,29 @@ def check_in_child(spec: str, check: str, deadline_s: float, deadline_key: str) 
     target, _ = _split(spec)
     if not _is_path(target) and target.split(".")[0] == "megagrpo":
         return _run_check(spec, check)
-    ctx = mp.get_context("spawn")  # a fresh interpreter: nothing of this process's threads or state
-    mine, theirs = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child_check, args=(theirs, spec, check), daemon=True)
-    child.start()
-    theirs.close()
+    read, write = os.pipe()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(write), json.dumps([spec, check, sys.path])],
+        pass_fds=(write,),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: what the module started goes with it
+    )
+    os.close(write)  # the child holds the only writer: its end is EOF here
+    answers = Connection(read, writable=False)
     try:
         late = f"the process importing {target!r} did not start within {_START_LIMIT_S:g} s"
-        kind, value = _answer(mine, child, _START_LIMIT_S, target, late)
+        kind, value = _answer(answers, child, _START_LIMIT_S, late, target)
         if kind == "started":
             late = (
                 f"importing {target!r} did not finish within {deadline_s:g} s ({deadline_key}): does it run, "
                 "wait or loop at import?"
             )
-            kind, value = _answer(mine, child, deadline_s, target, late)
+            kind, value = _answer(answers, child, deadline_s, late, target)
     finally:
-        if child.is_alive():
-            child.kill()
-        child.join()
-        mine.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # the child (ended or not) and anything it started
+        child.wait()
+        answers.close()
     if kind != "ok":
         raise ValueError(value)
     return value
@@ -142,18 +151,26 @@ _START_LIMIT_S = 120.0
 """How long a checking child may take to start (a fresh interpreter importing megagrpo's modules)."""
 
 
-def _answer(conn, child, timeout_s: float, target: str, late: str) -> tuple[str, Any]:
+def _answer(conn: Connection, child: subprocess.Popen, timeout_s: float, late: str, target: str) -> tuple:
     """The child's next message, or ValueError ``late`` after ``timeout_s``, or one saying it died."""
     if not conn.poll(timeout_s):
         raise ValueError(late)
     try:
         return conn.recv()
     except EOFError:
-        child.join()
         raise ValueError(
-            f"the process importing {target!r} ended with exit status {child.exitcode} and no answer "
+            f"the process importing {target!r} ended with exit status {child.wait()} and no answer "
             "(os._exit or a crash at import)"
         ) from None
+
+
+# A fresh interpreter (not multiprocessing's spawn, which imports the caller's __main__ again: a script
+# that loads a config at top level would recurse) with this process's sys.path; cwd and environment are
+# inherited.
+_CHILD = (
+    "import json, sys; spec, check, path = json.loads(sys.argv[2]); sys.path[:] = path; "
+    "from megagrpo.rewards.user import _child_check; _child_check(int(sys.argv[1]), spec, check)"
+)
 
 
 def _run_check(spec: str, check: str) -> Any:
@@ -165,9 +182,11 @@ def _run_check(spec: str, check: str) -> Any:
         raise ValueError(f"loading {spec!r} raised {type(err).__name__}: {err}") from None
 
 
-def _child_check(conn, spec: str, check: str) -> None:
+def _child_check(fd: int, spec: str, check: str) -> None:
     """The child of :func:`check_in_child`: ("started", None) once megagrpo's check is loaded, then ("ok",
-    value) or ("error", message) on ``conn``."""
+    value) or ("error", message) on the pipe ``fd``; then the process ends at once (a thread the user's
+    module started does not keep it)."""
+    conn = Connection(fd, readable=False)
     try:
         load_function(check)  # megagrpo's own module, imported before the user's module's clock starts
         conn.send(("started", None))
@@ -181,3 +200,5 @@ def _child_check(conn, spec: str, check: str) -> None:
     except Exception as err:  # the check's value does not pickle: a megagrpo bug, said plainly
         conn.send(("error", f"checking {spec!r} gave an answer that cannot be sent back: {err}"))
     conn.close()
+    sys.stdout.flush()
+    os._exit(0)
