@@ -214,6 +214,12 @@ def _read(path: str, tok, cfg: Config, make, bad: BadRows, limit: int | None = N
             out.append(make(tok, record, cfg))
         except ValueError as err:
             bad.bad(path, row, str(err))
+        except Exception as err:
+            if type(err) is not Exception:
+                raise
+            # The tokenizers library's errors are plain Exceptions (e.g. a character outside a vocabulary
+            # without an unknown token, as the tiny model's): the row's text, not a bug of ours.
+            bad.bad(path, row, f"cannot be tokenized: {err}")
     if not out:
         raise DataError(f"{path}: no usable rows" + (f" ({bad.skipped} skipped)" if bad.skipped else ""))
     return out

@@ -160,6 +160,15 @@ def test_deeply_nested_json_is_a_bad_row(tmp_path):
         list(read_records(path, BadRows("error")))
 
 
+def test_a_text_the_tokenizer_cannot_encode_is_a_bad_row(tmp_path):
+    path = _write(tmp_path / "sft.jsonl", [GOOD_SFT, {"problem": "what is 3+4?", "response": "7"}])
+    with pytest.raises(DataError, match=r"sft\.jsonl: row 2: cannot be tokenized: .*Missing \[UNK\] token"):
+        _sft(path)  # the tiny model's character vocabulary has no letters and no unknown token
+    pairs = _write(tmp_path / "pairs.jsonl", [GOOD_PAIR, {**GOOD_PAIR, "problem": "what is 3+4?"}])
+    with pytest.raises(DataError, match=r"pairs\.jsonl: row 2: cannot be tokenized"):
+        _dpo(pairs)
+
+
 HUGE = 50 * 1024 * 1024
 """The 50 MB row of the report (tokenizing it in full held ~20 GB)."""
 
