@@ -45,10 +45,7 @@ def chars_per_token(tok) -> int:
 
 def _check_text(text: str, key: str, limit: int | None, tokens: str) -> None:
     if limit is not None and len(text) > limit:
-        raise ValueError(
-            f"{key!r} has {len(text):,} characters, more than the {limit:,} that {tokens} can hold with this "
-            "tokenizer (not tokenized)"
-        )
+        raise ValueError(f"{key!r} has {len(text):,} characters, more than the {limit:,} {tokens}")
     surrogate = _SURROGATE.search(text)
     if surrogate is not None:
         raise ValueError(
@@ -58,8 +55,9 @@ def _check_text(text: str, key: str, limit: int | None, tokens: str) -> None:
 
 
 def string_field(record: dict, key: str, *, limit: int | None = None, tokens: str = "") -> str:
-    """``record[key]``, which must be a non-empty string of at most ``limit`` characters (``tokens`` says
-    which token budget the limit comes from); ValueError naming the key otherwise."""
+    """``record[key]``, which must be a non-empty string of at most ``limit`` characters; ValueError naming
+    the key otherwise (``tokens`` ends the message of a longer one, saying where the limit comes from:
+    "that the 48 prompt tokens can hold ...")."""
     if record.get(key) is None:
         raise ValueError(f"missing key {key!r} (keys: {sorted(record)})")
     value = record[key]
@@ -84,10 +82,7 @@ def check_messages(messages: list, key: str, *, limit: int | None = None, tokens
                 raise ValueError(f"{key}[{i}].{field} must be a string, got {type(m[field]).__name__}")
     total = text_chars(messages)
     if limit is not None and total > limit:
-        raise ValueError(
-            f"{key!r} has {total:,} characters of content, more than the {limit:,} that {tokens} can hold "
-            "with this tokenizer (not tokenized)"
-        )
+        raise ValueError(f"{key!r} has {total:,} characters of content, more than the {limit:,} {tokens}")
     for i, m in enumerate(messages):
         _check_text(m["content"], f"{key}[{i}].content", None, tokens)
         if not m["content"].strip():

@@ -98,7 +98,10 @@ def read_prompt_rows(cfg: Config, path: str | Path, bad, tokenizer=None, max_tok
     (``data.on_bad_row``: stop naming file and row, or skip and count)."""
     data, rows = cfg.data, []
     limit = max_tokens * chars_per_token(tokenizer) if tokenizer is not None else None
-    budget = f"the {max_tokens} prompt tokens (model.seq_length less the new tokens)"
+    budget = (
+        f"that the {max_tokens} prompt tokens (model.seq_length less the new tokens) can hold with this "
+        "tokenizer (not tokenized)"
+    )
     for row, record in read_records(path, bad):
         try:
             text = string_field(record, data.prompt_key, limit=limit, tokens=budget)
@@ -117,7 +120,7 @@ def _answer(record: dict, key: str) -> str:
     value = record.get(key)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    return string_field(record, key, limit=_MAX_ANSWER_CHARS, tokens="an answer")
+    return string_field(record, key, limit=_MAX_ANSWER_CHARS, tokens="a reference answer may have")
 
 
 _MAX_ANSWER_CHARS = 1 << 20

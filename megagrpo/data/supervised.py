@@ -138,7 +138,8 @@ def _text(record: dict, key: str, limit: int) -> str | list[dict]:
     than ``limit`` characters (checked before anything is tokenized)."""
     if key not in record or record[key] is None:
         raise ValueError(f"missing key {key!r} (keys: {sorted(record)})")
-    value, tokens = record[key], "model.seq_length tokens"
+    value = record[key]
+    tokens = "that model.seq_length tokens can hold with this tokenizer (not tokenized)"
     if isinstance(value, str):
         return string_field(record, key, limit=limit, tokens=tokens)
     if isinstance(value, list):
