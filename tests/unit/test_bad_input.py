@@ -221,15 +221,22 @@ def test_a_huge_text_is_refused_before_tokenizing(tmp_path, monkeypatch, reader)
 
 
 def test_the_character_bound_admits_every_text_that_fits(tmp_path):
-    """The bound is the budget x the longest vocabulary entry x 2: a text of exactly as many tokens as the
-    budget, in the tokenizer's longest entries, is read (not refused by the bound)."""
-    tok = char_tokenizer()
-    longest = max(tok.get_vocab(), key=len)
-    assert chars_per_token(tok) == 2 * len(longest)
-    text = "12+" * 15  # 45 characters, 45 tokens of one character + BOS: fits 64 - 16 new tokens
+    """The bound is the budget x the longest vocabulary entry x 2: a prompt of exactly the budget's tokens,
+    each the longest entry of a byte-level BPE (the most characters a token can stand for), is read and
+    tokenized, not refused by the bound."""
+    from megagrpo.data.tokenizer import math_bpe_tokenizer
+
+    tok = math_bpe_tokenizer(512)
+    specials = {*tok.all_special_tokens, "<|im_start|>"}
+    longest = max((entry for entry in tok.get_vocab() if entry not in specials), key=len)
+    assert chars_per_token(tok) == 2 * max(len(entry) for entry in tok.get_vocab())
+    budget = 48  # model.seq_length 64 less 16 new tokens
+    text = tok.convert_tokens_to_string([longest]) * budget
+    assert len(tok.encode(text)) == budget and len(text) == budget * len(longest)
     path = _write(tmp_path / "prompts.jsonl", [{"problem": text, "answer": "1"}])
-    source = _grpo(path)
-    assert len(source._train[0].token_ids) == 46
+    cfg = _cfg(f"data.train_path={path}", "data.num_val_prompts=0", "logging.val_every=0")
+    source = dataset_source(cfg, tok)
+    assert source._train[0].token_ids == tok.encode(text) and source.counts["data/skipped_rows"] == 0
 
 
 # ------------------------------------------------------------------------------------------- YAML
