@@ -358,3 +358,33 @@ def test_an_in_process_import_that_exits_is_a_value_error_naming_the_module(tmp_
     cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, environment=f"{module}:Env"))
     with pytest.raises(DataError, match=r"^env\.environment: importing '.*exits_later\.py' called sys\.exit"):
         task_source(cfg)
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie waiting for its (new) parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_what_a_hanging_module_started_is_killed_with_it(tmp_path):
+    import time
+
+    marker = tmp_path / "pid"
+    module = tmp_path / "starts_and_hangs.py"
+    module.write_text(
+        "import subprocess, pathlib, time\n"
+        "p = subprocess.Popen(['sleep', '600'])\n"
+        f"pathlib.Path({str(marker)!r}).write_text(str(p.pid))\n"
+        "time.sleep(600)\n"
+    )
+    overrides = ["reward.kind=python", f"reward.function={module}:reward", "reward.import_timeout_s=2"]
+    with pytest.raises(ConfigError, match=r"did not finish within 2 s"):
+        load_config(None, overrides)
+    pid = int(marker.read_text())
+    for _ in range(300):  # SIGKILL is delivered, not awaited: the process ends once it is scheduled
+        if _dead(pid):
+            break
+        time.sleep(0.1)
+    assert _dead(pid), f"the module's sleep {pid} outlived the check"
