@@ -21,7 +21,7 @@ tokenizers) composes at most 4 characters into one of 3 UTF-8 bytes (Greek with 
 the tokenizers of the supported families (Qwen2/3 and Llama-3 byte-level BPE, SentencePiece with byte
 fallback, the built-in character and BPE tokenizers) drop no text. A tokenizer that deletes characters
 (BERT's normaliser strips control characters; WordPiece maps a whole unknown word to one token) is not
-covered: with it the bound can refuse a text that would fit, never admit one that does not."""
+covered: with it the bound can refuse a text that would fit in tokens."""
 
 _PER_TOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SURROGATE = re.compile("[\ud800-\udfff]")
