@@ -12,7 +12,6 @@ checked for type; they are opened (and fail) where they are used.
 
 import dataclasses
 import difflib
-import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -26,23 +25,13 @@ from megagrpo.config.errors import ConfigError, join
 from megagrpo.config.resolution import resolve
 from megagrpo.config.rules import Trainer, validate
 from megagrpo.config.schema import Config, key_fields
+from megagrpo.config.yaml_text import read_yaml
 
 __all__ = ["DEFAULT_CONFIG_PATH", "config_to_dict", "load_config", "save_config"]
 
 # The default file and --config's names are found by megagrpo.config_files (package data, not the checkout).
 DEFAULT_CONFIG_PATH = config_files.DEFAULT_CONFIG_PATH
 """The tiny CPU config, used when no file is given."""
-
-
-class _Loader(yaml.SafeLoader):
-    """safe_load, plus YAML 1.2 floats: PyYAML reads `1e-6` (no dot) as a string, a classic lr trap."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
 
 
 def _type_name(tp: Any) -> str:
@@ -161,7 +150,7 @@ def _apply_override(data: dict, override: str) -> str:
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise ConfigError(parts[0], f"unknown section in override {override!r}{hint}")
     try:
-        value = yaml.load(text, Loader=_Loader)
+        value = read_yaml(text, key=key)
     except yaml.YAMLError:
         value = text  # e.g. an unquoted path with odd characters; the type check still applies.
     node = data
@@ -191,7 +180,7 @@ def load_config(
         raise ConfigError((), e.message, e.source) from None
     source = str(path)
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = read_yaml(text, source)  # duplicate keys and alias bombs are ConfigErrors naming the key
     except yaml.YAMLError as e:
         raise ConfigError((), f"invalid YAML: {e}", source) from None
     if data is None:

@@ -159,10 +159,11 @@ class DataConfig:
     rejected_key: str = "rejected"
     """DPO: record field holding the dispreferred response (a string or a list of assistant messages)."""
     on_bad_row: Literal["error", "skip"] = "error"
-    """A row with a missing or empty field (GRPO, eval, SFT, DPO), a pair whose chosen equals rejected, or
-    an SFT/DPO sequence longer than model.seq_length stops the run naming file and row ("error"), or is
-    left out and counted in the metrics ("skip"). GRPO prompts too long for the context are always
-    skipped and counted (data/skipped_long_prompts)."""
+    """A row with a missing, empty or wrongly typed field (GRPO, eval, SFT, DPO), bytes that are not UTF-8,
+    a text too long in characters for its token budget (checked before tokenizing), a pair whose chosen
+    equals rejected, or an SFT/DPO sequence longer than model.seq_length stops the run naming file and row
+    ("error"), or is left out and counted in the metrics ("skip"). GRPO prompts too long in tokens for
+    the context are always skipped and counted (data/skipped_long_prompts)."""
 
     def __post_init__(self) -> None:
         require("{prompt}" in self.template, "template", f"must contain '{{prompt}}', got {self.template!r}")
@@ -201,11 +202,15 @@ class RewardConfig:
     format_reward: float = 0.0
     """math_verify: reward of a wrong answer given in a complete final \\boxed{} (a correct one scores 1,
     no box 0); in [0, 1), 0 disables it."""
+    import_timeout_s: float = 120.0
+    """kind python: deadline of importing function's module in a child process at load; a module that
+    takes longer (or exits, or raises) is refused naming it."""
 
     def __post_init__(self) -> None:
         positive(self, "num_workers")
         check(self, "timeout_s", math.isfinite(self.timeout_s) and self.timeout_s > 0, "finite and > 0")
         check(self, "format_reward", 0 <= self.format_reward < 1, "in [0, 1)")
+        check(self, "import_timeout_s", 0 < self.import_timeout_s < math.inf, "finite and > 0")
         require(
             self.format_reward == 0 or self.kind == "math_verify",
             ("format_reward", "kind"),
@@ -292,10 +297,14 @@ class EnvConfig:
     allow_unsandboxed: bool = False
     """Code tools: run model-written code without the bubblewrap sandbox when it is unavailable
     (rlimits, a private directory and the deadline only). false: refuse to start without it."""
+    import_timeout_s: float = 120.0
+    """Deadline of importing environment's module in a child process at load; a module that takes longer
+    (or exits, or raises) is refused naming it."""
 
     def __post_init__(self) -> None:
         positive(self, "max_turns", "max_new_tokens", "max_episode_tokens", "num_workers")
         check(self, "step_timeout_s", math.isfinite(self.step_timeout_s) and self.step_timeout_s > 0, "> 0")
+        check(self, "import_timeout_s", 0 < self.import_timeout_s < math.inf, "finite and > 0")
         check(
             self,
             "max_new_tokens",

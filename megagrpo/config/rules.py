@@ -478,12 +478,13 @@ def _check_env(cfg: Config) -> None:
     if not env.enabled:
         return
     from megagrpo.envs.chat import TOOL_CALL_FORMATS
-    from megagrpo.envs.runner import load_environment
+    from megagrpo.envs.runner import check_environment, load_environment
 
-    try:
-        cls = load_environment(env.spec)
-    except Exception as err:  # the user's module raised while being imported
-        raise ConfigError("env.environment", f"{type(err).__name__}: {err}") from None
+    try:  # the user's module is imported in a child process with a deadline (megagrpo.rewards.user)
+        traits = check_environment(env.spec, env.import_timeout_s)
+        cls = load_environment(env.spec)  # it imported cleanly there: its arguments are checked here
+    except ValueError as err:
+        raise ConfigError("env.environment", str(err)) from None
     _check_env_args(cls, env.args, cls.settings)
     require(
         env.tool_format in TOOL_CALL_FORMATS,
@@ -496,7 +497,7 @@ def _check_env(cfg: Config) -> None:
         ("env.max_episode_tokens", "model.seq_length"),
         f"max_episode_tokens {env.max_episode_tokens} leaves no room for an opening in seq_length {seq}",
     )
-    if getattr(cls, "runs_code", False) and not env.allow_unsandboxed:
+    if traits["runs_code"] and not env.allow_unsandboxed:
         from megagrpo.envs.sandbox import sandbox_problem
 
         problem = sandbox_problem()
@@ -543,6 +544,6 @@ def _check_reward(cfg: Config) -> None:
     from megagrpo.rewards.user import check_function
 
     try:
-        check_function(cfg.reward.function)
+        check_function(cfg.reward.function, cfg.reward.import_timeout_s)  # in a child, with a deadline
     except ValueError as err:
         raise ConfigError("reward.function", str(err)) from None

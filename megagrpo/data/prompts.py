@@ -18,6 +18,7 @@ from pathlib import Path
 from megagrpo.config import Config
 from megagrpo.data.arithmetic import EOS_ID, ArithmeticTask, CharTokenizer, Problem
 from megagrpo.data.errors import DataError
+from megagrpo.data.fields import chars_per_token, string_field
 from megagrpo.data.records import BadRows, read_records
 
 # The arithmetic validation stream is seeded far from the training one: no overlap by construction.
@@ -88,25 +89,42 @@ def arithmetic_source(cfg: Config) -> PromptSource:
     return PromptSource(None, val, decode=tok.decode, stop_token_ids=[EOS_ID], seed=cfg.grpo.seed, task=task)
 
 
-def read_prompt_rows(cfg: Config, path: str | Path, bad) -> list[tuple[int, str, str]]:
+def read_prompt_rows(cfg: Config, path: str | Path, bad, tokenizer=None, max_tokens: int = 0) -> list:
     """(row number, question, reference answer) of every usable row of a JSONL, JSON or Parquet file
-    (``megagrpo.data.records``); the fields are ``data.prompt_key`` and ``data.answer_key``. A row
-    without them, or with an empty one, goes to ``bad`` (``data.on_bad_row``: stop naming file and row,
-    or skip and count)."""
+    (``megagrpo.data.records``); the fields are ``data.prompt_key`` (a string) and ``data.answer_key`` (a
+    string or a number). A row without them, with an empty one or one of another type, or (with a
+    ``tokenizer``) a question longer in characters than ``max_tokens`` of it can hold
+    (:func:`megagrpo.data.fields.chars_per_token`: checked before anything is tokenized) goes to ``bad``
+    (``data.on_bad_row``: stop naming file and row, or skip and count)."""
     data, rows = cfg.data, []
+    limit = max_tokens * chars_per_token(tokenizer) if tokenizer is not None else None
+    budget = (
+        f"that the {max_tokens} prompt tokens (model.seq_length less the new tokens) can hold with this "
+        "tokenizer (not tokenized)"
+    )
     for row, record in read_records(path, bad):
-        missing = [k for k in (data.prompt_key, data.answer_key) if record.get(k) is None]
-        if missing:
-            bad.bad(path, row, f"missing key {missing[0]!r} (keys: {sorted(record)})")
-            continue
-        text, answer = str(record[data.prompt_key]), str(record[data.answer_key])
-        if not text.strip() or not answer.strip():
-            bad.bad(path, row, f"empty {data.prompt_key if not text.strip() else data.answer_key!r}")
+        try:
+            text = string_field(record, data.prompt_key, limit=limit, tokens=budget)
+            answer = _answer(record, data.answer_key)
+        except ValueError as err:
+            bad.bad(path, row, str(err))
             continue
         rows.append((row, text, answer))
     if not rows:
         raise DataError(f"{path}: no usable rows" + (f" ({bad.skipped} skipped)" if bad.skipped else ""))
     return rows
+
+
+def _answer(record: dict, key: str) -> str:
+    """The reference answer as the reward receives it: a string, or a number written as one."""
+    value = record.get(key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return string_field(record, key, limit=_MAX_ANSWER_CHARS, tokens="a reference answer may have")
+
+
+_MAX_ANSWER_CHARS = 1 << 20
+"""A reference answer is compared, not tokenized: this only keeps a runaway row out of memory."""
 
 
 def encode_prompt(cfg: Config, tokenizer, text: str) -> list[int]:
@@ -148,13 +166,14 @@ def dataset_source(cfg: Config, tokenizer) -> PromptSource:
     template), tokenized once; bad rows and over-long prompts are counted in ``source.counts``."""
     data, new = cfg.data, cfg.generation.max_new_tokens
     bad = BadRows(data.on_bad_row)
+    budget = cfg.model.seq_length - new
     train, long_train = encode_prompts(
-        cfg, tokenizer, data.train_path, read_prompt_rows(cfg, data.train_path, bad), new
+        cfg, tokenizer, data.train_path, read_prompt_rows(cfg, data.train_path, bad, tokenizer, budget), new
     )
     val, long_val = [], 0
     if data.val_path and data.num_val_prompts:
         val, long_val = encode_prompts(
-            cfg, tokenizer, data.val_path, read_prompt_rows(cfg, data.val_path, bad), new
+            cfg, tokenizer, data.val_path, read_prompt_rows(cfg, data.val_path, bad, tokenizer, budget), new
         )
         val = val[: data.num_val_prompts]
     source = PromptSource(
@@ -197,7 +216,7 @@ def eval_prompts(cfg: Config, model_dir: str) -> tuple[list[Prompt], object, tup
         raise DataError("megagrpo eval needs problems: set eval.path or data.val_path")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     new = cfg.eval.max_new_tokens or cfg.generation.max_new_tokens
-    rows = read_prompt_rows(cfg, path, BadRows(cfg.data.on_bad_row))
+    rows = read_prompt_rows(cfg, path, BadRows(cfg.data.on_bad_row), tokenizer, cfg.model.seq_length - new)
     if cfg.eval.num_problems:
         rows = rows[: cfg.eval.num_problems]
     prompts, too_long = encode_prompts(cfg, tokenizer, path, rows, new)
@@ -214,7 +233,10 @@ def task_source(cfg: Config) -> PromptSource:
     from megagrpo.envs.runner import load_environment
 
     data, env = cfg.data, cfg.env
-    cls = load_environment(env.spec)
+    try:  # imported in a child at load already (megagrpo.rewards.user): this is the second import
+        cls = load_environment(env.spec)
+    except ValueError as err:
+        raise DataError(f"env.environment: {err}") from None
 
     def prompt(task: dict) -> Prompt:
         return Prompt([], str(task.get(data.answer_key, "")), dict(task))

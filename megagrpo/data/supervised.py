@@ -29,6 +29,7 @@ from pathlib import Path
 from megagrpo.config import Config
 from megagrpo.data.arithmetic import ArithmeticTask, Problem
 from megagrpo.data.errors import DataError
+from megagrpo.data.fields import chars_per_token, check_messages, string_field, text_chars
 from megagrpo.data.records import BadRows, read_records
 
 __all__ = [
@@ -132,41 +133,45 @@ def render_response(
 # ------------------------------------------------------------------------------------ record checks
 
 
-def _text(record: dict, key: str) -> str | list[dict]:
-    """A string or message-list field; ValueError naming the key when missing, empty or malformed."""
+def _text(record: dict, key: str, limit: int) -> str | list[dict]:
+    """A string or message-list field; ValueError naming the key when missing, empty, malformed or longer
+    than ``limit`` characters (checked before anything is tokenized)."""
     if key not in record or record[key] is None:
         raise ValueError(f"missing key {key!r} (keys: {sorted(record)})")
     value = record[key]
+    tokens = "that model.seq_length tokens can hold with this tokenizer (not tokenized)"
     if isinstance(value, str):
-        if not value.strip():
-            raise ValueError(f"{key!r} is empty")
-        return value
+        return string_field(record, key, limit=limit, tokens=tokens)
     if isinstance(value, list):
-        _check_messages(value, key)
+        check_messages(value, key, limit=limit, tokens=tokens)
         return value
     raise ValueError(f"{key!r} must be a string or a list of messages, got {type(value).__name__}")
 
 
-def _check_messages(messages: list, key: str) -> None:
-    if not messages:
-        raise ValueError(f"{key!r} is empty")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-            raise ValueError(f"{key}[{i}] must be an object with 'role' and 'content'")
-        if not isinstance(m["content"], str) or not m["content"].strip():
-            raise ValueError(f"{key}[{i}].content is empty")
+def _char_limit(tok, cfg: Config, *texts) -> int:
+    """The most characters a record's texts can have and still fit model.seq_length tokens; ValueError
+    when ``texts`` (already read) together have more."""
+    limit = cfg.model.seq_length * chars_per_token(tok)
+    total = sum(text_chars(t) for t in texts)
+    if total > limit:
+        raise ValueError(
+            f"the texts have {total:,} characters, more than the {limit:,} that model.seq_length="
+            f"{cfg.model.seq_length} tokens can hold with this tokenizer (not tokenized)"
+        )
+    return limit
 
 
 def sft_example(tok, record: dict, cfg: Config) -> Example:
     """The example of one SFT record (ValueError: why the row is bad)."""
-    data = cfg.data
+    data, limit = cfg.data, _char_limit(tok, cfg)
     if data.messages_key in record:
-        messages = _text(record, data.messages_key)
+        messages = _text(record, data.messages_key, limit)
         if isinstance(messages, str) or not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{data.messages_key!r} must be a list of messages with an assistant turn")
         example = render_conversation(tok, messages, chat_template=data.apply_chat_template)
     else:
-        prompt, response = _text(record, data.prompt_key), _text(record, data.response_key)
+        prompt, response = _text(record, data.prompt_key, limit), _text(record, data.response_key, limit)
+        _char_limit(tok, cfg, prompt, response)
         example = render_response(tok, prompt, response, chat_template=data.apply_chat_template)
     _check_length(example, cfg)
     if not any(example.loss_mask[1:]):
@@ -176,9 +181,11 @@ def sft_example(tok, record: dict, cfg: Config) -> Example:
 
 def preference_pair(tok, record: dict, cfg: Config) -> Pair:
     """The pair of one DPO record (ValueError: why the row is bad)."""
-    data = cfg.data
-    prompt = _text(record, data.prompt_key)
-    chosen, rejected = _text(record, data.chosen_key), _text(record, data.rejected_key)
+    data, limit = cfg.data, _char_limit(tok, cfg)
+    prompt = _text(record, data.prompt_key, limit)
+    chosen, rejected = _text(record, data.chosen_key, limit), _text(record, data.rejected_key, limit)
+    _char_limit(tok, cfg, prompt, chosen)
+    _char_limit(tok, cfg, prompt, rejected)
     if chosen == rejected:
         raise ValueError(f"{data.chosen_key!r} equals {data.rejected_key!r}")
     pair = Pair(
@@ -208,6 +215,12 @@ def _read(path: str, tok, cfg: Config, make, bad: BadRows, limit: int | None = N
             out.append(make(tok, record, cfg))
         except ValueError as err:
             bad.bad(path, row, str(err))
+        except Exception as err:
+            if type(err) is not Exception:
+                raise
+            # The tokenizers library's errors are plain Exceptions (e.g. a character outside a vocabulary
+            # without an unknown token, as the tiny model's): the row's text, not a bug of ours.
+            bad.bad(path, row, f"cannot be tokenized: {err}")
     if not out:
         raise DataError(f"{path}: no usable rows" + (f" ({bad.skipped} skipped)" if bad.skipped else ""))
     return out

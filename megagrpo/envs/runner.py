@@ -14,9 +14,9 @@ import time
 from typing import Any
 
 from megagrpo.envs.base import OBSERVATION_ROLES, Environment, Step, check_messages
-from megagrpo.rewards.user import load_function
+from megagrpo.rewards.user import check_in_child, load_function
 
-__all__ = ["env_call", "load_environment"]
+__all__ = ["check_environment", "env_call", "environment_traits", "load_environment"]
 
 
 def load_environment(spec: str) -> type[Environment]:
@@ -25,6 +25,17 @@ def load_environment(spec: str) -> type[Environment]:
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"{spec!r} is not a subclass of megagrpo.envs.base.Environment")
     return cls
+
+
+def check_environment(spec: str, deadline_s: float) -> dict:
+    """:func:`environment_traits` of ``spec``, the user's module imported in a child process within
+    ``deadline_s`` (``megagrpo.rewards.user.check_in_child``); ValueError naming the module otherwise."""
+    return check_in_child(spec, "megagrpo.envs.runner:environment_traits", deadline_s, "env.import_timeout_s")
+
+
+def environment_traits(spec: str) -> dict:
+    """What the config's checks need of an environment class, as plain data (it crosses from a child)."""
+    return {"runs_code": bool(getattr(load_environment(spec), "runs_code", False))}
 
 
 def env_call(spec: str, args: dict, op: str, payload: Any, options: dict | None = None) -> tuple:

@@ -23,6 +23,7 @@ from megagrpo.ckpt.convert import megatron_to_hf
 from megagrpo.ckpt.durable import publish
 from megagrpo.ckpt.links import check_no_outside_links
 from megagrpo.config import Config, ConfigError, config_to_dict
+from megagrpo.config.yaml_text import read_yaml
 from megagrpo.runtime.spmd import RankCalls
 
 
@@ -198,7 +199,7 @@ def run_result(run: Path, key: str) -> tuple[Path, Path | None]:
     saved = run / "config.yaml"
     if not saved.is_file():
         raise ConfigError(key, f"{run} holds neither an HF export (hf_export/) nor a run's config.yaml")
-    ckpt_dir = (yaml.safe_load(saved.read_text()).get("checkpoint") or {}).get("dir")
+    ckpt_dir = _saved_checkpoint_dir(saved, key)
     found = None
     if ckpt_dir:
         found = ckpt_io.latest_verified(
@@ -212,6 +213,20 @@ def run_result(run: Path, key: str) -> tuple[Path, Path | None]:
         )
     print(f"{key}: {run} -> its latest checkpoint {found}", flush=True)
     return found / "hf", found
+
+
+def _saved_checkpoint_dir(saved: Path, key: str) -> str | None:
+    """``checkpoint.dir`` of a run's saved config.yaml, read as any config is (no duplicate keys, no alias
+    bomb); ConfigError naming ``key`` and the file when it cannot be read."""
+    try:
+        data = read_yaml(saved.read_text(encoding="utf-8"), str(saved))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(key, f"{saved} is not a readable YAML config ({err})") from None
+    except ConfigError as err:
+        raise ConfigError(key, f"{saved}: {', '.join(err.keys)}: {err.message}") from None
+    section = data.get("checkpoint") if isinstance(data, dict) else None
+    found = section.get("dir") if isinstance(section, dict) else None
+    return found if isinstance(found, str) else None
 
 
 def model_dir_for_eval(path: Path, out_dir: Path) -> Path:

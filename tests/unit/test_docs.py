@@ -50,3 +50,24 @@ def test_links_stay_inside_the_repository(doc):
         target = (doc.parent / link.split("#")[0]).resolve()
         assert target.is_relative_to(REPO), f"{doc.relative_to(REPO)}: link outside the repository: {link}"
         assert target.exists(), f"{doc.relative_to(REPO)}: broken link {link}"
+
+
+def _bad_input_rows() -> list[str]:
+    text = (REPO / "docs" / "faults.md").read_text()
+    section = text.split("\n## Bad input\n", 1)[1].split("\n## ", 1)[0]
+    return [
+        line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Bad input")
+    ]
+
+
+def test_every_bad_input_row_names_tests_that_exist():
+    tests = (REPO / "tests" / "unit" / "test_bad_input.py").read_text()
+    rows = _bad_input_rows()
+    assert len(rows) >= 10
+    for row in rows:
+        named = re.findall(r"`(test_\w+)`", row.rsplit("|", 2)[1])
+        assert named, f"docs/faults.md: a Bad input row names no test: {row[:80]}"
+        for name in named:
+            assert f"\ndef {name}(" in tests, (
+                f"docs/faults.md names {name}, not in tests/unit/test_bad_input.py"
+            )
