@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import io
+import json
 import math
 import mmap
 import pickle
@@ -34,7 +35,7 @@ import torch
 
 from megagrpo.ckpt import CheckpointError
 from megagrpo.ckpt.files import FileMaps
-from megagrpo.compat.dcp_metadata import restricted_metadata
+from megagrpo.compat.dcp_metadata import UntrustedCheckpointError, read_metadata_file, restricted_metadata
 
 # A key's chunks: their first-axis starts, the longest first-axis size, (offsets, sizes) in order.
 _ChunkIndex = tuple[list[int], int, list[tuple[tuple[int, ...], tuple[int, ...]]]]
@@ -50,10 +51,58 @@ def trusted_metadata_only() -> Iterator[None]:
     with restricted_metadata() as refused:
         try:
             yield
+        except UntrustedCheckpointError as err:
+            raise CheckpointError(str(err)) from None
         except BaseException:  # torch's CheckpointException is a BaseException
             if refused:
                 raise CheckpointError(refused[0]) from None
             raise
+
+
+def _check_backends(path: Path) -> None:
+    """Megatron picks the loader a checkpoint's ``metadata.json`` names: only the ones whose reads
+    go through ``compat.dcp_metadata`` (torch_dist, common state through torch) are let through."""
+    if not path.is_file():
+        return
+    try:
+        said = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not JSON ({err})") from None
+    backends = (said.get("sharded_backend"), said.get("common_backend")) if isinstance(said, dict) else None
+    if backends != ("torch_dist", "torch"):
+        raise CheckpointError(
+            f"{path}: names the backends {backends}; checkpoints load only as torch_dist "
+            "(common state: torch)"
+        )
+
+
+def check_entry_kinds(state: dict, path: Path) -> None:
+    """Refuse a checkpoint whose metadata stores an entry the model loads as a tensor as bytes, or
+    the reverse, before Megatron plans the load: torch would load such bytes in place of the tensor.
+    ``state``: the model's (or optimizer's) sharded state dict; ``path``: the checkpoint directory."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    _check_backends(path / "metadata.json")
+    metadata_file = path / ".metadata"
+    if not metadata_file.is_file():
+        return  # Megatron reports the checkpoint incomplete
+    try:
+        stored = read_metadata_file(metadata_file).state_dict_metadata
+    except UntrustedCheckpointError as err:
+        raise CheckpointError(str(err)) from None
+    for sharded in nested_values(state):
+        is_object = isinstance(sharded, ShardedObject)
+        key = sharded.unique_key if is_object else getattr(sharded, "key", None)
+        if key not in stored:
+            continue
+        as_bytes = isinstance(stored[key], BytesStorageMetadata)
+        if as_bytes != is_object:
+            want, got = ("bytes", "a tensor") if is_object else ("a tensor", "bytes")
+            raise CheckpointError(
+                f"{metadata_file}: entry {key}: the model loads it as {want}, the metadata stores it as {got}"
+            )
 
 
 class _Window(io.RawIOBase):

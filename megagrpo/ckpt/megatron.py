@@ -25,7 +25,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from megagrpo.ckpt import CheckpointError
-from megagrpo.ckpt.dist_files import MappedDistCheckpoint, trusted_metadata_only
+from megagrpo.ckpt.dist_files import MappedDistCheckpoint, check_entry_kinds, trusted_metadata_only
 from megagrpo.ckpt.durable import writeback_as_written
 from megagrpo.ckpt.files import CopyingFile, FileCopies, FileMaps, Piece
 from megagrpo.ckpt.hf_files import copy_aux_files
@@ -220,6 +220,7 @@ def load_megatron(model: torch.nn.Module, path: Path, keys: set[str] | None = No
     for key in _gated_factories(state):
         fused[key] = state[key].data
         state[key] = state[key].build()  # ShardedTensors over views of the parameter
+    check_entry_kinds(state, path)
     with trusted_metadata_only():
         state = dist_checkpointing.load(state, str(path))
     for key, param in fused.items():
