@@ -36,6 +36,8 @@ import torch
 from megagrpo.ckpt import CheckpointError
 from megagrpo.ckpt.files import FileMaps
 from megagrpo.compat.dcp_metadata import UntrustedCheckpointError, read_metadata_file, restricted_metadata
+from megagrpo.compat.dcp_reader import load_common
+from megagrpo.compat.safe_load import EXTRA_STATE, TENSORS, check_extra_state, load_archive
 
 # A key's chunks: their first-axis starts, the longest first-axis size, (offsets, sizes) in order.
 _ChunkIndex = tuple[list[int], int, list[tuple[tuple[int, ...], tuple[int, ...]]]]
@@ -213,6 +215,11 @@ class MappedDistCheckpoint:
         self.path = Path(path)
         with trusted_metadata_only():
             self.metadata = FileSystemReader(str(self.path)).read_metadata()
+            # Not needed for the weights, but a checkpoint with a crafted entry is refused whichever
+            # of its entries a reader needs (the rest of the model load reads these).
+            if (self.path / "common.pt").is_file():
+                load_common(None, self.path)
+            self._check_bytes_entries()
         self._storage = {
             (index.fqn, tuple(index.offset)): info
             for index, info in self.metadata.storage_data.items()
@@ -220,6 +227,21 @@ class MappedDistCheckpoint:
         }
         self.maps = FileMaps()
         self._by_key: dict[str, _ChunkIndex | None] = {}
+
+    def _check_bytes_entries(self) -> None:
+        """Every bytes entry (a layer's extra state: a few bytes each) as a load would take it."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        for index, info in self.metadata.storage_data.items():
+            if not isinstance(self.metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                continue
+            with open(self.path / info.relative_path, "rb") as file:
+                file.seek(info.offset)
+                where = f"{self.path / info.relative_path}: entry {index.fqn}"
+                extra = "_extra_state" in index.fqn
+                value = load_archive(file.read(info.length), where, EXTRA_STATE if extra else TENSORS)
+            if extra:
+                check_extra_state(value, where)
 
     def read(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], axis: int = 0

@@ -244,8 +244,9 @@ def mapped_checkpoint_tensors(
     model's state dict names; a fused gate/up weight as its (gate, up) halves. Returns the mapped
     files (whose ``maps.locate`` places a view in them), those tensors, and the names it could not
     take that way (for ``load_megatron(..., keys=...)``)."""
-    files = MappedDistCheckpoint(path)
     state = model.sharded_state_dict()
+    check_entry_kinds(state, path)
+    files = MappedDistCheckpoint(path)
     gated = set(_gated_factories(state))
     mapped: dict[str, Mapped] = {}
     key_of: dict[str, str | None] = {}  # parameter -> its checkpoint key (one for all layers)
