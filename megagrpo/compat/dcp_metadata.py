@@ -8,12 +8,14 @@ reads the metadata through that method (or a subclass that calls it). Within
 :func:`restricted_metadata`, the method unpickles with :class:`MetadataUnpickler`, which admits only
 the classes a checkpoint's metadata is made of (the metadata, planner and storage-info records of
 ``torch.distributed.checkpoint``, ``torch.Size``, dtypes, torch's layout lookup, a ``pathlib`` path);
-anything else is refused with :class:`UntrustedCheckpointError`, naming the file and the class. The chunks
-themselves are read with ``torch.load(weights_only=True)`` by torch already, and by
+anything else is refused with :class:`UntrustedCheckpointError`, naming the file and the class. The
+records it admitted are then checked (``dcp_reader.check_metadata``: their own fields only, entries
+in ``.distcp`` files of the directory), and within the same block the entries themselves are read
+through ``dcp_reader`` (bytes entries, tensor chunks, Megatron's ``common.pt``), and by
 ``ckpt.dist_files`` with its own one-tensor unpickler.
 
-Restored on exit (the original method is put back; nested uses are counted). Where a torch version
-has no ``read_metadata`` to replace, :func:`restricted_metadata` refuses to open anything rather
+Restored on exit (the original methods are put back; nested uses are counted). Where a torch version
+has none of the methods to replace, :func:`restricted_metadata` refuses to open anything rather
 than read unchecked.
 """
 
