@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import io
+import json
 import math
 import mmap
 import pickle
@@ -34,7 +35,9 @@ import torch
 
 from megagrpo.ckpt import CheckpointError
 from megagrpo.ckpt.files import FileMaps
-from megagrpo.compat.dcp_metadata import restricted_metadata
+from megagrpo.compat.dcp_metadata import UntrustedCheckpointError, read_metadata_file, restricted_metadata
+from megagrpo.compat.dcp_reader import load_common
+from megagrpo.compat.safe_load import EXTRA_STATE, TENSORS, check_extra_state, load_archive
 
 # A key's chunks: their first-axis starts, the longest first-axis size, (offsets, sizes) in order.
 _ChunkIndex = tuple[list[int], int, list[tuple[tuple[int, ...], tuple[int, ...]]]]
@@ -50,10 +53,58 @@ def trusted_metadata_only() -> Iterator[None]:
     with restricted_metadata() as refused:
         try:
             yield
+        except UntrustedCheckpointError as err:
+            raise CheckpointError(str(err)) from None
         except BaseException:  # torch's CheckpointException is a BaseException
             if refused:
                 raise CheckpointError(refused[0]) from None
             raise
+
+
+def _check_backends(path: Path) -> None:
+    """Megatron picks the loader a checkpoint's ``metadata.json`` names: only the ones whose reads
+    go through ``compat.dcp_metadata`` (torch_dist, common state through torch) are let through."""
+    if not path.is_file():
+        return
+    try:
+        said = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not JSON ({err})") from None
+    backends = (said.get("sharded_backend"), said.get("common_backend")) if isinstance(said, dict) else None
+    if backends != ("torch_dist", "torch"):
+        raise CheckpointError(
+            f"{path}: names the backends {backends}; checkpoints load only as torch_dist "
+            "(common state: torch)"
+        )
+
+
+def check_entry_kinds(state: dict, path: Path) -> None:
+    """Refuse a checkpoint whose metadata stores an entry the model loads as a tensor as bytes, or
+    the reverse, before Megatron plans the load: torch would load such bytes in place of the tensor.
+    ``state``: the model's (or optimizer's) sharded state dict; ``path``: the checkpoint directory."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    _check_backends(path / "metadata.json")
+    metadata_file = path / ".metadata"
+    if not metadata_file.is_file():
+        return  # Megatron reports the checkpoint incomplete
+    try:
+        stored = read_metadata_file(metadata_file).state_dict_metadata
+    except UntrustedCheckpointError as err:
+        raise CheckpointError(str(err)) from None
+    for sharded in nested_values(state):
+        is_object = isinstance(sharded, ShardedObject)
+        key = sharded.unique_key if is_object else getattr(sharded, "key", None)
+        if key not in stored:
+            continue
+        as_bytes = isinstance(stored[key], BytesStorageMetadata)
+        if as_bytes != is_object:
+            want, got = ("bytes", "a tensor") if is_object else ("a tensor", "bytes")
+            raise CheckpointError(
+                f"{metadata_file}: entry {key}: the model loads it as {want}, the metadata stores it as {got}"
+            )
 
 
 class _Window(io.RawIOBase):
@@ -164,6 +215,11 @@ class MappedDistCheckpoint:
         self.path = Path(path)
         with trusted_metadata_only():
             self.metadata = FileSystemReader(str(self.path)).read_metadata()
+            # Not needed for the weights, but a checkpoint with a crafted entry is refused whichever
+            # of its entries a reader needs (the rest of the model load reads these).
+            if (self.path / "common.pt").is_file():
+                load_common(None, self.path)
+            self._check_bytes_entries()
         self._storage = {
             (index.fqn, tuple(index.offset)): info
             for index, info in self.metadata.storage_data.items()
@@ -171,6 +227,21 @@ class MappedDistCheckpoint:
         }
         self.maps = FileMaps()
         self._by_key: dict[str, _ChunkIndex | None] = {}
+
+    def _check_bytes_entries(self) -> None:
+        """Every bytes entry (a layer's extra state: a few bytes each) as a load would take it."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        for index, info in self.metadata.storage_data.items():
+            if not isinstance(self.metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                continue
+            with open(self.path / info.relative_path, "rb") as file:
+                file.seek(info.offset)
+                where = f"{self.path / info.relative_path}: entry {index.fqn}"
+                extra = "_extra_state" in index.fqn
+                value = load_archive(file.read(info.length), where, EXTRA_STATE if extra else TENSORS)
+            if extra:
+                check_extra_state(value, where)
 
     def read(
         self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], axis: int = 0

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from megagrpo.ckpt import CheckpointError
-from megagrpo.ckpt.dist_files import MappedDistCheckpoint, trusted_metadata_only
+from megagrpo.ckpt.dist_files import MappedDistCheckpoint, check_entry_kinds, trusted_metadata_only
 from megagrpo.ckpt.durable import writeback_as_written
 from megagrpo.ckpt.files import CopyingFile, FileCopies, FileMaps, Piece
 from megagrpo.ckpt.hf_files import copy_aux_files
@@ -221,6 +221,7 @@ def load_megatron(model: torch.nn.Module, path: Path, keys: set[str] | None = No
     for key in _gated_factories(state):
         fused[key] = state[key].data
         state[key] = state[key].build()  # ShardedTensors over views of the parameter
+    check_entry_kinds(state, path)
     with trusted_metadata_only():
         state = dist_checkpointing.load(state, str(path))
     for key, param in fused.items():
@@ -244,8 +245,9 @@ def mapped_checkpoint_tensors(
     model's state dict names; a fused gate/up weight as its (gate, up) halves. Returns the mapped
     files (whose ``maps.locate`` places a view in them), those tensors, and the names it could not
     take that way (for ``load_megatron(..., keys=...)``)."""
-    files = MappedDistCheckpoint(path)
     state = model.sharded_state_dict()
+    check_entry_kinds(state, path)
+    files = MappedDistCheckpoint(path)
     gated = set(_gated_factories(state))
     mapped: dict[str, Mapped] = {}
     key_of: dict[str, str | None] = {}  # parameter -> its checkpoint key (one for all layers)

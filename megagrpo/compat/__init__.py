@@ -17,6 +17,9 @@ reads its private state or works around it through the environment.
   export and import), for colocated weight sync;
 - ``dcp_metadata`` (torch): a distributed checkpoint's ``.metadata`` unpickled through an allow-list
   while megagrpo loads a checkpoint;
+- ``dcp_reader`` (torch, megatron-core): while megagrpo loads a checkpoint, its metadata's records checked,
+  its entries read through ``safe_load`` (``FileSystemReader.read_data``, which loads bytes entries with
+  ``weights_only=False``), Megatron's ``common.pt`` too (``TorchCommonLoadStrategy.load_common``);
 - ``startup`` (torch, megatron-core): ``torch.compile`` decorations deferred to first call while a
   converter rank imports Megatron; the cyclic garbage collector paused during a conversion;
 - ``megatron_optimizer`` (megatron-core): the distributed optimizer's reshardable load keeps torch
@@ -36,8 +39,9 @@ reads its private state or works around it through the environment.
 - ``megatron_moe`` (megatron-core): MoE routers without Transformer Engine;
 - ``process_exit`` (python): a finished command-line process ends without the interpreter's teardown.
 
-``upstream_warnings`` patches nothing: it lists the other libraries' warnings the megagrpo programs
-silence for themselves (importing megagrpo installs no warning filter).
+``safe_load`` patches nothing: it is the loader and the allow-lists ``dcp_metadata`` and ``dcp_reader``
+read checkpoint files through. ``upstream_warnings`` patches nothing: it lists the other libraries'
+warnings the megagrpo programs silence for themselves (importing megagrpo installs no warning filter).
 
 Importing ``megagrpo`` checks the installed versions (``warn_unverified``): with another version than
 a patch was verified for, one warning names the patches concerned.
@@ -94,6 +98,18 @@ PATCHES = (
         "torch",
         ("2.13.0",),
         "FileSystemReader.read_metadata unpickles a checkpoint's .metadata with plain pickle.load",
+    ),
+    Patch(
+        "dcp_reader",
+        "torch",
+        ("2.13.0",),
+        "FileSystemReader.read_data loads a checkpoint's bytes entries with torch.load(weights_only=False)",
+    ),
+    Patch(
+        "dcp_reader",
+        "megatron-core",
+        ("0.16.1",),
+        "TorchCommonLoadStrategy.load_common reads common.pt with torch.load's default (the env can flip it)",
     ),
     Patch(
         "startup",

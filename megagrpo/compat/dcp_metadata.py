@@ -8,24 +8,32 @@ reads the metadata through that method (or a subclass that calls it). Within
 :func:`restricted_metadata`, the method unpickles with :class:`MetadataUnpickler`, which admits only
 the classes a checkpoint's metadata is made of (the metadata, planner and storage-info records of
 ``torch.distributed.checkpoint``, ``torch.Size``, dtypes, torch's layout lookup, a ``pathlib`` path);
-anything else is refused with :class:`UntrustedCheckpointError`, naming the file and the class. The chunks
-themselves are read with ``torch.load(weights_only=True)`` by torch already, and by
+anything else is refused with :class:`UntrustedCheckpointError`, naming the file and the class. The
+records it admitted are then checked (``dcp_reader.check_metadata``: their own fields only, entries
+in ``.distcp`` files of the directory), and within the same block the entries themselves are read
+through ``dcp_reader`` (bytes entries, tensor chunks, Megatron's ``common.pt``), and by
 ``ckpt.dist_files`` with its own one-tensor unpickler.
 
-Restored on exit (the original method is put back; nested uses are counted). Where a torch version
-has no ``read_metadata`` to replace, :func:`restricted_metadata` refuses to open anything rather
+Restored on exit (the original methods are put back; nested uses are counted). Where a torch version
+has none of the methods to replace, :func:`restricted_metadata` refuses to open anything rather
 than read unchecked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from megagrpo.compat.dcp_reader import check_metadata, load_common, read_data
+from megagrpo.compat.safe_load import UntrustedCheckpointError
+
+__all__ = ["MetadataUnpickler", "UntrustedCheckpointError", "read_metadata_file", "restricted_metadata"]
 
 # What a torch_dist checkpoint's .metadata names (torch 2.13, Megatron-Core 0.16 writers): module ->
 # the names it may take from there.
@@ -53,10 +61,6 @@ _ALLOWED: dict[str, frozenset[str]] = {
 }
 
 
-class UntrustedCheckpointError(pickle.UnpicklingError):
-    """A checkpoint's metadata names something a checkpoint's metadata never holds."""
-
-
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles a DCP ``.metadata``; ``path`` is named in the error when anything else is found."""
 
@@ -82,26 +86,40 @@ class MetadataUnpickler(pickle.Unpickler):
 def read_metadata_file(path: str | Path):
     """The ``Metadata`` record of a DCP ``.metadata`` file, through :class:`MetadataUnpickler`."""
     with open(path, "rb") as file:
-        return MetadataUnpickler(file, path).load()
+        metadata = MetadataUnpickler(file, path).load()
+    check_metadata(metadata, path, Path(path).parent)
+    return metadata
 
 
 _lock = threading.Lock()
 _depth = 0
-_original = None
+_originals: list[tuple[object, str, object]] = []  # (owner, attribute, original) while installed
 _refusals: list[list[str]] = []  # the lists the open blocks yield, innermost last
 
 
-def _restricted_read_metadata(self, *args, **kwargs):
-    from torch.distributed.checkpoint.metadata import StorageMeta
+def _recording(fn):
+    """``fn``, with each refusal it raises also told to the open blocks (torch and Megatron re-raise
+    it as other exceptions on the way out)."""
 
-    path = self._get_metadata_path(kwargs.get("rank"))
-    with self.fs.create_stream(path, "rb") as stream:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
         try:
-            metadata = MetadataUnpickler(stream, path).load()
+            return fn(*args, **kwargs)
         except UntrustedCheckpointError as err:
             for refused in list(_refusals):
                 refused.append(str(err))
             raise
+
+    return wrapper
+
+
+def _read_metadata(self, *args, **kwargs):
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    path = self._get_metadata_path(kwargs.get("rank"))
+    with self.fs.create_stream(path, "rb") as stream:
+        metadata = MetadataUnpickler(stream, path).load()
+    check_metadata(metadata, path, Path(self.path))
     # What the original does after reading.
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
@@ -109,27 +127,42 @@ def _restricted_read_metadata(self, *args, **kwargs):
     return metadata
 
 
-@contextlib.contextmanager
-def restricted_metadata() -> Iterator[list[str]]:
-    """Within the block, every ``FileSystemReader.read_metadata`` unpickles restrictedly.
-
-    Yields a list that collects the refusals' messages: torch's loader re-raises a failed metadata
-    read as another exception (``CheckpointException``, or an ``AssertionError`` on the ranks that
-    only receive it), so the caller can still tell a refusal from other failures."""
-    global _depth, _original
+def _replacements() -> list[tuple[object, str, object]]:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    if not callable(getattr(FileSystemReader, "read_metadata", None)) or not hasattr(
-        FileSystemReader, "_get_metadata_path"
-    ):
+    needed = ("read_metadata", "_get_metadata_path", "read_data", "_slice_file")
+    if not all(callable(getattr(FileSystemReader, name, None)) for name in needed):
         raise RuntimeError(
-            "this torch has no FileSystemReader.read_metadata/_get_metadata_path to read checkpoint "
-            "metadata safely through; refusing to open checkpoints (megagrpo.compat.dcp_metadata)"
+            f"this torch's FileSystemReader lacks one of {needed}, through which checkpoints are read "
+            "safely; refusing to open checkpoints (megagrpo.compat.dcp_metadata)"
         )
+    found = [
+        (FileSystemReader, "read_metadata", _recording(_read_metadata)),
+        (FileSystemReader, "read_data", _recording(read_data)),
+    ]
+    try:
+        from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+    except ImportError:  # no Megatron: plain torch checkpoints only
+        return found
+    return [*found, (TorchCommonLoadStrategy, "load_common", _recording(load_common))]
+
+
+@contextlib.contextmanager
+def restricted_metadata() -> Iterator[list[str]]:
+    """Within the block, every checkpoint read goes through the checks: ``FileSystemReader``'s
+    ``read_metadata`` unpickles restrictedly (and checks the records, ``dcp_reader.check_metadata``),
+    its ``read_data`` loads entries through ``safe_load``, Megatron's ``common.pt`` too.
+
+    Yields a list that collects the refusals' messages: torch's loader re-raises a failed read as
+    another exception (``CheckpointException``, or an ``AssertionError`` on the ranks that only
+    receive it), so the caller can still tell a refusal from other failures."""
+    global _depth
+    replacements = _replacements()
     with _lock:
         if _depth == 0:
-            _original = FileSystemReader.read_metadata
-            FileSystemReader.read_metadata = _restricted_read_metadata
+            for owner, name, replacement in replacements:
+                _originals.append((owner, name, owner.__dict__[name]))
+                setattr(owner, name, replacement)
         _depth += 1
         refused: list[str] = []
         _refusals.append(refused)
@@ -140,5 +173,6 @@ def restricted_metadata() -> Iterator[list[str]]:
             _refusals.remove(refused)
             _depth -= 1
             if _depth == 0:
-                FileSystemReader.read_metadata = _original
-                _original = None
+                for owner, name, original in reversed(_originals):
+                    setattr(owner, name, original)
+                _originals.clear()

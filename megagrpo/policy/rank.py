@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.algorithms.routing import engine_routed_rows, micro_batch_routing, routing_agreement
-from megagrpo.ckpt.dist_files import trusted_metadata_only
+from megagrpo.ckpt.dist_files import check_entry_kinds, trusted_metadata_only
 from megagrpo.ckpt.durable import atomic_write
 from megagrpo.ckpt.hf_files import HFCheckpoint
 from megagrpo.ckpt.hf_weights import load_hf_into_stage
@@ -514,6 +514,7 @@ class MegatronRank:
         opt_sd = self.engine.optimizer.sharded_state_dict(
             model_sd, is_loading=True, metadata=_OPTIMIZER_CKPT_FORMAT
         )
+        check_entry_kinds(opt_sd, path / "optimizer")
         with adam_step_kept_on_load(), trusted_metadata_only():
             self.engine.optimizer.load_state_dict(dist_checkpointing.load(opt_sd, str(path / "optimizer")))
         untie_adam_steps(self.engine.optimizer)

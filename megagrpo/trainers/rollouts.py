@@ -16,6 +16,8 @@ import torch
 
 from megagrpo.algorithms.grpo import group_advantages, overlong_penalty, zero_variance_groups
 from megagrpo.algorithms.routing import expert_load_max, routing_rows
+from megagrpo.ckpt import CheckpointError
+from megagrpo.compat.safe_load import load_file, refusals_as
 from megagrpo.config import Config
 from megagrpo.data.prompts import Prompt, PromptSource
 from megagrpo.types import PAD_ID, Completion, SamplingSettings, TrainBatch, TrainMetrics
@@ -78,14 +80,18 @@ class Pending:
         path = checkpoint / cls.FILE
         if not path.is_file():
             return None
-        data = torch.load(path, weights_only=True)
-        rollouts = Rollouts(
-            [Prompt(**p) for p in data["prompts"]],
-            [Completion(**c) for c in data["completions"]],
-            data["rewards"],
-            data["reward_timeouts"],
-            data["reward_errors"],
-        )
+        with refusals_as(CheckpointError):
+            data = load_file(path)  # torch.load(weights_only=True), its globals checked first
+        try:
+            rollouts = Rollouts(
+                [Prompt(**p) for p in data["prompts"]],
+                [Completion(**c) for c in data["completions"]],
+                data["rewards"],
+                data["reward_timeouts"],
+                data["reward_errors"],
+            )
+        except (TypeError, KeyError) as err:
+            raise CheckpointError(f"{path}: not the rollouts a checkpoint saves ({err!r})") from None
         return cls(rollouts, data["position"], data["filtered"], data["version"], data["seconds"])
 
 

@@ -176,23 +176,75 @@ def test_a_crafted_metadata_is_refused_by_export_even_with_a_matching_manifest(s
     assert not marker.exists() and not (tmp_path / "hf").exists()
 
 
-def _load(rank: int, world_size: int, cfg, path: str) -> str:
+def _load(rank: int, world_size: int, cfg, paths: list[str]) -> list[str]:
+    """What resuming from each of ``paths`` in turn says (one policy, as a resumed run builds it)."""
     from megagrpo.policy.worker import PolicyWorker
 
     worker = PolicyWorker(cfg)
+    said = []
     try:
-        worker.load(path)
-    except CheckpointError as err:
-        return f"{type(err).__name__}: {err}"
+        for path in paths:
+            try:
+                worker.load(path)
+                said.append("loaded")
+            except CheckpointError as err:
+                said.append(f"{type(err).__name__}: {err}")
     finally:
         destroy_parallel()
-    return "loaded"
+    return said
 
 
-def test_a_crafted_optimizer_metadata_is_refused_on_resume(saved, tmp_path):
+def _saved_bytes(value) -> bytes:
+    import io
+
+    import torch
+
+    out = io.BytesIO()
+    torch.save(value, out)
+    return out.getvalue()
+
+
+def _craft_extra_state(step: Path, root: Path) -> tuple[Path, Path, str]:
+    """A copy of ``step`` whose first extra-state entry of the policy's weights is a crafted pickle,
+    the metadata pointing at it and the manifest recomputed: (checkpoint, marker, entry)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from megagrpo.compat.dcp_metadata import read_metadata_file
+
+    crafted = root / "extra_state" / "step_1"
+    shutil.copytree(step, crafted)
+    marker = root / "ran-extra-state"
+    data = _saved_bytes([_Payload(str(marker))])
+    (crafted / "megatron" / "__9_0.distcp").write_bytes(data)
+    metadata = read_metadata_file(crafted / "megatron" / ".metadata")
+    index = next(i for i in metadata.storage_data if "_extra_state" in i.fqn)
+    metadata.storage_data[index] = _StorageInfo("__9_0.distcp", 0, len(data))
+    (crafted / "megatron" / ".metadata").write_bytes(pickle.dumps(metadata))
+    manifest.write(crafted, manifest.build(crafted))
+    return crafted, marker, index.fqn
+
+
+def test_resume_loads_a_sound_checkpoint_and_refuses_each_crafted_one(saved, tmp_path):
+    """Megatron's own model and optimizer state pass the checks; a crafted optimizer metadata, a
+    crafted extra-state entry and a crafted optimizer ``common.pt`` are refused naming the file."""
     _, step, _ = saved
-    crafted, marker = _craft(step, "optimizer/.metadata", tmp_path)
+    metadata, metadata_marker = _craft(step, "optimizer/.metadata", tmp_path / "metadata")
+    extra, extra_marker, entry = _craft_extra_state(step, tmp_path)
+    common, common_marker = _craft(step, "optimizer/common.pt", tmp_path / "common")
+    (common / "optimizer" / "common.pt").write_bytes(_saved_bytes({"x": _Payload(str(common_marker))}))
+    manifest.write(common, manifest.build(common))
     cfg = policy_config(str(step.parent.parent / "qwen2"), tp=2)
-    for said in run_local_ranks(_load, 2, cfg, str(crafted), timeout_s=300):
-        assert f"{crafted / 'optimizer/.metadata'}: refusing to load os.makedirs" in said, said
-    assert not marker.exists()
+    paths = [str(step), str(metadata), str(extra), str(common)]
+    for said in run_local_ranks(_load, 2, cfg, paths, timeout_s=300):
+        assert said[0] == "loaded", said
+        assert said[1].startswith(
+            f"CheckpointError: {metadata / 'optimizer/.metadata'}: refusing to load os.makedirs"
+        ), said
+        assert said[2].startswith(
+            f"CheckpointError: {extra / 'megatron/__9_0.distcp'}: entry {entry}: refusing to load os.makedirs"
+        ), said
+        assert said[3].startswith(
+            f"CheckpointError: {common / 'optimizer/common.pt'}: refusing to load os.makedirs"
+        ), said
+    for marker in (metadata_marker, extra_marker, common_marker):
+        assert not marker.exists()

@@ -68,3 +68,57 @@ def test_the_original_reader_is_put_back_after_nested_blocks():
             assert FileSystemReader.read_metadata is inner
         assert FileSystemReader.read_metadata is inner
     assert FileSystemReader.read_metadata is original
+
+
+def _rewrite(saved, edit):
+    metadata = read_metadata_file(saved / ".metadata")
+    edit(metadata)
+    (saved / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("where", ["/etc/passwd.distcp", "../x.distcp", "sub/x.distcp", ".metadata", "x.pt"])
+def test_an_entry_outside_the_directory_is_refused(saved, where):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    def edit(metadata):
+        index = next(i for i in metadata.storage_data if i.fqn == "w")
+        metadata.storage_data[index] = _StorageInfo(where, 0, 10)
+
+    _rewrite(saved, edit)
+    with pytest.raises(UntrustedCheckpointError, match=f"entry w: its bytes are said to be in '{where}'"):
+        read_metadata_file(saved / ".metadata")
+
+
+def test_a_link_out_of_the_directory_is_refused(saved, tmp_path):
+    (tmp_path / "secret").write_bytes(b"x")
+    name = next(p.name for p in saved.iterdir() if p.suffix == ".distcp")
+    (saved / name).unlink()
+    (saved / name).symlink_to(tmp_path / "secret")
+    with restricted_metadata(), pytest.raises(UntrustedCheckpointError, match="a link out of the checkpoint"):
+        FileSystemReader(str(saved)).read_metadata()
+
+
+def test_a_bytes_entry_loads_through_the_allow_list(tmp_path):
+    """Plain torch checkpoints too: a bytes entry that names a function is refused naming the file and the
+    entry (torch would load it with weights_only=False), a plain one loads."""
+    marker = tmp_path / "ran"
+    state = {"meta": "step 3", "evil": _Payload(str(marker))}
+    dcp.save(state, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    out = {"meta": None}
+    with restricted_metadata():
+        dcp.load(out, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    assert out["meta"] == "step 3"
+    with restricted_metadata() as refused, pytest.raises(BaseException):  # noqa: B017 torch wraps it
+        dcp.load({"evil": None}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    assert len(refused) == 1 and ": entry evil: refusing to load os.makedirs" in refused[0], refused
+    assert refused[0].startswith(str(tmp_path / "c" / "__0_0.distcp"))
+    assert not marker.exists()
+
+
+def test_a_record_with_a_stray_attribute_is_refused(saved):
+    def edit(metadata):
+        metadata.state_dict_metadata["b"].extra = 1
+
+    _rewrite(saved, edit)
+    with pytest.raises(UntrustedCheckpointError, match="a TensorStorageMetadata record carries 'extra'"):
+        read_metadata_file(saved / ".metadata")

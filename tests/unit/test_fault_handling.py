@@ -625,7 +625,10 @@ def test_ray_head_takes_the_supervisor_option(tmp_path):
     _stand_in(tmp_path, [75, 0]).rename(venv / "bin" / "megagrpo")
     (venv / "bin" / "ray").write_text("#!/usr/bin/env bash\nexit 0\n")
     (venv / "bin" / "ray").chmod(0o755)
-    env = dict(os.environ, VENV=str(venv), SUPERVISE_DELAY_S="0")
+    # HOME of its own: the head makes its token there (a token a local Ray left in this HOME, mode 644,
+    # would be refused, as launch/ray_auth.sh must).
+    env = dict(os.environ, VENV=str(venv), SUPERVISE_DELAY_S="0", HOME=str(tmp_path))
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
     cmd = [str(REPO / "launch" / "ray_head.sh"), "--max-restarts", "1", "train", "--config", "f.yaml"]
     assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
     assert _calls(tmp_path) == [
