@@ -42,15 +42,21 @@ def extension_requirement(te_version: str) -> str:
     return f"{EXTENSION}=={te_version}"
 
 
-def _nvcc() -> Path | None:
-    home = os.environ.get("CUDA_HOME")
-    for candidate in (
-        Path(home) / "bin" / "nvcc" if home else None,
-        shutil.which("nvcc"),
-        "/usr/local/cuda/bin/nvcc",
-    ):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
+def cuda_home() -> Path | None:
+    """The CUDA toolkit to compile with: ``CUDA_HOME``, else the toolkit of the ``nvcc`` on ``PATH`` (a link
+    followed; a wrapper script in /usr/local/bin is not a toolkit), else /usr/local/cuda; one counts only
+    with nvcc and the runtime headers (torch's CUDA headers include them)."""
+
+    def toolkit(home: Path) -> bool:
+        return (home / "bin" / "nvcc").is_file() and (home / "include" / "cuda_runtime_api.h").is_file()
+
+    if os.environ.get("CUDA_HOME"):
+        home = Path(os.environ["CUDA_HOME"])
+        return home if toolkit(home) else None
+    on_path = shutil.which("nvcc")
+    for home in (Path(on_path).resolve().parent.parent if on_path else None, Path("/usr/local/cuda")):
+        if home is not None and toolkit(home):
+            return home
     return None
 
 
@@ -71,14 +77,15 @@ def build_te() -> int:
         print("gpu setup: transformer-engine is not installed (pip install -e '.[gpu,dev]' first)")
         return 1
     missing = [n for n in (*BUILD_NEEDS, *EXTENSION_NEEDS) if not _installed(n)]
-    nvcc = _nvcc()
-    if missing or nvcc is None:
+    home = cuda_home()
+    if missing or home is None:
         what = [f"packages {', '.join(missing)}"] if missing else []
-        what += [] if nvcc else ["nvcc of a CUDA 13 toolkit (set CUDA_HOME or put nvcc on PATH)"]
+        what += [] if home else ["a CUDA 13 toolkit, nvcc and headers (set CUDA_HOME, or nvcc on PATH)"]
         print(f"gpu setup: cannot build {extension_requirement(te_version)}: missing {'; '.join(what)}")
         return 1
     site = Path(sysconfig.get_paths()["purelib"])
-    env = dict(os.environ, CUDA_HOME=os.environ.get("CUDA_HOME", str(nvcc.parent.parent)))
+    # TE's build and torch's both look for the toolkit by CUDA_HOME, then by the nvcc on PATH: the same one.
+    env = dict(os.environ, CUDA_HOME=str(home), PATH=os.pathsep.join([str(home / "bin"), os.environ["PATH"]]))
     include = [*_header_dirs(site), env.get("CPLUS_INCLUDE_PATH", "")]
     env["CPLUS_INCLUDE_PATH"] = os.pathsep.join(p for p in include if p)
     command = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps"]
