@@ -34,7 +34,7 @@ EXTENSION_NEEDS = ("torch", "einops", "onnx", "onnxscript", "packaging", "pydant
 the TE core library (transformer_engine_cu13, the extra's ``transformer-engine[core_cu13]``)."""
 BUILD_NEEDS = ("setuptools", "wheel", "pybind11", "ninja", "packaging")
 """What its setup.py imports or runs when built without isolation (besides torch)."""
-HEADERS = ("cudnn.h", "cudnn_frontend.h")
+FRONTEND_HEADER = "cudnn_frontend.h"
 
 
 def extension_requirement(te_version: str) -> str:
@@ -61,13 +61,12 @@ def cuda_home() -> Path | None:
 
 
 def _header_dirs(site: Path) -> list[str]:
-    """The site-packages folders that hold cuDNN's and cuDNN-frontend's headers (wheel layouts vary)."""
-    found = []
-    for name in HEADERS:
-        hits = sorted(site.glob(f"**/include/{name}"))
-        if hits:
-            found.append(str(hits[0].parent))
-    return found
+    """The CUDA 13 libraries' headers that the wheels torch and vLLM bring (cuBLAS, cuSPARSE, cuDNN, NCCL...
+    under ``nvidia/*/include``; cuDNN-frontend's in the folder that holds ``cudnn_frontend.h``): after the
+    toolkit's own ``include`` (a -I of the build), so they fill only what a minimal toolkit lacks."""
+    found = [str(d) for d in sorted(site.glob("nvidia/*/include"))]
+    frontend = sorted(site.glob(f"**/include/{FRONTEND_HEADER}"))
+    return found + ([str(frontend[0].parent)] if frontend else [])
 
 
 def build_te() -> int:
