@@ -153,3 +153,25 @@ def test_each_extra_has_its_own_venv_and_the_gpu_one_builds_te_and_checks():
         ".venv-gpu/bin/python tools/gpu_setup.py check",
     ]
     assert "make setup EXTRAS=gpu" in recipe("test-gpu")
+
+
+def test_the_toolkit_is_one_with_nvcc_and_headers(tmp_path, monkeypatch):
+    gpu_setup = _gpu_setup()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert gpu_setup.cuda_home() is None  # nvcc alone, as a wrapper's folder would be: no headers
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cuda_runtime_api.h").write_text("")
+    assert gpu_setup.cuda_home() == tmp_path
+
+
+def test_the_wheels_headers_go_on_the_include_path(tmp_path):
+    for folder in ("nvidia/cu13/include", "nvidia/cudnn/include", "nvidia/cu13/lib", "include"):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "include" / "cudnn_frontend.h").write_text("")
+    assert _gpu_setup()._header_dirs(tmp_path) == [
+        str(tmp_path / "nvidia/cu13/include"),
+        str(tmp_path / "nvidia/cudnn/include"),
+        str(tmp_path / "include"),
+    ]
