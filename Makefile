@@ -37,11 +37,12 @@ $(VENV)/.megagrpo-%-installed: pyproject.toml
 	$(PY) -c "import torch, megatron.core, transformers, vllm, ray; from transformers import Qwen2Config"
 	touch $@
 
-# The GPU stack (docs/scaling.md, "Install"): every wheel in one resolve (the gpu extra: torch 2.13.0's CUDA
-# 13.0 build, vLLM, Transformer Engine's core, what TE's PyTorch extension needs; tests/unit/test_gpu_install.py
-# resolves the same list for linux x86_64), then that extension, compiled from source against this torch
-# (needs nvcc of CUDA 13 and the cuDNN headers), then a check that says in one line what is missing (a CUDA
-# device, TE, vLLM's CUDA build) and fails; the stamp is written only when nothing is.
+# The GPU stack (docs/scaling.md, "Install"): every wheel in one resolve (the gpu extra: torch 2.13.0's
+# CUDA 13.0 build, vLLM, Transformer Engine's core, what TE's PyTorch extension needs;
+# tests/unit/test_gpu_install.py resolves the same list for linux x86_64), then that extension, compiled
+# from source against this torch (needs a CUDA 13 toolkit's nvcc and headers; the CUDA libraries' headers
+# come with the wheels), then a check that says in one line what is missing (a CUDA device, TE, vLLM's
+# CUDA build) and fails; the stamp is written only when nothing is.
 $(VENV)/.megagrpo-gpu-installed: pyproject.toml tools/gpu_setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
