@@ -86,6 +86,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=None, help="output directory (default: <logging.dir>/<run_name>/eval)")
 
+    _add_plan_parser(sub)
+
+    p = sub.add_parser("export", help="Megatron checkpoint -> HF directory (safetensors, config, tokenizer)")
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        help="megagrpo checkpoint directory (from hf_to_megatron, or a run's step_N/, verified first)",
+    )
+    p.add_argument("--out", required=True, help="HF output directory (must not exist)")
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        type=_parse_size,
+        help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)",
+    )
+
+    p = sub.add_parser(
+        "warmup",
+        help="supervised warm-up of the tiny model on the synthetic task (Megatron ranks, real optimizer)",
+    )
+    _add_config_args(p)
+    return parser
+
+
+def _add_plan_parser(sub) -> None:
+    """``megagrpo plan``'s options."""
     p = sub.add_parser(
         "plan",
         help="check a config against its model shape; per-rank memory and sync traffic (starts nothing)",
@@ -113,27 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
         "'here' resolves it on this machine, as the runtime does where it runs",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-    p = sub.add_parser("export", help="Megatron checkpoint -> HF directory (safetensors, config, tokenizer)")
-    p.add_argument(
-        "--ckpt",
-        required=True,
-        help="megagrpo checkpoint directory (from hf_to_megatron, or a run's step_N/, verified first)",
-    )
-    p.add_argument("--out", required=True, help="HF output directory (must not exist)")
-    p.add_argument(
-        "--max-shard-size",
-        default="5GB",
-        type=_parse_size,
-        help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)",
-    )
-
-    p = sub.add_parser(
-        "warmup",
-        help="supervised warm-up of the tiny model on the synthetic task (Megatron ranks, real optimizer)",
-    )
-    _add_config_args(p)
-    return parser
 
 
 def _load(args: argparse.Namespace):
