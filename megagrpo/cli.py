@@ -86,22 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=None, help="output directory (default: <logging.dir>/<run_name>/eval)")
 
-    p = sub.add_parser(
-        "plan",
-        help="check a config against its model shape; per-rank memory and sync traffic (starts nothing)",
-    )
-    _add_config_args(p)
-    p.add_argument("--hf-config", help="HF config.json to take the model shape from instead of model.hf_dir")
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80)")
-    p.add_argument("--link-gbps", type=float, default=100.0, help="link speed for the sync estimate (Gb/s)")
-    p.add_argument(
-        "--transformer-engine",
-        choices=["here", "yes", "no"],
-        default="here",
-        help="whether the trainer's machines have Transformer Engine (for transformer_impl auto); "
-        "'here' resolves it on this machine, as the runtime does where it runs",
-    )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_plan_parser(sub)
 
     p = sub.add_parser("export", help="Megatron checkpoint -> HF directory (safetensors, config, tokenizer)")
     p.add_argument(
@@ -125,27 +110,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_plan_parser(sub) -> None:
+    """``megagrpo plan``'s options."""
+    p = sub.add_parser(
+        "plan",
+        help="check a config against its model shape; per-rank memory and sync traffic (starts nothing)",
+    )
+    _add_config_args(p)
+    p.add_argument(
+        "--trainer",
+        choices=["grpo", "distill", "sft", "dpo"],
+        default="grpo",
+        help="the command that will run the config, whose rules apply: grpo (megagrpo train, the default), "
+        "distill, sft or dpo; sft and dpo start no engines, so their plan has no engine or sync part",
+    )
+    p.add_argument(
+        "--hf-config",
+        help="HF config.json to take the model shape from instead of model.hf_dir; with model.init_from, "
+        "the shape of the model that earlier run will leave (the run itself is checked at start)",
+    )
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80)")
+    p.add_argument("--link-gbps", type=float, default=100.0, help="link speed for the sync estimate (Gb/s)")
+    p.add_argument(
+        "--transformer-engine",
+        choices=["here", "yes", "no"],
+        default="here",
+        help="whether the trainer's machines have Transformer Engine (for transformer_impl auto); "
+        "'here' resolves it on this machine, as the runtime does where it runs",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
 def _load(args: argparse.Namespace):
     from megagrpo.config import load_config
 
     # --resume is the command line's spelling of checkpoint.resume: one switch.
     resume = ["checkpoint.resume=true"] if getattr(args, "resume", False) else []
-    # Validated for the command's trainer: `plan` plans a GRPO run; sft/dpo/warmup configs need no GRPO keys.
-    trainer = {"train": "grpo", "plan": "grpo"}.get(args.command, args.command)
+    # Validated for the command's trainer: `plan` for the one its --trainer names; sft/dpo/warmup configs
+    # need no GRPO keys.
+    trainer = args.trainer if args.command == "plan" else {"train": "grpo"}.get(args.command, args.command)
     return load_config(args.config, [*args.overrides, *resume], trainer=trainer)
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from megagrpo.config import ConfigError
     from megagrpo.plan import make_plan, read_shape, render
     from megagrpo.trainers.checkpoints import resolve_init_from
 
     cfg = _load(args)
-    if args.hf_config is None:
-        cfg = resolve_init_from(cfg)  # a later stage: the shape is its previous stage's model's
+    if args.hf_config is None and cfg.model.init_from is not None:
+        # A later stage: the shape is its previous stage's model's, read from that run's result.
+        try:
+            cfg = resolve_init_from(cfg)
+        except ConfigError as err:
+            note = " (or give megagrpo plan --hf-config FILE: the config.json of the model it will leave)"
+            raise err.with_context(note=note) from None
     shape, where = read_shape(cfg, args.hf_config)
     te = {"here": None, "yes": True, "no": False}[args.transformer_engine]
     plan = make_plan(
-        cfg, shape, where, gpu_memory_gib=args.gpu_memory_gib, link_gbps=args.link_gbps, transformer_engine=te
+        cfg,
+        shape,
+        where,
+        gpu_memory_gib=args.gpu_memory_gib,
+        link_gbps=args.link_gbps,
+        transformer_engine=te,
+        trainer=args.trainer,
     )
     if args.json:
         print(plan.to_json())

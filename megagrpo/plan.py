@@ -81,6 +81,10 @@ class Plan:
     errors: list[str] = field(default_factory=list)
     experts: plan_experts.ExpertPlan | None = None
     """A mixture-of-experts model: the experts' layout and their part of each rank's numbers."""
+    trainer: str = "grpo"
+    """The command the plan is for (``--trainer``): sft and dpo start no engines (no engine or sync part)."""
+    shape_from: str = ""
+    """Where the model's shape was read (a config.json, or ``model.tiny``)."""
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -268,8 +272,12 @@ def make_plan(
     gpu_memory_gib: float = 80.0,
     link_gbps: float = 100.0,
     transformer_engine: bool | None = None,
+    trainer: str = "grpo",
 ) -> Plan:
-    """Check ``cfg`` against ``shape`` and estimate memory and sync traffic (see the module docstring)."""
+    """Check ``cfg`` against ``shape`` and estimate memory and sync traffic (see the module docstring),
+    for the run ``trainer`` makes of it: ``sft`` and ``dpo`` start no engines, so no engine, sync or
+    colocated numbers (and no engine rule)."""
+    rollouts = trainer in ("grpo", "distill")
     par, gen = cfg.parallel, cfg.generation
     impl, decided = cfg.resolved.transformer_impl, "here"
     if par.transformer_impl == "auto" and transformer_engine is not None:
@@ -281,9 +289,9 @@ def make_plan(
         decided = "on the trainer's machines (--transformer-engine)"
     errors = []
     for rule in (
-        lambda: rules.check_shape(cfg, shape, where),
+        lambda: rules.check_shape(cfg, shape, where, engines=rollouts),
         lambda: rules.check_features(cfg, impl, decided=decided),
-        lambda: rules.check_engine_share(cfg),
+        *([lambda: rules.check_engine_share(cfg)] if rollouts else []),
     ):
         try:
             rule()
@@ -294,14 +302,14 @@ def make_plan(
     wb = DTYPE_BYTES[cfg.model.dtype]
     non_expert = _stage_params(shape, 1, 0)  # the whole model as one stage, but the routed experts
     params = non_expert + shape.num_layers * plan_experts.routed_layer_params(shape)
-    engine = _engine_worker(cfg, shape, non_expert, gpu_memory_gib)
+    engine = _engine_worker(cfg, shape, non_expert, gpu_memory_gib) if rollouts else {}
     experts = None
     if shape.is_moe:
         experts = plan_experts.expert_plan(cfg, shape, [e for _, e in pairs], non_expert, wb)
-    sync = _sync_traffic(cfg, shape, wb, link_gbps)
+    sync = _sync_traffic(cfg, shape, wb, link_gbps) if rollouts else {}
     gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     mem = int(gpu_memory_gib * GIB)
-    colocated = colocated_phases(cfg, ranks, engine) if gen.placement == "colocated" else None
+    colocated = colocated_phases(cfg, ranks, engine) if rollouts and gen.placement == "colocated" else None
     plan = Plan(
         par.world_size,
         gpus,
@@ -314,6 +322,8 @@ def make_plan(
         sync,
         colocated,
         experts=experts,
+        trainer=trainer,
+        shape_from=where,
     )
     plan.errors = errors
     errors += memory_errors(cfg, ranks, engine, gpu_memory_gib, colocated)
@@ -385,7 +395,7 @@ def memory_errors(
     """What does not fit: a pipeline stage's trainer rank, an engine worker's weights and KV cache in its
     share of the GPU, and (colocated) the peak phase of a step (:func:`colocated_phases`)."""
     gen, mem, errors = cfg.generation, int(gpu_memory_gib * GIB), []
-    concurrency = engine["concurrency"]
+    concurrency = engine.get("concurrency")
     for r in ranks:
         if r.total > mem:
             errors.append(
@@ -393,8 +403,8 @@ def memory_errors(
                 f"{(r.total - mem) / GIB:.1f} GiB more than the {gpu_memory_gib:g} GiB per GPU "
                 "(parallel.*, policy.micro_batch_max_tokens, policy.recompute)"
             )
-    need = engine["weights"] + engine["kv_cache"]
-    if need > engine["claimed"]:
+    need = engine["weights"] + engine["kv_cache"] if engine else 0
+    if engine and need > engine["claimed"]:
         errors.append(
             f"each engine worker needs {need / GIB:.1f} GiB (weights + KV cache for {concurrency} "
             f"sequences of {cfg.model.seq_length}) but generation.gpu_memory_utilization "
@@ -453,9 +463,14 @@ def _render_run(con, plan: Plan, cfg: Config) -> None:
     par, gen, grpo = cfg.parallel, cfg.generation, cfg.grpo
     m = cfg.model
     model = (
-        f"tiny {m.arch}" if m.tiny else f"HF {m.hf_dir}" if m.hf_dir else f"the result of run {m.init_from}"
+        f"tiny {m.arch}"
+        if m.tiny
+        else f"HF {m.hf_dir}"
+        if m.hf_dir
+        # the run it names need not exist yet: the trainer resolves it when it starts
+        else f"the result of run {m.init_from} (checked at start), shaped as {plan.shape_from}"
     )
-    con.print(f"run            {cfg.run_name}")
+    con.print(f"run            {cfg.run_name} ({plan.trainer})")
     active = f" ({plan.experts.active_params / 1e9:.2f}B active)" if plan.experts else ""
     con.print(
         f"model          {model}, {plan.params / 1e9:.2f}B parameters{active}, {cfg.model.dtype}, "
@@ -473,6 +488,9 @@ def _render_run(con, plan: Plan, cfg: Config) -> None:
         f"{'yes' if 'context_parallel' in has else 'no'}; micro-batches "
         f"{'packed end to end (THD)' if packs_sequences(cfg, plan.transformer_impl) else 'padded'}"
     )
+    if not plan.engine_worker_bytes:  # sft, dpo: no engines, no rollouts
+        con.print(f"GPUs           {plan.gpus} of {plan.gpu_memory_bytes / GIB:g} GiB; no vLLM engines")
+        return
     con.print(
         f"rollout        {gen.num_engines} vLLM engine(s) x TP {gen.engine_tensor_parallel_size}, "
         f"{gen.placement}; {plan.gpus} GPUs of {plan.gpu_memory_bytes / GIB:g} GiB"
@@ -490,7 +508,6 @@ def render(plan: Plan, cfg: Config) -> None:
     from rich.table import Table
 
     con = Console(width=120, highlight=False)
-    gen = cfg.generation
     _render_run(con, plan, cfg)
     t = Table(
         title=f"Trainer: {plan.world_size} ranks, {plan.transformer_impl}, {plan.backend} (bytes per rank)"
@@ -513,6 +530,16 @@ def render(plan: Plan, cfg: Config) -> None:
     con.print(t)
     if plan.experts is not None:
         _render_experts(con, plan.experts, cfg)
+    if plan.engine_worker_bytes:
+        _render_engines(con, plan, cfg)
+    for err in plan.errors:
+        con.print(f"[red]error:[/red] {err}")
+    con.print("plan OK" if not plan.errors else f"{len(plan.errors)} problem(s)")
+
+
+def _render_engines(con, plan: Plan, cfg: Config) -> None:
+    """Each engine worker's memory, the weight sync's bytes and (colocated) the phases of a step."""
+    gen = cfg.generation
     e = plan.engine_worker_bytes
     con.print(
         f"engine worker: weights {_size(e['weights'])} + KV cache {_size(e['kv_cache'])} "
@@ -538,6 +565,3 @@ def render(plan: Plan, cfg: Config) -> None:
             f"colocated, per GPU (policy.offload {c['offload']}): {phases}; peak {_size(c['peak'])} in "
             f"the {c['peak_phase']} phase"
         )
-    for err in plan.errors:
-        con.print(f"[red]error:[/red] {err}")
-    con.print("plan OK" if not plan.errors else f"{len(plan.errors)} problem(s)")
