@@ -18,6 +18,22 @@ TINY = dict(
 )
 
 
+R1_DISTILL_QWEN_1_5B = {  # DeepSeek-R1-Distill-Qwen-1.5B's config.json, the fields plan's shape reads
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 131072,
+    "rope_theta": 10000,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
 def _config(arch: str, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 

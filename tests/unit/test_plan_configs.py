@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from hf_models import R1_DISTILL_QWEN_1_5B
 
 from megagrpo.cli import main
 from megagrpo.config import load_config
@@ -28,21 +29,6 @@ TRAINER = {  # the command each config's header names (`megagrpo sft --config ti
     "tiny_distill": "distill",
     "agent/model": "sft",
     "deepscaler/cpu_twin_model": "sft",
-}
-
-R1_DISTILL_QWEN_1_5B = {  # DeepSeek-R1-Distill-Qwen-1.5B's config.json, the fields the shape reads
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 1536,
-    "intermediate_size": 8960,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 131072,
-    "rope_theta": 10000,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
 }
 
 
