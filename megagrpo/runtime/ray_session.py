@@ -33,7 +33,6 @@ def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Confi
     """
     if ray.is_initialized():
         return
-    check_ray_token_file()
     if num_cpus is None and cfg is not None:
         actors = cfg.parallel.world_size + cfg.generation.num_engines
         if cfg.generation.placement == "colocated":  # every rank's bundle holds room for an engine
@@ -48,6 +47,9 @@ def start_ray(cluster: ClusterConfig, *, num_cpus: int | None = None, cfg: Confi
     if "PYTHONWARNINGS" in os.environ:  # the program's filters (compat.upstream_warnings), on every node
         env["PYTHONWARNINGS"] = os.environ["PYTHONWARNINGS"]
     if cluster.ray_address:
+        # Joining a cluster only: a local Ray (loopback) writes ~/.ray/auth_token itself, mode 644, and
+        # sets RAY_AUTH_MODE=token in its driver's environment, which later child drivers inherit.
+        check_ray_token_file()
         ray.init(address=cluster.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
         return
     env |= {k: v for k, v in LOOPBACK_ENV.items() if k not in os.environ}

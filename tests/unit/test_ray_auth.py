@@ -1,6 +1,6 @@
 """launch/ray_auth.sh, sourced by the multinode launch scripts: Ray's token authentication is on unless
 switched off, the head creates a private token when none exists, a worker without one stops, a token
-others may read is refused (by the script and by the driver's ``start_ray``)."""
+others may read is refused (by the script and by the driver's ``start_ray`` when it joins a cluster)."""
 
 from __future__ import annotations
 
