@@ -18,6 +18,18 @@ TINY = dict(
 )
 
 
+TINY_QWEN2_CONFIG = {  # a tiny Qwen2 config.json: what the shape readers need of a model directory
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+}
+
 R1_DISTILL_QWEN_1_5B = {  # DeepSeek-R1-Distill-Qwen-1.5B's config.json, the fields plan's shape reads
     "architectures": ["Qwen2ForCausalLM"],
     "model_type": "qwen2",

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from hf_models import R1_DISTILL_QWEN_1_5B
 
 from megagrpo import config_files
 from megagrpo.cli import main
@@ -145,17 +146,7 @@ def test_cli_plan_with_a_packaged_name_and_a_missing_config(tmp_path, monkeypatc
         "model.hf_dir: /path/to/DeepSeek-R1-Distill-Qwen-1.5B/config.json not found"
         in capsys.readouterr().err
     )
-    shape = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "max_position_embeddings": 131072,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(shape))
+    (tmp_path / "config.json").write_text(json.dumps(R1_DISTILL_QWEN_1_5B))
     hf = ["--hf-config", str(tmp_path / "config.json"), "--transformer-engine", "yes"]
     assert main(["plan", "--config", "deepscaler/8k", *hf]) == 0
     assert "run            deepscaler-8k" in capsys.readouterr().out

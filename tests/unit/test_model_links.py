@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hf_models import TINY_QWEN2_CONFIG as SHAPE
 
 from megagrpo.ckpt import CheckpointError, manifest
 from megagrpo.ckpt import run as ckpt_io
@@ -24,17 +25,6 @@ from megagrpo.trainers.checkpoints import resolve_init_from
 
 pytestmark = pytest.mark.unit
 
-SHAPE = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-}
 SECRET = "-----BEGIN OPENSSH PRIVATE KEY----- not for export"
 
 
