@@ -1,0 +1,505 @@
+"""``grpo.async_mode: partial``: engines that keep generating while the trainer trains, weights swapped into
+requests in flight, and steps that take finished groups as they come.
+
+The driver keeps every engine's request stream (``generation.stream``) fed with groups (a prompt's G
+samples, one request each, seeded by the prompt's data position as in the batch modes) and advances the
+streams in short slices from a thread of its own. A finished group is scored there and put in the buffer;
+a step takes ``grpo.num_prompts_per_step`` finished groups from the buffer in the order they finished.
+After the step trains, the pump is paused between two slices (no engine step runs: a token boundary), the
+weights are sent and probed while the requests stay in the engines, the engines' policy version is
+raised, and the pump resumes: a response's tokens record the version that sampled each of them.
+
+Staleness is per sample: a group is trained only if the oldest token of every response in it is at most
+``grpo.max_staleness`` versions older than the policy being trained; otherwise the whole group is dropped
+(counted), so that no group baseline is computed over a subset of its samples. The buffer holds at most
+``(max_staleness + 1) * num_prompts_per_step`` groups in flight or finished, which keeps such drops rare.
+
+An engine that dies or does not answer a slice within ``generation.timeout_s`` never contributes a sample:
+its groups go back to the queue whole (generated again from their prompts, with their seeds, on the
+engines still running), and it is replaced at the next sync point, where the trainer's weights are not
+changing (``EnginePool.replace``: restarted, every engine re-synced and probed).
+
+What depends on timing (and so is not reproduced by a resumed run): which groups finish first and thus
+make up a step, and which version sampled each token. What does not: each group's prompt and seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megagrpo.algorithms.grpo import zero_variance_groups
+from megagrpo.config import Config
+from megagrpo.data.prompts import Prompt, PromptSource
+from megagrpo.types import Completion, SamplingSettings
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One prompt's G samples, sent to one engine as one request (they share the prompt's prefill)."""
+
+    position: int
+    """The prompt's data position: the group's id in the run."""
+    prompt: Prompt
+    seed: int
+
+
+@dataclass
+class FinishedGroup:
+    """A group whose G responses all finished, scored."""
+
+    request: GroupRequest
+    completions: list[Completion]
+    rewards: torch.Tensor
+    """[G] float32."""
+    timeouts: int = 0
+    errors: int = 0
+
+    def oldest_version(self) -> int:
+        """The oldest policy version that sampled a token of any of its responses."""
+        return min(oldest_version(c) for c in self.completions)
+
+
+def oldest_version(completion: Completion) -> int:
+    """The oldest policy version among a response's tokens (its ``versions``, which a stream fills)."""
+    if completion.versions is None:
+        raise ValueError("a response of a partial rollout carries the versions of its tokens")
+    return completion.oldest_version(default=-1)
+
+
+@dataclass
+class BufferCounts:
+    """What the buffer did since it was last asked (``GroupBuffer.take_counts``)."""
+
+    filtered: int = 0
+    """Finished groups whose rewards were all equal, dropped by dynamic sampling."""
+    stale: int = 0
+    """Finished groups dropped for staleness (a response older than ``grpo.max_staleness``)."""
+    requeued: int = 0
+    """Groups sent back to the queue because their engine failed."""
+    engine_failures: int = 0
+
+
+class GroupBuffer:
+    """Groups by state: queued (not on an engine), on an engine, finished; pure bookkeeping, no engines.
+
+    Not thread-safe: ``ContinuousRollouts`` calls it under its lock."""
+
+    def __init__(self, num_generations: int, capacity: int, *, filter_flat: bool, next_position: int = 0):
+        self.num_generations, self.capacity, self.filter_flat = num_generations, capacity, filter_flat
+        self.next_position = next_position
+        """The data position of the next new group."""
+        self.queued: deque[GroupRequest] = deque()
+        self.on_engine: dict[int, dict[int, GroupRequest]] = {}
+        """Engine index -> {position: request} of the groups it is generating."""
+        self.ready: deque[FinishedGroup] = deque()
+        self.counts = BufferCounts()
+
+    def outstanding(self) -> int:
+        """Groups queued, on engines, or finished and not yet trained on."""
+        return len(self.queued) + sum(len(g) for g in self.on_engine.values()) + len(self.ready)
+
+    def room(self) -> int:
+        """New groups the capacity allows now."""
+        return max(0, self.capacity - self.outstanding())
+
+    def open(self, make: Callable[[int], GroupRequest], count: int) -> None:
+        """Queue ``count`` new groups (``make(position)`` each), positions in data order."""
+        for _ in range(count):
+            self.queued.append(make(self.next_position))
+            self.next_position += 1
+
+    def assign(self, engine: int, count: int) -> list[GroupRequest]:
+        """Up to ``count`` queued groups, now on ``engine`` (oldest first)."""
+        out = []
+        while self.queued and len(out) < count:
+            out.append(self.queued.popleft())
+        mine = self.on_engine.setdefault(engine, {})
+        for request in out:
+            mine[request.position] = request
+        return out
+
+    def finished(self, engine: int, group: FinishedGroup) -> None:
+        """``engine`` returned ``group`` whole; dynamic sampling drops it if its rewards are all equal."""
+        request = self.on_engine.get(engine, {}).pop(group.request.position, None)
+        if request is None:
+            raise RuntimeError(
+                f"engine {engine} returned group {group.request.position}, which it was not generating"
+            )
+        if len(group.completions) != self.num_generations:
+            raise RuntimeError(
+                f"engine {engine} returned {len(group.completions)} responses for group "
+                f"{request.position}, expected {self.num_generations}"
+            )
+        if self.filter_flat and bool(zero_variance_groups(group.rewards, self.num_generations)[0]):
+            self.counts.filtered += 1
+            return
+        self.ready.append(group)
+
+    def engine_lost(self, engine: int) -> list[GroupRequest]:
+        """``engine`` failed: its groups go back to the front of the queue, in data order (none of their
+        samples is kept); returns them."""
+        lost = sorted(self.on_engine.pop(engine, {}).values(), key=lambda r: r.position)
+        self.queued.extendleft(reversed(lost))
+        self.counts.requeued += len(lost)
+        self.counts.engine_failures += 1
+        return lost
+
+    def take(self, count: int, trained_version: int, max_staleness: int) -> list[FinishedGroup] | None:
+        """``count`` finished groups in the order they finished, or None (nothing taken) while fewer
+        are there. Groups more than ``max_staleness`` versions older than ``trained_version`` are
+        dropped whole first (counted): a group only grows staler."""
+        fresh = deque(g for g in self.ready if trained_version - g.oldest_version() <= max_staleness)
+        self.counts.stale += len(self.ready) - len(fresh)
+        self.ready = fresh
+        if len(self.ready) < count:
+            return None
+        return [self.ready.popleft() for _ in range(count)]
+
+    def take_counts(self) -> BufferCounts:
+        counts, self.counts = self.counts, BufferCounts()
+        return counts
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the bookkeeping (the engines' partial responses are saved beside)."""
+        in_flight = [r for groups in self.on_engine.values() for r in groups.values()]
+        return {
+            "next_position": self.next_position,
+            "queued": [_request_state(r) for r in [*self.queued, *in_flight]],
+            "ready": [_finished_state(g) for g in self.ready],
+        }
+
+
+def _request_state(request: GroupRequest) -> dict:
+    p = request.prompt
+    return {
+        "position": request.position,
+        "seed": request.seed,
+        "prompt": {"token_ids": p.token_ids, "answer": p.answer, "task": p.task},
+    }
+
+
+def _finished_state(group: FinishedGroup) -> dict:
+    return {
+        "request": _request_state(group.request),
+        "completions": [dataclasses.asdict(c) for c in group.completions],
+        "rewards": group.rewards,
+        "timeouts": group.timeouts,
+        "errors": group.errors,
+    }
+
+
+def group_seed(cfg: Config, position: int) -> int:
+    """The seed of the group at data ``position`` (as the batch modes seed it: ``generate_groups``)."""
+    return cfg.generation.seed * 1_000_003 + position
+
+
+def score_group(
+    cfg: Config, source: PromptSource, scorer, request: GroupRequest, completions: Sequence[Completion]
+) -> FinishedGroup:
+    """A finished group's rewards (the reward function on its decoded responses)."""
+    texts = [source.decode(c.token_ids) for c in completions]
+    scored = scorer.score(texts, [request.prompt.answer] * len(texts))
+    rewards = torch.tensor(scored.scores, dtype=torch.float32)
+    return FinishedGroup(request, list(completions), rewards, scored.timeouts, scored.errors)
+
+
+def settings_for(cfg: Config, source: PromptSource) -> SamplingSettings:
+    """The sampling settings of every group request (G samples each)."""
+    return SamplingSettings.from_config(cfg, stop_token_ids=source.stop_token_ids, n=cfg.grpo.num_generations)
+
+
+@dataclass
+class Taken:
+    """A step's groups and what the pump did while they were made."""
+
+    groups: list[FinishedGroup]
+    counts: BufferCounts
+    wait_s: float
+    """How long the step waited for them."""
+    engine_busy_s: float
+    """Seconds the engines spent in generation steps since the last step took its groups (summed)."""
+    elapsed_s: float
+    """Wall time since the last step took its groups."""
+
+
+class EngineStreams:
+    """The engines' side of the pump: Ray calls to each engine's request stream.
+
+    ``actors`` is the pool's live list (a replacement engine appears at its index)."""
+
+    def __init__(self, actors: list, settings: SamplingSettings, slice_s: float):
+        self.actors, self.settings, self.slice_s = actors, settings, slice_s
+
+    def submit(self, engine: int, requests: Sequence[GroupRequest]):
+        wire = [(str(r.position), r.prompt.token_ids, r.seed) for r in requests]
+        return self.actors[engine].stream_submit.remote(wire, self.settings)
+
+    def advance(self, engine: int):
+        return self.actors[engine].stream_advance.remote(self.slice_s)
+
+    def set_version(self, engine: int, version: int):
+        return self.actors[engine].stream_set_version.remote(version)
+
+    def snapshot(self, engine: int):
+        return self.actors[engine].stream_snapshot.remote()
+
+    def resume(self, engine: int, partials: list, version: int):
+        return self.actors[engine].stream_resume.remote(partials, self.settings, version)
+
+
+class ContinuousRollouts:
+    """The pump: keeps the engines' streams fed and advancing from a thread, and hands finished groups
+    to the steps (see the module docstring).
+
+    The main thread calls ``take`` at the start of a step, ``pause`` before a weight sync, ``resume``
+    after it. While paused no engine step runs, so the engines are at a token boundary and the sync may
+    use them (the pool's calls then reach idle actors)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        pool,
+        source: PromptSource,
+        scorer,
+        *,
+        version: int,
+        position: int,
+        state: dict | None = None,
+    ):
+        """``pool``: the run's ``EnginePool``; ``version``: the policy version its engines hold;
+        ``position``: the data position of the first new group; ``state``: a checkpoint's (``snapshot``)."""
+        g = cfg.grpo
+        self.cfg, self.pool, self.source, self.scorer = cfg, pool, source, scorer
+        self.buffer = GroupBuffer(
+            g.num_generations,
+            (g.max_staleness + 1) * g.num_prompts_per_step,
+            filter_flat=g.filter_zero_variance_groups,
+            next_position=position,
+        )
+        self.streams = EngineStreams(pool.actors, settings_for(cfg, source), cfg.generation.stream_slice_s)
+        self.version = version
+        self.timeout_s = cfg.generation.timeout_s
+        self._cond = threading.Condition()
+        self._paused, self._stop = True, False
+        self._refs: dict[int, tuple[object, float]] = {}
+        """Engine -> (its outstanding advance, when it was issued)."""
+        self.dead: dict[int, BaseException] = {}
+        """Engines that failed, by index, with their error; replaced at the next sync point."""
+        self._error: BaseException | None = None
+        self._busy_s, self._since = 0.0, time.perf_counter()
+        self._resumed: dict[int, list] = {}
+        if state is not None:
+            self._restore(state)
+        self._thread = threading.Thread(target=self._run, name="partial-rollouts", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------- main thread
+
+    def take(self, step: int) -> Taken:
+        """The groups step ``step`` trains on (it trains policy version ``step - 1``): waits until the
+        buffer has ``grpo.num_prompts_per_step`` fresh ones. Engines that failed meanwhile are replaced
+        here (the trainer's weights are those the engines hold)."""
+        g, start = self.cfg.grpo, time.perf_counter()
+        while True:
+            with self._cond:
+                self._raise_error()
+                taken = self.buffer.take(g.num_prompts_per_step, step - 1, g.max_staleness)
+                if taken is not None:
+                    counts = self.buffer.take_counts()
+                    busy, self._busy_s = self._busy_s, 0.0
+                    now = time.perf_counter()
+                    elapsed, self._since = now - self._since, now
+                    self._cond.notify_all()  # room for new groups
+                    return Taken(taken, counts, now - start, busy, elapsed)
+                if not self.dead:
+                    self._cond.wait(0.5)
+                    continue
+            self.pause()
+            self.replace_dead(step)
+            self.resume(self.version)
+
+    def pause(self) -> None:
+        """Stop issuing slices and wait for those in flight (a failure then is handled as any other)."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+            while self._refs and self._error is None:
+                self._cond.wait(0.5)
+            self._raise_error()
+
+    def resume(self, version: int) -> None:
+        """The engines now hold policy ``version``: their tokens from here on carry it; generation goes on."""
+        import ray
+
+        with self._cond:
+            self.version = version
+            live = [i for i in range(len(self.pool.actors)) if i not in self.dead]
+            ray.get([self.streams.set_version(i, version) for i in live], timeout=self.timeout_s)
+            self._paused = False
+            self._cond.notify_all()
+
+    def replace_dead(self, step: int):
+        """Paused: restart every failed engine (``EnginePool.replace``: the trainer's weights re-synced
+        to all engines and probed). The last replacement's sync outcome, or None when none failed."""
+        outcome = None
+        for index, err in sorted(self.dead.items()):
+            outcome = self.pool.replace(index, err, step=step)
+            del self.dead[index]
+        return outcome
+
+    def snapshot(self) -> dict:
+        """Paused: the buffer's groups and every engine's partial responses, for a checkpoint."""
+        import ray
+
+        with self._cond:
+            assert self._paused and not self._refs, "snapshot while the pump runs"
+            live = [i for i in range(len(self.pool.actors)) if i not in self.dead]
+            partials = ray.get([self.streams.snapshot(i) for i in live], timeout=self.timeout_s)
+            return {
+                "buffer": self.buffer.state(),
+                "partials": [p for per_engine in partials for p in per_engine],
+                "version": self.version,
+            }
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=max(5.0, self.streams.slice_s * 4))
+
+    # ------------------------------------------------------------------------------- pump thread
+
+    def _run(self) -> None:
+        import ray
+
+        try:
+            while True:
+                with self._cond:
+                    if self._stop:
+                        return
+                    if not self._paused:
+                        self._feed()
+                    refs = {i: ref for i, (ref, _) in self._refs.items()}
+                    if not refs:
+                        self._cond.notify_all()  # quiet: a pause waiting for it may go on
+                        self._cond.wait(0.5)
+                        continue
+                done, _ = ray.wait(list(refs.values()), num_returns=1, timeout=0.5)
+                for engine, ref in refs.items():
+                    if ref in done:
+                        self._collect(engine, ref)
+                self._check_deadlines()
+        except BaseException as err:  # handed to the main thread, which raises it
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+    def _feed(self) -> None:
+        """Under the lock: new groups while there is room, each live engine topped up to its share and
+        given a slice to run if it has requests."""
+        live = [i for i in range(len(self.pool.actors)) if i not in self.dead]
+        if not live:
+            return
+        room = self.buffer.room()
+        if room:
+            self.buffer.open(self._request, room)
+        share = -(-self.buffer.capacity // len(live))
+        for engine in live:
+            resumed = self._resumed.pop(engine, None)
+            if resumed:
+                self.streams.resume(engine, resumed, self.version)
+            mine = self.buffer.on_engine.get(engine, {})
+            requests = self.buffer.assign(engine, share - len(mine))
+            if requests:
+                self.streams.submit(engine, requests)
+            if self.buffer.on_engine.get(engine) and engine not in self._refs:
+                self._refs[engine] = (self.streams.advance(engine), time.perf_counter())
+
+    def _request(self, position: int) -> GroupRequest:
+        prompt = self.source.batch(position, 1)[0]
+        return GroupRequest(position, prompt, group_seed(self.cfg, position))
+
+    def _collect(self, engine: int, ref) -> None:
+        """An engine's slice returned: score its finished groups (outside the lock), buffer them."""
+        import ray
+
+        try:
+            result = ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            with self._cond:
+                self._lose(engine, err)
+            return
+        with self._cond:
+            self._refs.pop(engine, None)
+            self._busy_s += result.busy_s
+            mine = self.buffer.on_engine.get(engine, {})
+            requests = [(mine[int(rid)], comps) for rid, comps in result.finished]
+        groups = [score_group(self.cfg, self.source, self.scorer, r, c) for r, c in requests]
+        with self._cond:
+            for group in groups:
+                self.buffer.finished(engine, group)
+            self._cond.notify_all()
+
+    def _check_deadlines(self) -> None:
+        """An engine whose slice has not returned within ``generation.timeout_s`` is killed and lost."""
+        import ray
+
+        now = time.perf_counter()
+        with self._cond:
+            late = [i for i, (_, issued) in self._refs.items() if now - issued > self.timeout_s]
+            for engine in late:
+                ray.kill(self.pool.actors[engine], no_restart=True)
+                self._lose(engine, TimeoutError(f"a slice did not return within {self.timeout_s:.0f}s"))
+
+    def _lose(self, engine: int, err: BaseException) -> None:
+        """Under the lock: ``engine`` failed; its groups are queued again whole."""
+        self._refs.pop(engine, None)
+        self._resumed.pop(engine, None)
+        self.buffer.engine_lost(engine)
+        self.dead[engine] = err
+        print(
+            f"vLLM engine {engine} failed while generating ({err}); its groups are queued again", flush=True
+        )
+        self._cond.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the partial-rollout pump failed: {self._error!r}") from self._error
+
+    def _restore(self, state: dict) -> None:
+        """A checkpoint's groups back in the buffer; partial responses handed to the engines in turn."""
+        buf = state["buffer"]
+        self.buffer.next_position = buf["next_position"]
+        partial_ids = {p["request_id"] for p in state["partials"]}
+        for row in buf["queued"]:
+            request = _request_from(row)
+            if str(request.position) not in partial_ids:
+                self.buffer.queued.append(request)
+        for row in buf["ready"]:
+            self.buffer.ready.append(
+                FinishedGroup(
+                    _request_from(row["request"]),
+                    [Completion(**c) for c in row["completions"]],
+                    row["rewards"],
+                    row["timeouts"],
+                    row["errors"],
+                )
+            )
+        by_id = {str(row["position"]): _request_from(row) for row in buf["queued"]}
+        engines = len(self.pool.actors)
+        for n, partial in enumerate(state["partials"]):
+            engine = n % engines
+            request = by_id[partial["request_id"]]
+            self.buffer.on_engine.setdefault(engine, {})[request.position] = request
+            self._resumed.setdefault(engine, []).append(partial)
+
+
+def _request_from(row: dict) -> GroupRequest:
+    return GroupRequest(row["position"], Prompt(**row["prompt"]), row["seed"])

@@ -1,0 +1,113 @@
+"""The partial-rollout buffer's bookkeeping (``trainers.partial.GroupBuffer``): groups queued, on engines,
+finished; whole groups re-queued when their engine fails; staleness per sample, dropped per group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megagrpo.data.prompts import Prompt
+from megagrpo.trainers.partial import FinishedGroup, GroupBuffer, GroupRequest
+from megagrpo.types import Completion
+
+pytestmark = pytest.mark.unit
+
+G = 2
+
+
+def make(position: int) -> GroupRequest:
+    return GroupRequest(position, Prompt([1, 2, position], str(position)), seed=100 + position)
+
+
+def runs(versions: list[int]) -> list[tuple[int, int]]:
+    """[(version, count)] runs of per-token versions."""
+    out: list[tuple[int, int]] = []
+    for v in versions:
+        out = out[:-1] + [(v, out[-1][1] + 1)] if out and out[-1][0] == v else [*out, (v, 1)]
+    return out
+
+
+def finished(request: GroupRequest, versions: list[list[int]], rewards: list[float]) -> FinishedGroup:
+    comps = [Completion(0, [5] * len(v), [-0.5] * len(v), "stop", versions=runs(v)) for v in versions]
+    return FinishedGroup(request, comps, torch.tensor(rewards))
+
+
+def test_groups_move_from_queue_to_engines_to_ready_in_data_order():
+    buf = GroupBuffer(G, capacity=4, filter_flat=False, next_position=10)
+    buf.open(make, buf.room())
+    assert [r.position for r in buf.queued] == [10, 11, 12, 13] and buf.room() == 0
+    a = buf.assign(0, 3)
+    b = buf.assign(1, 3)
+    assert [r.position for r in a] == [10, 11, 12] and [r.position for r in b] == [13]
+    buf.finished(1, finished(b[0], [[4, 4], [4]], [1.0, 0.0]))
+    buf.finished(0, finished(a[1], [[4], [4]], [0.0, 1.0]))
+    assert [g.request.position for g in buf.ready] == [13, 11]  # in the order they finished
+    assert buf.outstanding() == 4 and buf.room() == 0
+    taken = buf.take(2, trained_version=4, max_staleness=1)
+    assert [g.request.position for g in taken] == [13, 11]
+    assert buf.room() == 2 and buf.next_position == 14
+
+
+def test_an_engine_failure_requeues_its_groups_whole_at_the_front():
+    buf = GroupBuffer(G, capacity=4, filter_flat=False)
+    buf.open(make, 4)
+    on0 = buf.assign(0, 2)
+    buf.assign(1, 2)
+    lost = buf.engine_lost(0)
+    assert lost == on0
+    assert [r.position for r in buf.queued] == [0, 1]
+    assert 0 not in buf.on_engine and buf.outstanding() == 4
+    counts = buf.take_counts()
+    assert counts.requeued == 2 and counts.engine_failures == 1
+    # A late answer from the lost engine is refused: its samples were discarded.
+    with pytest.raises(RuntimeError, match="engine 0 returned group 0"):
+        buf.finished(0, finished(on0[0], [[1], [1]], [0.0, 1.0]))
+    again = buf.assign(1, 2)
+    assert [r.position for r in again] == [0, 1] and again[0].seed == 100
+
+
+def test_staleness_is_measured_from_the_oldest_token_and_drops_the_whole_group():
+    buf = GroupBuffer(G, capacity=3, filter_flat=False)
+    buf.open(make, 3)
+    reqs = buf.assign(0, 3)
+    # Group 0: one response began at version 3 and ended at 5; the other is all version 5.
+    buf.finished(0, finished(reqs[0], [[3, 3, 4, 5], [5, 5]], [1.0, 0.0]))
+    buf.finished(0, finished(reqs[1], [[4, 5], [5]], [1.0, 0.0]))
+    buf.finished(0, finished(reqs[2], [[5], [5, 5]], [0.0, 1.0]))
+    assert buf.ready[0].oldest_version() == 3
+    # Training version 5 with max_staleness 1: group 0 (oldest token 3: staleness 2) leaves whole.
+    assert buf.take(3, trained_version=5, max_staleness=1) is None
+    assert buf.take_counts().stale == 1
+    taken = buf.take(2, trained_version=5, max_staleness=1)
+    assert [g.request.position for g in taken] == [1, 2]
+
+
+def test_dynamic_sampling_drops_flat_groups_when_they_finish():
+    buf = GroupBuffer(G, capacity=2, filter_flat=True)
+    buf.open(make, 2)
+    reqs = buf.assign(0, 2)
+    buf.finished(0, finished(reqs[0], [[1], [1]], [1.0, 1.0]))
+    buf.finished(0, finished(reqs[1], [[1], [1]], [0.0, 1.0]))
+    assert [g.request.position for g in buf.ready] == [1]
+    assert buf.take_counts().filtered == 1 and buf.room() == 1
+
+
+def test_a_group_must_come_back_whole():
+    buf = GroupBuffer(G, capacity=1, filter_flat=False)
+    buf.open(make, 1)
+    (req,) = buf.assign(0, 1)
+    with pytest.raises(RuntimeError, match="returned 1 responses for group 0, expected 2"):
+        buf.finished(0, finished(req, [[1]], [1.0]))
+
+
+def test_state_lists_in_flight_and_finished_groups():
+    buf = GroupBuffer(G, capacity=3, filter_flat=False, next_position=7)
+    buf.open(make, 3)
+    reqs = buf.assign(0, 1)
+    buf.finished(0, finished(reqs[0], [[2], [2]], [1.0, 0.0]))
+    buf.assign(1, 1)
+    state = buf.state()
+    assert state["next_position"] == 10
+    assert sorted(r["position"] for r in state["queued"]) == [8, 9]
+    assert [r["request"]["position"] for r in state["ready"]] == [7]
+    assert state["ready"][0]["completions"][0]["versions"] == [(2, 1)]
