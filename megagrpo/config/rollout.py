@@ -75,6 +75,9 @@ class GenerationConfig:
     the link; the controller allows the whole sync 1.5x as long."""
     timeout_s: float = 6000.0
     """Seconds to wait for one engine's completions of a generate call before it counts as failed."""
+    stream_slice_s: float = 0.25
+    """grpo.async_mode partial: seconds of generation an engine runs per call of the driver's pump; a
+    weight sync waits at most this long for the engines to reach a token boundary."""
     max_engine_restarts: int = 2
     """Engine restarts allowed per engine_restart_window_steps; one failure more checkpoints and stops."""
     engine_restart_window_steps: int = 100
@@ -99,6 +102,7 @@ class GenerationConfig:
         )
         check(self, "sync_timeout_s", self.sync_timeout_s > 0, "> 0")
         check(self, "timeout_s", self.timeout_s > 0, "> 0")
+        check(self, "stream_slice_s", 0 < self.stream_slice_s <= self.timeout_s, "> 0 and <= timeout_s")
         check(self, "max_engine_restarts", self.max_engine_restarts >= 0, ">= 0")
         check(
             self,

@@ -347,11 +347,19 @@ def _check_grpo(cfg: Config) -> None:
             ("grpo.overlong_buffer_tokens", key),
             f"overlong_buffer_tokens {cfg.grpo.overlong_buffer_tokens} must be < {key.split('.')[1]} {new}",
         )
+    if cfg.grpo.async_mode == "partial":
+        # Not built yet for partial rollouts: episodes' turns and routed-expert rows across weight swaps.
+        for key, off in (("env.enabled", not cfg.env.enabled), ("grpo.routing_replay", not replaying(cfg))):
+            require(off, ("grpo.async_mode", key), f"async_mode 'partial' does not support {key} yet")
     require(
         cfg.logging.val_every == 0 or cfg.data.num_val_prompts > 0,
         ("logging.val_every", "data.num_val_prompts"),
         "validation is scheduled but data.num_val_prompts is 0",
     )
+
+
+def replaying(cfg: Config) -> bool:
+    return cfg.grpo.routing_replay != "none"
 
 
 def _check_dpo(cfg: Config) -> None:
@@ -437,6 +445,12 @@ def _check_cluster(cfg: Config, *, trainer: bool) -> None:
         ("grpo.max_staleness", "generation.placement"),
         "overlapping generation with training needs engines on devices of their own: colocated engines "
         "sleep while the trainer runs; use 'disaggregated' or max_staleness 0",
+    )
+    require(
+        not trainer or gen.placement != "colocated" or cfg.grpo.async_mode != "partial",
+        ("grpo.async_mode", "generation.placement"),
+        "async_mode 'partial' keeps the engines generating while the trainer trains: colocated engines "
+        "sleep while it runs; use 'disaggregated'",
     )
     require(
         gen.placement != "colocated" or gen.engine_tensor_parallel_size == 1,

@@ -146,6 +146,12 @@ class GRPOConfig:
     trains on the current ones, and a rollout is trained on at most this many policy versions after the
     one that generated it (weights reach the engines between batches, every max_staleness steps at
     least). 0: the sequential loop (generate, train, sync)."""
+    async_mode: Literal["batch", "partial"] = "batch"
+    """batch: a step's rollouts are generated whole by one policy version (max_staleness 0: generate,
+    train, sync in turns; >= 1: the next batch is generated while the trainer trains). partial: the
+    engines never stop generating; weights are swapped into running requests at a token boundary,
+    each token records the version that sampled it, and a step takes the first finished groups whose
+    oldest token is at most max_staleness (>= 1) versions old (``megagrpo.trainers.partial``)."""
     seed: int = 0
     """Seed for prompt order and anything random in the trainer."""
 
@@ -174,6 +180,12 @@ class GRPOConfig:
             self.max_staleness <= self.num_steps,
             ("max_staleness", "num_steps"),
             f"max_staleness {self.max_staleness} is larger than the run's {self.num_steps} steps",
+        )
+        require(
+            self.async_mode != "partial" or self.max_staleness >= 1,
+            ("async_mode", "max_staleness"),
+            "async_mode 'partial' trains tokens sampled by earlier versions: max_staleness must be >= 1 "
+            f"(got {self.max_staleness})",
         )
 
     def _check_loss(self) -> None:

@@ -31,10 +31,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from megagrpo.algorithms.grpo import zero_variance_groups
+from megagrpo.ckpt import CheckpointError
+from megagrpo.compat.safe_load import load_file, refusals_as
 from megagrpo.config import Config
 from megagrpo.data.prompts import Prompt, PromptSource
 from megagrpo.types import Completion, SamplingSettings
@@ -227,6 +230,8 @@ class Taken:
     """Seconds the engines spent in generation steps since the last step took its groups (summed)."""
     elapsed_s: float
     """Wall time since the last step took its groups."""
+    engines: int
+    """Engines running meanwhile (for the busy fraction)."""
 
 
 class EngineStreams:
@@ -317,7 +322,8 @@ class ContinuousRollouts:
                     now = time.perf_counter()
                     elapsed, self._since = now - self._since, now
                     self._cond.notify_all()  # room for new groups
-                    return Taken(taken, counts, now - start, busy, elapsed)
+                    engines = len(self.pool.actors) - len(self.dead)
+                    return Taken(taken, counts, now - start, busy, elapsed, engines)
                 if not self.dead:
                     self._cond.wait(0.5)
                     continue
@@ -503,3 +509,57 @@ class ContinuousRollouts:
 
 def _request_from(row: dict) -> GroupRequest:
     return GroupRequest(row["position"], Prompt(**row["prompt"]), row["seed"])
+
+
+IN_FLIGHT_FILE = "rollouts_in_flight.pt"
+"""A checkpoint's partial-rollout state: the buffer's groups and the engines' partial responses."""
+
+
+def save_in_flight(state: dict, directory: Path) -> None:
+    """Into a checkpoint being written (its manifest covers the file)."""
+    torch.save(state, directory / IN_FLIGHT_FILE)
+
+
+def load_in_flight(checkpoint: Path) -> dict | None:
+    """A checkpoint's partial-rollout state, or None when it has none (a batch-mode checkpoint)."""
+    path = checkpoint / IN_FLIGHT_FILE
+    if not path.is_file():
+        return None
+    with refusals_as(CheckpointError):
+        state = load_file(path)  # torch.load(weights_only=True), its globals checked first
+    if not isinstance(state, dict) or not {"buffer", "partials", "version"} <= set(state):
+        raise CheckpointError(f"{path}: not the partial-rollout state a checkpoint saves")
+    return state
+
+
+def rollouts_of(groups: Sequence[FinishedGroup]):
+    """The step's ``Rollouts`` (trainers.rollouts) from its finished groups, in the order taken."""
+    from megagrpo.trainers.rollouts import Rollouts
+
+    return Rollouts(
+        [g.request.prompt for g in groups],
+        [c for g in groups for c in g.completions],
+        torch.cat([g.rewards for g in groups]),
+        sum(g.timeouts for g in groups),
+        sum(g.errors for g in groups),
+    )
+
+
+def partial_metrics(taken: Taken, trained_version: int) -> dict[str, float]:
+    """Per-sample staleness (from each response's oldest token), the off-policy token fraction, what
+    the buffer dropped or re-queued, and the engines' busy fraction since the last step."""
+    comps = [c for g in taken.groups for c in g.completions]
+    staleness = [trained_version - oldest_version(c) for c in comps]
+    versions = [v for c in comps for v in c.token_versions(default=trained_version)]
+    engines = max(1, taken.engines)
+    return {
+        "staleness/mean": sum(staleness) / len(staleness),
+        "staleness/max": float(max(staleness)),
+        "staleness/off_policy_token_frac": sum(v < trained_version for v in versions) / max(1, len(versions)),
+        "async/stale_groups": taken.counts.stale,
+        "async/requeued_groups": taken.counts.requeued,
+        "async/engine_failures": taken.counts.engine_failures,
+        "async/mixed_version_frac": sum(len(c.versions or ()) > 1 for c in comps) / len(comps),
+        "async/engine_busy_frac": taken.engine_busy_s / max(1e-9, taken.elapsed_s * engines),
+        "timing/wait_rollouts_s": taken.wait_s,
+    }
