@@ -349,17 +349,15 @@ def _check_grpo(cfg: Config) -> None:
         )
     if cfg.grpo.async_mode == "partial":
         # Not built yet for partial rollouts: episodes' turns and routed-expert rows across weight swaps.
-        for key, off in (("env.enabled", not cfg.env.enabled), ("grpo.routing_replay", not replaying(cfg))):
-            require(off, ("grpo.async_mode", key), f"async_mode 'partial' does not support {key} yet")
+        replay = cfg.grpo.routing_replay != "none"
+        unsupported = {"env.enabled": cfg.env.enabled, "grpo.routing_replay": replay}
+        for key, on in unsupported.items():
+            require(not on, ("grpo.async_mode", key), f"async_mode 'partial' does not support {key} yet")
     require(
         cfg.logging.val_every == 0 or cfg.data.num_val_prompts > 0,
         ("logging.val_every", "data.num_val_prompts"),
         "validation is scheduled but data.num_val_prompts is 0",
     )
-
-
-def replaying(cfg: Config) -> bool:
-    return cfg.grpo.routing_replay != "none"
 
 
 def _check_dpo(cfg: Config) -> None:
