@@ -350,7 +350,7 @@ def _check_grpo(cfg: Config) -> None:
     if cfg.grpo.async_mode == "partial":
         # Not built yet for partial rollouts: episodes' turns and routed-expert rows across weight swaps.
         replay = cfg.grpo.routing_replay != "none"
-        unsupported = {"env.enabled": cfg.env.enabled, "grpo.routing_replay": replay}
+        unsupported = {"env.environment": cfg.env.enabled, "grpo.routing_replay": replay}
         for key, on in unsupported.items():
             require(not on, ("grpo.async_mode", key), f"async_mode 'partial' does not support {key} yet")
     require(
@@ -440,15 +440,11 @@ def _check_cluster(cfg: Config, *, trainer: bool) -> None:
     )
     require(
         not trainer or gen.placement != "colocated" or cfg.grpo.max_staleness == 0,
-        ("grpo.max_staleness", "generation.placement"),
-        "overlapping generation with training needs engines on devices of their own: colocated engines "
-        "sleep while the trainer runs; use 'disaggregated' or max_staleness 0",
-    )
-    require(
-        not trainer or gen.placement != "colocated" or cfg.grpo.async_mode != "partial",
-        ("grpo.async_mode", "generation.placement"),
-        "async_mode 'partial' keeps the engines generating while the trainer trains: colocated engines "
-        "sleep while it runs; use 'disaggregated'",
+        ("grpo.max_staleness", "generation.placement")
+        + (("grpo.async_mode",) if cfg.grpo.async_mode == "partial" else ()),
+        "overlapping generation with training (async_mode 'partial' always does) needs engines on devices "
+        "of their own: colocated engines sleep while the trainer runs; use 'disaggregated' or "
+        "max_staleness 0",
     )
     require(
         gen.placement != "colocated" or gen.engine_tensor_parallel_size == 1,

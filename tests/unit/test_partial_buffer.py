@@ -23,7 +23,7 @@ def runs(versions: list[int]) -> list[tuple[int, int]]:
     """[(version, count)] runs of per-token versions."""
     out: list[tuple[int, int]] = []
     for v in versions:
-        out = out[:-1] + [(v, out[-1][1] + 1)] if out and out[-1][0] == v else [*out, (v, 1)]
+        out = [*out[:-1], (v, out[-1][1] + 1)] if out and out[-1][0] == v else [*out, (v, 1)]
     return out
 
 
@@ -111,3 +111,35 @@ def test_state_lists_in_flight_and_finished_groups():
     assert sorted(r["position"] for r in state["queued"]) == [8, 9]
     assert [r["request"]["position"] for r in state["ready"]] == [7]
     assert state["ready"][0]["completions"][0]["versions"] == [(2, 1)]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys", "message"),
+    [
+        (["grpo.async_mode=partial"], ("grpo.async_mode", "grpo.max_staleness"), "must be >= 1"),
+        (
+            [
+                "grpo.async_mode=partial",
+                "grpo.max_staleness=1",
+                "generation.placement=colocated",
+                "cluster.gpus_per_node=2",
+                "parallel.backend=nccl",
+            ],
+            ("grpo.async_mode", "generation.placement"),
+            "colocated engines sleep while the trainer runs",
+        ),
+        (
+            ["grpo.async_mode=partial", "grpo.max_staleness=1", "env.environment=guess_number"],
+            ("grpo.async_mode", "env.environment"),
+            "does not support env.environment yet",
+        ),
+        (["generation.stream_slice_s=0"], ("generation.stream_slice_s",), "> 0 and <= timeout_s"),
+    ],
+)
+def test_partial_mode_config_errors_name_their_keys(overrides, keys, message):
+    from megagrpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    text = str(info.value)
+    assert all(k in text for k in keys) and message in text, text
