@@ -69,6 +69,16 @@ def test_mixed_version_response_by_hand(correction, cap, floor, weights):
         assert out.metrics["behav_weight_sum"].item() == pytest.approx(sum(weights))
 
 
+def test_a_masked_token_keeps_its_kl_term():
+    # mis with cap 1.5 masks token 0 (w = 2); the k1 KL estimate theta - ref is log 2 on every token
+    cfg = LossConfig(off_policy_correction="mis", behav_weight_cap=1.5, kl_coef=0.5, kl_estimator="k1")
+    ref = THETA - LOG(2.0)
+    out = grpo_loss(THETA, PROX, t([1.0]), torch.ones(1, 3), cfg, ref_logprobs=ref, gen_logprobs=BEHAV)
+    pg = 0.8 * PPO_TERMS[1] + 1.0 * PPO_TERMS[2]
+    assert out.loss_sum.item() == pytest.approx(pg + 3 * 0.5 * LOG(2.0))
+    assert out.metrics["kl_sum"].item() == pytest.approx(3 * LOG(2.0))
+
+
 def test_two_token_decoupled_ppo_with_a_negative_advantage_by_hand():
     # p_behav 0.25, 0.5; p_prox 0.5, 0.5 (w = 2, 1); p_theta 0.35, 0.6 (r = 0.7, 1.2); A = -2.
     # PPO's term max(-A r, -A clip(r)) = max(1.4, 1.6) = 1.6 (clipped below) and max(2.4, 2.4) = 2.4.
