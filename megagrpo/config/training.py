@@ -151,7 +151,9 @@ class GRPOConfig:
     """Overlap generation with training: engines generate the next step's rollouts while the trainer
     trains on the current ones, and a rollout is trained on at most this many policy versions after the
     one that generated it (weights reach the engines between batches, every max_staleness steps at
-    least). 0: the sequential loop (generate, train, sync)."""
+    least). 0: the sequential loop (generate, train, sync). A response's staleness is counted from its
+    oldest token (``Completion.versions``); ``megagrpo.trainers.rollouts.drop_stale_groups`` drops a
+    group with a member staler than this whole (the overlap schedule never lets a batch get that old)."""
     seed: int = 0
     """Seed for prompt order and anything random in the trainer."""
 
