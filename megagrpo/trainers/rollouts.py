@@ -91,7 +91,7 @@ class Pending:
                 data["reward_timeouts"],
                 data["reward_errors"],
             )
-        except (TypeError, KeyError) as err:
+        except (TypeError, KeyError, ValueError) as err:  # ValueError: a Completion's own checks
             raise CheckpointError(f"{path}: not the rollouts a checkpoint saves ({err!r})") from None
         return cls(rollouts, data["position"], data["filtered"], data["version"], data["seconds"])
 

@@ -12,6 +12,7 @@ import torch
 
 from megagrpo.algorithms.grpo import LossConfig, group_advantages, grpo_loss
 from megagrpo.algorithms.off_policy import behaviour_weight, judge_staleness
+from megagrpo.ckpt import CheckpointError
 from megagrpo.config import ConfigError, load_config
 from megagrpo.data.prompts import Prompt
 from megagrpo.trainers.rollouts import Pending, Rollouts, drop_stale_groups, staleness_metrics, token_versions
@@ -208,6 +209,10 @@ def test_versions_survive_a_checkpoint_and_old_checkpoints_load_without_them(tmp
     # ... and every token of them is the batch's version
     assert staleness_metrics(old.rollouts, old.version, trained_version=4)["staleness/max"] == 1.0
     assert dataclasses.replace(comps[0], versions=None) == old.rollouts.completions[0]
+    data["completions"][0]["versions"] = [(2, 5)]  # 5 tokens' worth of versions for 3 tokens
+    torch.save(data, tmp_path / Pending.FILE)
+    with pytest.raises(CheckpointError, match=r"rollouts_ahead\.pt: not the rollouts.*Completion\.versions"):
+        Pending.load(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------- config
