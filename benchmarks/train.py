@@ -43,8 +43,18 @@ from .common.timing import interleave, other_load, seconds, slowest_rank
 QUICK = {"tp": [1], "batch": 2, "seq": [64]}
 # grpo.loss's other values and what each needs (GSPO: sequence aggregation, no token TIS weight).
 LOSSES = {
-    "gspo": {"loss": "gspo", "loss_agg": "sequence", "tis_cap": None},
-    "gspo_token": {"loss": "gspo_token", "loss_agg": "sequence", "tis_cap": None},
+    "gspo": {
+        "loss": "gspo",
+        "loss_agg": "sequence",
+        "off_policy_correction": "none",
+        "behav_weight_cap": None,
+    },
+    "gspo_token": {
+        "loss": "gspo_token",
+        "loss_agg": "sequence",
+        "off_policy_correction": "none",
+        "behav_weight_cap": None,
+    },
     "cispo": {"loss": "cispo"},
 }
 
@@ -80,7 +90,8 @@ def bench_config(args, tp: int, impl: str, seq: int, batch: int):
             "policy.recompute": args.recompute,
             # The tiny default's loss, pinned: no reference model, TIS on the generator's logprobs.
             "grpo.kl_coef": 0.0,
-            "grpo.tis_cap": 2.0,
+            "grpo.off_policy_correction": "tis",
+            "grpo.behav_weight_cap": 2.0,
             "grpo.num_prompts_per_step": 1,
             "grpo.num_generations": batch,
             # Parks nothing until the benchmark calls offload (--offload), which colocated placement does.

@@ -161,10 +161,18 @@ class TrainMetrics:
     """The step's loss: sum of per-token (or per-sequence) losses / their count; NaN without any."""
     token_mult_prob_error_mean: float | None = None
     """Mean exp|old - gen| logprob (1.0: trainer and generator agree); with the generator's logprobs."""
-    tis_capped_frac: float | None = None
-    """Tokens whose trainer/generator ratio exceeded grpo.tis_cap; with tis_cap."""
-    tis_weight_mean: float | None = None
-    """Mean truncated-importance weight applied; with tis_cap."""
+    behav_ratio_min: float | None = None
+    """Smallest behaviour weight w = trainer (before the step) / generator probability; with the
+    generator's logprobs."""
+    behav_ratio_max: float | None = None
+    """Largest behaviour weight w, before truncation or masking; with the generator's logprobs."""
+    behav_weight_mean: float | None = None
+    """Mean weight applied to the policy-gradient term (grpo.off_policy_correction not none)."""
+    behav_truncated_frac: float | None = None
+    """Tokens whose weight was truncated to grpo.behav_weight_cap (off_policy_correction tis)."""
+    behav_masked_frac: float | None = None
+    """Tokens whose weight was outside [behav_weight_floor, behav_weight_cap] and left out of the
+    policy-gradient term (off_policy_correction mis)."""
     kl_mean: float | None = None
     """Mean clamped KL(policy || reference) estimate; with reference logprobs."""
     tokens: float
@@ -172,7 +180,7 @@ class TrainMetrics:
     sequences: float
     """Sequences of the mini-batch with at least one valid token."""
     pg_loss_mean: float
-    """Policy-gradient term (after dual clip and TIS, before KL)."""
+    """Policy-gradient term (after dual clip and the behaviour weight, before KL)."""
     clip_low_frac: float
     """Tokens with A < 0 and ratio < 1 - clip_eps_low."""
     clip_high_frac: float
@@ -392,6 +400,33 @@ class Completion:
     experts token t of prompt + response was routed to in each MoE layer, as the engine's router listed
     them; the last response token is never fed forward, so it has none. P + N - 1 rows x L x k bytes:
     384 KB per 1K tokens for Qwen3-30B-A3B (48 layers, top-8). None: not asked for (or an episode)."""
+    versions: list[tuple[int, int]] | None = None
+    """The policy version (GRPO steps trained) whose weights produced each of the N tokens, run-length
+    encoded in token order: [(version, count), ...] with counts > 0 summing to N (weights swapped into a
+    running request start a new run). None: every token came from one version, the one its batch was
+    generated with (``Pending.version``; what engines that hold one version per batch, and checkpoints
+    written before this field existed, give)."""
+
+    def __post_init__(self) -> None:
+        if self.versions is None:
+            return
+        counts = [count for _, count in self.versions]
+        if any(not isinstance(c, int) or c < 1 for c in counts) or sum(counts) != len(self.token_ids):
+            raise ValueError(
+                f"Completion.versions must be (version, count) runs with counts >= 1 summing to the "
+                f"{len(self.token_ids)} tokens, got {self.versions!r}"
+            )
+
+    def oldest_version(self, default: int) -> int:
+        """The version of the response's oldest token (``default``: the batch's version, for ``versions``
+        None); a response without tokens is ``default``'s."""
+        return min((v for v, _ in self.versions), default=default) if self.versions else default
+
+    def token_versions(self, default: int) -> list[int]:
+        """[N] the version of each token (``default`` for all of them when ``versions`` is None)."""
+        if self.versions is None:
+            return [default] * len(self.token_ids)
+        return [v for v, count in self.versions for _ in range(count)]
 
 
 def balanced_shards(lengths: Sequence[int], num_shards: int) -> list[list[int]]:

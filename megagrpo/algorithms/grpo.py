@@ -25,8 +25,12 @@ Choices made here, and where they depart from the papers:
   means are subtracted.
 - DAPO's overlong filtering is a loss mask: the caller leaves truncated responses out of ``mask``
   (``TrainBatch.in_loss``), which removes them from the loss sum, its token count and the KL term alike.
-- ``tis_mode="mask"`` drops a token's policy-gradient term but keeps the token in ``count``: the normalizer
-  must not depend on data-dependent masking (it is also what Megatron already summed for other micro-batches).
+- Off-policy correction (``grpo.off_policy_correction``, :mod:`megagrpo.algorithms.off_policy`): the
+  surrogate's ratio is pi_theta / pi_old with pi_old the trainer before the step (the proximal policy of
+  decoupled PPO), and each token's policy-gradient term is multiplied by its behaviour weight
+  pi_old / pi_gen as is (decoupled PPO), truncated (TIS), masked (MIS) or not at all. A masked token stays
+  in ``count``: the normalizer must not depend on data-dependent masking (it is also what Megatron already
+  summed for other micro-batches).
 - The log-ratio policy/old is clamped to [-20, 20] before ``exp`` (as verl does): beyond that the step has
   diverged anyway, and an inf ratio would turn gradients into NaN.
 """
@@ -39,7 +43,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from megagrpo.algorithms import surrogates
+from megagrpo.algorithms import off_policy, surrogates
 
 __all__ = [
     "METRIC_REDUCTIONS",
@@ -165,10 +169,14 @@ class LossConfig:
     """Per-token KL estimator (Schulman), see :func:`kl_estimate`."""
     kl_clamp: float = 10.0
     """The per-token KL estimate is clamped to [-kl_clamp, kl_clamp] (k2/k3 are >= 0: [0, kl_clamp])."""
-    tis_cap: float | None = None
-    """Truncated importance sampling cap (>= 1) on exp(old - gen), the trainer/generator ratio; None: off."""
-    tis_mode: Literal["truncate", "mask"] = "truncate"
-    """Tokens whose TIS weight exceeds tis_cap: weighted by the cap, or dropped from the loss (weight 0)."""
+    off_policy_correction: off_policy.Correction = "none"
+    """What multiplies each token's policy-gradient term, from the behaviour weight w = exp(old - gen):
+    none (1), decoupled_ppo (w), tis (min(w, cap)), mis (w inside [floor, cap], else 0); see
+    :mod:`megagrpo.algorithms.off_policy`. Anything but none needs gen_logprobs."""
+    behav_weight_cap: float | None = None
+    """tis: the truncation cap; mis: the upper bound of the kept band (both need it)."""
+    behav_weight_floor: float | None = None
+    """mis: the lower bound of the kept band (None: 0)."""
     loss_agg: Literal["token", "sequence"] = "token"
     """token: mean over all valid tokens of the batch; sequence: mean over sequences of their token means."""
 
@@ -180,7 +188,9 @@ class LossConfig:
         assert self.loss in _SURROGATES, self.loss
         assert self.dual_clip is None or self.loss == "grpo", (self.loss, self.dual_clip)
         assert self.kl_estimator in ("k1", "k2", "k3"), self.kl_estimator
-        assert self.tis_mode in ("truncate", "mask"), self.tis_mode
+        assert self.off_policy_correction in off_policy.CORRECTIONS, self.off_policy_correction
+        assert (self.behav_weight_cap is not None) == (self.off_policy_correction in ("tis", "mis"))
+        assert self.behav_weight_floor is None or self.off_policy_correction == "mis"
         assert self.loss_agg in ("token", "sequence"), self.loss_agg
 
 
@@ -234,8 +244,9 @@ def grpo_loss(
     response token that counts), entropy [B, T]
     (metric only). Per token: the policy-gradient term of ``cfg.loss`` (for grpo, max(-A r, -A clip(r,
     1 - eps_low, 1 + eps_high)) with r = exp(logprobs - old), capped at -c A for A < 0 by the dual clip; see
-    :mod:`megagrpo.algorithms.surrogates` for the others), times the TIS weight, plus kl_coef * KL. Masked
-    positions may hold anything (-inf, NaN): they contribute exactly 0 to the loss and its gradient.
+    :mod:`megagrpo.algorithms.surrogates` for the others), times the behaviour weight
+    (``cfg.off_policy_correction``), plus kl_coef * KL. Masked positions may hold anything (-inf, NaN):
+    they contribute exactly 0 to the loss and its gradient.
     """
     _check_inputs(logprobs, old_logprobs, advantages, mask, cfg, ref_logprobs, gen_logprobs, entropy)
     valid_BT = mask.bool()
@@ -254,15 +265,18 @@ def grpo_loss(
 
     metrics: dict[str, Tensor] = {}
     if gen_logprobs is not None:
-        log_w_BT = old_BT - clean(gen_logprobs).detach()  # log of trainer / generator probability
-        metrics["token_mult_prob_error_sum"] = _sum(torch.exp(log_w_BT.abs()), valid_BT)
-        if cfg.tis_cap is not None:
-            w_BT = torch.exp(log_w_BT)
-            capped_BT = valid_BT & (w_BT > cfg.tis_cap)
-            w_BT = w_BT.clamp(max=cfg.tis_cap) if cfg.tis_mode == "truncate" else (~capped_BT).to(dtype)
-            pg_BT = pg_BT * w_BT
-            metrics["tis_capped_count"] = _sum(capped_BT, valid_BT)
-            metrics["tis_weight_sum"] = _sum(w_BT, valid_BT)
+        gen_BT = clean(gen_logprobs).detach()
+        metrics["token_mult_prob_error_sum"] = _sum(torch.exp((old_BT - gen_BT).abs()), valid_BT)
+        behav = off_policy.behaviour_weight(
+            old_BT,
+            gen_BT,
+            cfg.off_policy_correction,
+            cap=cfg.behav_weight_cap,
+            floor=cfg.behav_weight_floor,
+        )
+        metrics |= _behaviour_metrics(behav, valid_BT, cfg.off_policy_correction)
+        if cfg.off_policy_correction != "none":
+            pg_BT = pg_BT * behav.weight_BT.to(dtype)
 
     loss_BT = pg_BT
     if ref_logprobs is not None:
@@ -321,6 +335,21 @@ def _sum(x_BT: Tensor, valid_BT: Tensor) -> Tensor:
     return torch.where(valid_BT, x_BT.detach().double(), 0.0).sum()
 
 
+def _behaviour_metrics(behav: off_policy.BehaviourWeight, valid_BT: Tensor, correction: str) -> dict:
+    ratio_BT = behav.ratio_BT
+    metrics = {
+        "behav_ratio_min": torch.where(valid_BT, ratio_BT, math.inf).amin().double(),
+        "behav_ratio_max": torch.where(valid_BT, ratio_BT, -math.inf).amax().double(),
+    }
+    if correction != "none":
+        metrics["behav_weight_sum"] = _sum(behav.weight_BT, valid_BT)
+    if correction == "tis":
+        metrics["behav_truncated_count"] = _sum(behav.truncated_BT, valid_BT)
+    if correction == "mis":
+        metrics["behav_masked_count"] = _sum(behav.masked_BT, valid_BT)
+    return metrics
+
+
 def _check_inputs(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -347,19 +376,25 @@ def _check_inputs(
         raise ValueError("loss 'gspo' takes one advantage per sequence, got per-token advantages")
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("LossConfig.kl_coef > 0 needs ref_logprobs")
-    if cfg.tis_cap is not None and gen_logprobs is None:
-        raise ValueError("LossConfig.tis_cap is set but gen_logprobs is missing")
+    if cfg.off_policy_correction != "none" and gen_logprobs is None:
+        raise ValueError(
+            f"LossConfig.off_policy_correction {cfg.off_policy_correction!r} needs gen_logprobs (the "
+            "behaviour policy's logprobs)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Metrics
 # ----------------------------------------------------------------------------------------------------------
 
-# Over valid tokens: tokens / sequences (with >= 1 valid token); pg_loss_sum (after dual clip and TIS, before
-# KL); kl_sum (clamped estimate, when ref_logprobs is given); clip_low_count (A < 0 and r < 1 - eps_low);
-# clip_high_count (A > 0 and r > 1 + eps_high); dual_clip_count (the -c A bound is active); ratio_*;
-# entropy_sum; tis_capped_count (w > tis_cap), tis_weight_sum (weights applied, with tis_cap);
-# token_mult_prob_error_sum (exp|gen - old|, its mean is 1 when generator and trainer agree).
+# Over valid tokens: tokens / sequences (with >= 1 valid token); pg_loss_sum (after dual clip and the
+# behaviour weight, before KL); kl_sum (clamped estimate, when ref_logprobs is given); clip_low_count
+# (A < 0 and r < 1 - eps_low); clip_high_count (A > 0 and r > 1 + eps_high); dual_clip_count (the -c A
+# bound is active); ratio_*; entropy_sum; token_mult_prob_error_sum (exp|gen - old|, its mean is 1 when
+# generator and trainer agree);
+# with gen_logprobs, behav_ratio_min / max (the behaviour weight w = pi_old / pi_gen before any bound);
+# with a correction, behav_weight_sum (weights applied), behav_truncated_count (tis: w > cap) or
+# behav_masked_count (mis: w outside [floor, cap]).
 METRIC_REDUCTIONS: dict[str, Literal["sum", "min", "max"]] = {
     "tokens": "sum",
     "sequences": "sum",
@@ -372,8 +407,11 @@ METRIC_REDUCTIONS: dict[str, Literal["sum", "min", "max"]] = {
     "ratio_min": "min",
     "ratio_max": "max",
     "entropy_sum": "sum",
-    "tis_capped_count": "sum",
-    "tis_weight_sum": "sum",
+    "behav_ratio_min": "min",
+    "behav_ratio_max": "max",
+    "behav_weight_sum": "sum",
+    "behav_truncated_count": "sum",
+    "behav_masked_count": "sum",
     "token_mult_prob_error_sum": "sum",
 }
 """How each metric of :class:`LossOutput` combines across micro-batches and ranks (all-reduce SUM/MIN/MAX).

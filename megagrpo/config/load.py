@@ -119,6 +119,8 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
     fields = {f.name: f for f in key_fields(cls)}
     kwargs = {}
     for key, value in data.items():
+        if key in getattr(cls, "REPLACED_KEYS", {}):
+            raise ConfigError(join(prefix, str(key)), f"no longer a key: {cls.REPLACED_KEYS[key]}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=3)
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

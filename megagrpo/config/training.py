@@ -4,7 +4,7 @@ and ``warmup``.
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from megagrpo.config.errors import check, positive, require
 
@@ -132,10 +132,16 @@ class GRPOConfig:
     """soft_penalty: the penalty ramps from 0 to overlong_penalty over the last this-many allowed tokens."""
     overlong_penalty: float = 1.0
     """soft_penalty: reward subtracted from a response that reaches max_new_tokens."""
-    tis_cap: float | None = None
-    """Truncated importance sampling cap (>= 1) on the trainer/engine probability ratio; null disables it."""
-    tis_mode: Literal["truncate", "mask"] = "truncate"
-    """Above tis_cap: weight the token by the cap, or drop it from the loss."""
+    off_policy_correction: Literal["none", "decoupled_ppo", "tis", "mis"] = "none"
+    """What multiplies each token's policy-gradient term, from its behaviour weight w = pi_old / pi_gen
+    (trainer before the step / the engine that sampled it): none = 1; decoupled_ppo = w (decoupled PPO,
+    Hilton et al. 2022, as AReaL uses it); tis = min(w, behav_weight_cap) (truncated IS, Yao et al. 2025);
+    mis = w inside [behav_weight_floor, behav_weight_cap], else 0 (masked IS; IcePop with a floor)."""
+    behav_weight_cap: float | None = None
+    """tis: the truncation cap; mis: the upper bound of the kept band; >= 1, required by both, null
+    otherwise."""
+    behav_weight_floor: float | None = None
+    """mis: the lower bound of the kept band, in (0, 1] (IcePop's alpha); null: no lower bound."""
     routing_replay: Literal["none", "rollout"] = "none"
     """Mixture-of-experts models: "rollout" routes every token the engine sampled through the experts the
     engine chose for it (rollout routing replay): the engines return each sampled token's top-k experts
@@ -145,7 +151,9 @@ class GRPOConfig:
     """Overlap generation with training: engines generate the next step's rollouts while the trainer
     trains on the current ones, and a rollout is trained on at most this many policy versions after the
     one that generated it (weights reach the engines between batches, every max_staleness steps at
-    least). 0: the sequential loop (generate, train, sync)."""
+    least). 0: the sequential loop (generate, train, sync). A response's staleness is counted from its
+    oldest token (``Completion.versions``); ``megagrpo.trainers.rollouts.drop_stale_groups`` drops a
+    group with a member staler than this whole (the overlap schedule never lets a batch get that old)."""
     async_mode: Literal["batch", "partial"] = "batch"
     """batch: a step's rollouts are generated whole by one policy version (max_staleness 0: generate,
     train, sync in turns; >= 1: the next batch is generated while the trainer trains). partial: the
@@ -154,6 +162,16 @@ class GRPOConfig:
     oldest token is at most max_staleness (>= 1) versions old (``megagrpo.trainers.partial``)."""
     seed: int = 0
     """Seed for prompt order and anything random in the trainer."""
+
+    REPLACED_KEYS: ClassVar[dict[str, str]] = {
+        "tis_cap": "the behaviour weight is set by grpo.off_policy_correction now: tis_cap C (tis_mode "
+        "truncate) is off_policy_correction tis with behav_weight_cap C; tis_cap null is "
+        "off_policy_correction none",
+        "tis_mode": "the behaviour weight is set by grpo.off_policy_correction now: tis_mode truncate is "
+        "off_policy_correction tis; tis_mode mask (weight 1 up to the cap, 0 above) is closest to "
+        "off_policy_correction mis, which keeps the weight w itself up to behav_weight_cap",
+    }
+    """Keys of earlier releases: a config that sets one is refused with this message."""
 
     def __post_init__(self) -> None:
         positive(self, "num_prompts_per_step", "num_steps")
@@ -168,7 +186,7 @@ class GRPOConfig:
             "overlong_policy 'soft_penalty' needs overlong_buffer_tokens >= 1",
         )
         check(self, "overlong_penalty", self.overlong_penalty >= 0, ">= 0")
-        check(self, "tis_cap", self.tis_cap is None or self.tis_cap >= 1, ">= 1 or null")
+        self._check_off_policy()
         check(self, "max_staleness", self.max_staleness >= 0, ">= 0")
         require(
             self.baseline != "reinforce_pp" or not self.filter_zero_variance_groups,
@@ -209,11 +227,31 @@ class GRPOConfig:
                 f"loss {self.loss!r} is defined as a mean over sequences (GSPO); set loss_agg: sequence",
             )
             require(
-                self.tis_cap is None,
-                ("tis_cap", "loss"),
-                f"tis_cap weights single tokens; loss {self.loss!r} clips a sequence-level ratio, and "
-                "a token weight inside it is not defined",
+                self.off_policy_correction == "none",
+                ("off_policy_correction", "loss"),
+                f"off_policy_correction {self.off_policy_correction!r} weights single tokens; loss "
+                f"{self.loss!r} clips a sequence-level ratio, and a token weight inside it is not defined",
             )
+
+    def _check_off_policy(self) -> None:
+        """The bounds each off_policy_correction takes."""
+        cap, floor, correction = self.behav_weight_cap, self.behav_weight_floor, self.off_policy_correction
+        bounded = correction in ("tis", "mis")
+        takes = "needs" if bounded else "takes no"
+        takes += " behav_weight_cap (tis truncates the weight at it, mis masks the weights above it)"
+        require(
+            (cap is not None) == bounded,
+            ("behav_weight_cap", "off_policy_correction"),
+            f"off_policy_correction {correction!r} {takes}",
+        )
+        finite_cap = cap is None or (math.isfinite(cap) and cap >= 1)
+        check(self, "behav_weight_cap", finite_cap, "finite, >= 1 or null")
+        require(
+            floor is None or correction == "mis",
+            ("behav_weight_floor", "off_policy_correction"),
+            f"behav_weight_floor bounds mis's band; off_policy_correction {correction!r} does not take it",
+        )
+        check(self, "behav_weight_floor", floor is None or 0 < floor <= 1, "in (0, 1] or null")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -55,8 +55,9 @@ class PolicyWorker(MegatronRank, WeightSyncEndpoints):
             kl_coef=cfg.grpo.kl_coef,
             kl_estimator=cfg.grpo.kl_estimator,
             kl_clamp=cfg.grpo.kl_clamp,
-            tis_cap=cfg.grpo.tis_cap,
-            tis_mode=cfg.grpo.tis_mode,
+            off_policy_correction=cfg.grpo.off_policy_correction,
+            behav_weight_cap=cfg.grpo.behav_weight_cap,
+            behav_weight_floor=cfg.grpo.behav_weight_floor,
             loss_agg=cfg.grpo.loss_agg,
         )
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from megagrpo.algorithms.grpo import group_advantages, overlong_penalty, zero_variance_groups
+from megagrpo.algorithms.off_policy import judge_staleness
 from megagrpo.algorithms.routing import expert_load_max, routing_rows
 from megagrpo.ckpt import CheckpointError
 from megagrpo.compat.safe_load import load_file, refusals_as
@@ -90,22 +91,60 @@ class Pending:
                 data["reward_timeouts"],
                 data["reward_errors"],
             )
-        except (TypeError, KeyError) as err:
+        except (TypeError, KeyError, ValueError) as err:  # ValueError: a Completion's own checks
             raise CheckpointError(f"{path}: not the rollouts a checkpoint saves ({err!r})") from None
         return cls(rollouts, data["position"], data["filtered"], data["version"], data["seconds"])
 
 
 def staleness_metrics(rollouts: Rollouts, version: int, *, trained_version: int) -> dict[str, float]:
-    """How many policy versions older than the trained policy the step's rollouts were, and which
-    version generated them (one per batch: weights reach the engines only between batches)."""
-    staleness = trained_version - version
-    tokens = sum(len(c.token_ids) for c in rollouts.completions)
+    """How many policy versions older than the trained policy the step's rollouts were: per sample, from
+    its oldest token (``staleness/mean``, ``/max``), and the share of tokens some older policy sampled;
+    ``version``: the one their batch was generated with (that of every token without its own)."""
+    oldest = [c.oldest_version(version) for c in rollouts.completions]
+    verdict = judge_staleness(oldest, trained_version, max_staleness=0, num_generations=1)
+    versions = [v for c in rollouts.completions for v in c.token_versions(version)]
+    old_tokens = sum(v < trained_version for v in versions)
     return {
         "staleness/generator_version": float(version),
-        "staleness/mean": float(staleness),
-        "staleness/max": float(staleness),
-        "staleness/off_policy_token_frac": 1.0 if staleness > 0 and tokens else 0.0,
+        "staleness/mean": verdict.metrics()["staleness/mean"],
+        "staleness/max": verdict.metrics()["staleness/max"],
+        "staleness/off_policy_token_frac": old_tokens / len(versions) if versions else 0.0,
     }
+
+
+def drop_stale_groups(
+    rollouts: Rollouts, version: int, *, trained_version: int, max_staleness: int
+) -> tuple[Rollouts, dict[str, float]]:
+    """The rollouts without the groups that have a sample staler than ``max_staleness`` (measured from
+    its oldest token; see :mod:`megagrpo.algorithms.off_policy`), and ``staleness/dropped_groups``."""
+    g = len(rollouts.completions) // max(len(rollouts.prompts), 1)
+    oldest = [c.oldest_version(version) for c in rollouts.completions]
+    verdict = judge_staleness(oldest, trained_version, max_staleness, g)
+    dropped = {"staleness/dropped_groups": float(verdict.dropped_groups)}
+    if not verdict.dropped_groups:
+        return rollouts, dropped
+    kept = [p for p in range(len(rollouts.prompts)) if verdict.keep[p]]
+    rows = [p * g + i for p in kept for i in range(g)]
+    return (
+        dataclasses.replace(
+            rollouts,
+            prompts=[rollouts.prompts[p] for p in kept],
+            completions=[rollouts.completions[r] for r in rows],
+            rewards=rollouts.rewards[rows],
+        ),
+        dropped,
+    )
+
+
+def token_versions(rollouts: Rollouts, batch: TrainBatch, version: int) -> torch.Tensor:
+    """[B, S - 1] int64: the policy version that sampled each position's target token, laid out as
+    ``batch``'s logprobs (``to_train_batch(cfg, rollouts)``); -1 where no response token is."""
+    out = torch.full((batch.size, batch.input_ids.shape[1] - 1), -1, dtype=torch.int64)
+    for row, comp in enumerate(rollouts.completions):
+        start = int(batch.prompt_lengths[row]) - 1
+        versions = comp.token_versions(version)
+        out[row, start : start + len(versions)] = torch.tensor(versions, dtype=torch.int64)
+    return out
 
 
 def generate_groups(cfg: Config, generate: Generate, source: PromptSource, scorer, position: int):

@@ -131,6 +131,12 @@ LOSSES = {
         "grpo.clip_eps_high=0.02",
     ),
     "cispo": ("grpo.loss=cispo", "grpo.clip_eps_low=1.0", "grpo.clip_eps_high=0.1"),
+    # The behaviour weight pi_old / pi_gen per token, masked outside [0.8, 1.25] (IcePop's band).
+    "grpo_mis": (
+        "grpo.off_policy_correction=mis",
+        "grpo.behav_weight_cap=1.25",
+        "grpo.behav_weight_floor=0.8",
+    ),
 }
 
 
@@ -143,12 +149,14 @@ def _one_off_policy_step_per_loss(hf_dir: str, layout: dict) -> dict:
         worker = PolicyWorker(cfg)
         try:
             batch = policy_batch()
-            shift = 0.15 * torch.randn(
-                batch.input_ids.shape[0],
-                batch.input_ids.shape[1] - 1,
-                generator=torch.Generator().manual_seed(3),
+            shape = (batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
+            shift = 0.15 * torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+            # the engine's logprobs, off the old ones too: behaviour weights spread around 1
+            gen_shift = 0.3 * torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+            old = worker.logprobs(batch)
+            results[name] = worker.train(
+                batch.replace(old_logprobs=old + shift, gen_logprobs=old + gen_shift)
             )
-            results[name] = worker.train(batch.replace(old_logprobs=worker.logprobs(batch) + shift))
         finally:
             destroy_parallel(keep_world=True)
     return results
@@ -350,8 +358,9 @@ def test_packed_micro_batch_gives_the_padded_logprobs(two_ranks):
 
 @pytest.mark.parametrize("layout", list(LOSS_LAYOUTS))
 def test_every_loss_is_layout_invariant(layout, one_rank, two_ranks):
-    """GSPO, GSPO-token and CISPO (and GRPO beside them) give the same loss and grad norm at TP 2, PP 2 and
-    DP 2 with many micro-batches as on one rank with one, off-policy (ratios != 1, some clipped)."""
+    """GSPO, GSPO-token and CISPO (and GRPO beside them, and GRPO with MIS's behaviour weights) give the same
+    loss and grad norm at TP 2, PP 2 and DP 2 with many micro-batches as on one rank with one, off-policy
+    (ratios != 1, some clipped; some behaviour weights masked)."""
     (per_loss_reference,) = case(one_rank, "per_loss")
     results = case(two_ranks, f"per_loss/{layout}")
     ref = {name: m for name, (m,) in per_loss_reference.items()}
@@ -359,6 +368,7 @@ def test_every_loss_is_layout_invariant(layout, one_rank, two_ranks):
     # GSPO-token with one advantage per sequence: GSPO's value and gradient, on the real model too
     assert _rel(ref["gspo_token"].loss, ref["gspo"].loss) <= 1e-6
     assert _rel(ref["gspo_token"].grad_norm, ref["gspo"].grad_norm) <= 1e-5
+    assert 0 < ref["grpo_mis"].behav_masked_frac < 1 and _rel(ref["grpo_mis"].loss, ref["grpo"].loss) > 1e-3
     for name, (want,) in per_loss_reference.items():
         assert want.ratio_max - want.ratio_min > 0.1, name
         assert want.clip_low_frac + want.clip_high_frac > 0, name
@@ -369,6 +379,7 @@ def test_every_loss_is_layout_invariant(layout, one_rank, two_ranks):
             assert (
                 _rel(got.clip_high_frac + got.clip_low_frac, want.clip_high_frac + want.clip_low_frac) <= 1e-9
             )
+            assert got.behav_masked_frac == want.behav_masked_frac, name
 
 
 def test_teacher_scores_the_tokens_as_the_trainer_would(two_ranks, reference):

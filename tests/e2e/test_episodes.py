@@ -115,7 +115,7 @@ def test_probe_and_importance_weights_hold_on_multi_turn_batches(episodes_run):
     # Step 1 trains on episodes of the weights it starts from (later steps' are one version old): the
     # trainer scores their sampled tokens as the engine did, observations in between notwithstanding.
     assert 1.0 <= got[1]["train/token_mult_prob_error_mean"] < 1.001
-    assert got[1]["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert got[1]["train/behav_weight_mean"] == pytest.approx(1.0, abs=1e-3)
     # Faulty environments ended their episodes (raise, hang past env.step_timeout_s, worker exit).
     assert sum(got[s]["episode/env_errors"] for s in (1, 2, 3)) > 0
 

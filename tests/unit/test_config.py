@@ -100,7 +100,8 @@ def test_overrides_parse_int_float_bool_null():
             "policy.lr=1e-6",  # no dot: plain PyYAML would read a string
             "policy.min_lr=0",  # int widened to float
             "parallel.use_distributed_optimizer=true",
-            "grpo.tis_cap=null",
+            "grpo.behav_weight_cap=null",
+            "grpo.off_policy_correction=none",
             "run_name=abc",
         ],
     )
@@ -111,8 +112,8 @@ def test_overrides_parse_int_float_bool_null():
     assert cfg.policy.min_lr == 0.0
     assert type(cfg.policy.min_lr) is float
     assert cfg.parallel.use_distributed_optimizer is True
-    assert cfg.grpo.tis_cap is None
-    assert load_config(None).grpo.tis_cap is not None
+    assert cfg.grpo.behav_weight_cap is None
+    assert load_config(None).grpo.behav_weight_cap is not None
     assert cfg.run_name == "abc"
 
 
@@ -280,12 +281,12 @@ def test_yaml_syntax_error_and_non_mapping_top_level(tmp_path):
             "mean over sequences",
         ),
         (
-            ["grpo.loss=gspo", "grpo.loss_agg=sequence", "grpo.tis_cap=2"],
-            ["grpo.tis_cap", "grpo.loss"],
+            ["grpo.loss=gspo", "grpo.loss_agg=sequence"],
+            ["grpo.off_policy_correction", "grpo.loss"],
             "sequence-level ratio",
         ),
         (
-            ["grpo.loss=cispo", "grpo.dual_clip=3", "grpo.tis_cap=null"],
+            ["grpo.loss=cispo", "grpo.dual_clip=3"],
             ["grpo.dual_clip", "grpo.loss"],
             "does not define it",
         ),
@@ -361,7 +362,7 @@ def test_yaml_syntax_error_and_non_mapping_top_level(tmp_path):
             ["grpo.overlong_buffer_tokens", "generation.max_new_tokens"],
             "must be < max_new_tokens 16",
         ),
-        (["grpo.tis_cap=0.5"], ["grpo.tis_cap"], ">= 1 or null"),
+        (["grpo.behav_weight_cap=0.5"], ["grpo.behav_weight_cap"], "finite, >= 1 or null"),
         (
             [
                 "checkpoint.dir=null",
@@ -456,8 +457,9 @@ def test_context_parallel_needs_seq_length_divisible_by_2cp():
         ("kl_coef", "-0.1"),
         ("kl_coef", ".inf"),
         ("kl_estimator", "k4"),
-        ("tis_cap", "0.5"),
-        ("tis_mode", "drop"),
+        ("behav_weight_cap", "0.5"),
+        ("behav_weight_cap", ".inf"),
+        ("off_policy_correction", "ppo"),
         ("loss_agg", "batch"),
         ("kl_clamp", "0.0"),
         ("kl_clamp", ".inf"),

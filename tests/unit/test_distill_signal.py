@@ -83,7 +83,8 @@ def test_distill_refuses_gspo_naming_the_keys(tmp_path):
     overrides = [
         "grpo.loss=gspo",
         "grpo.loss_agg=sequence",
-        "grpo.tis_cap=null",
+        "grpo.off_policy_correction=none",
+        "grpo.behav_weight_cap=null",
         f"distill.teacher_hf_dir={tmp_path}",
     ]
     with pytest.raises(ConfigError, match=r"grpo.loss, distill.teacher_hf_dir.*gspo_token"):

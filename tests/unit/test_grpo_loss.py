@@ -184,20 +184,34 @@ def test_kl_penalty_in_loss():
 # ---------------------------------------------------------------------------------------------- TIS
 
 
-@pytest.mark.parametrize(("mode", "weights"), [("truncate", [2.0, 1.25]), ("mask", [0.0, 1.0])])
-def test_truncated_importance_sampling(mode, weights):
+@pytest.mark.parametrize(
+    ("correction", "weights", "counted"),
+    [
+        ("tis", [2.0, 1.25], "behav_truncated_count"),
+        ("mis", [0.0, 1.25], "behav_masked_count"),
+        ("decoupled_ppo", [4.0, 1.25], None),
+        ("none", [1.0, 1.0], None),
+    ],
+)
+def test_behaviour_weight_corrections(correction, weights, counted):
     # w = exp(old - gen): 4 (over the cap of 2) and 1.25
     old = t([[0.0, 0.0]])
     gen = t([[LOG(0.25), LOG(0.8)]])
-    cfg = LossConfig(tis_cap=2.0, tis_mode=mode)
+    cap = 2.0 if correction in ("tis", "mis") else None
+    cfg = LossConfig(off_policy_correction=correction, behav_weight_cap=cap)
     out = grpo_loss(old, old, t([1.0]), torch.ones(1, 2), cfg, gen_logprobs=gen)
     torch.testing.assert_close(out.loss_sum, t(-sum(weights)))
     assert out.count.item() == 2  # a masked-out token still counts in the normalizer
-    assert out.metrics["tis_capped_count"] == 1
-    assert out.metrics["tis_weight_sum"].item() == pytest.approx(sum(weights))
+    if counted is not None:
+        assert out.metrics[counted] == 1
+    if correction != "none":
+        assert out.metrics["behav_weight_sum"].item() == pytest.approx(sum(weights))
+    assert out.metrics["behav_ratio_min"].item() == pytest.approx(1.25)
+    assert out.metrics["behav_ratio_max"].item() == pytest.approx(4.0)
     assert out.metrics["token_mult_prob_error_sum"].item() == pytest.approx(4 + 1.25)
-    with pytest.raises(ValueError, match="gen_logprobs"):
-        grpo_loss(old, old, t([1.0]), torch.ones(1, 2), cfg)
+    if correction != "none":
+        with pytest.raises(ValueError, match="gen_logprobs"):
+            grpo_loss(old, old, t([1.0]), torch.ones(1, 2), cfg)
 
 
 # ---------------------------------------------------------------------------------------------- aggregation
@@ -233,7 +247,14 @@ def random_batch(seed, B=5, T=7):
 
 @pytest.mark.parametrize("loss_agg", ["token", "sequence"])
 def test_micro_batch_split_gives_the_same_loss_grads_and_metrics(loss_agg):
-    cfg = LossConfig(loss_agg=loss_agg, clip_eps_high=0.28, dual_clip=3.0, kl_coef=0.1, tis_cap=1.5)
+    cfg = LossConfig(
+        loss_agg=loss_agg,
+        clip_eps_high=0.28,
+        dual_clip=3.0,
+        kl_coef=0.1,
+        off_policy_correction="tis",
+        behav_weight_cap=1.5,
+    )
     batch = random_batch(0)
     lp = batch.pop("logprobs").requires_grad_()
 
@@ -262,7 +283,7 @@ def test_masked_garbage_gives_finite_loss_and_zero_grads():
     batch["old_logprobs"] = batch["old_logprobs"].masked_fill(masked, math.nan)
     for key in ("ref_logprobs", "gen_logprobs", "entropy"):
         batch[key] = batch[key].masked_fill(masked, -math.inf)
-    cfg = LossConfig(kl_coef=0.1, dual_clip=2.0, tis_cap=1.5)
+    cfg = LossConfig(kl_coef=0.1, dual_clip=2.0, off_policy_correction="mis", behav_weight_cap=1.5)
     for loss_agg in ("token", "sequence"):
         out = grpo_loss(lp, cfg=dataclasses.replace(cfg, loss_agg=loss_agg), **batch)
         final(out).backward()
@@ -315,8 +336,11 @@ def test_metric_sums_and_extremes():
     assert m["entropy_sum"].item() == pytest.approx(0.6)
     assert all(v.dtype == torch.float64 and v.dim() == 0 and not v.requires_grad for v in m.values())
     assert set(m) <= set(METRIC_REDUCTIONS)
-    full = grpo_loss(lp, old, t([-1.0]), t([[1, 1, 1, 0]]), LossConfig(tis_cap=2.0), **random_batch_extras())
-    assert set(full.metrics) == set(METRIC_REDUCTIONS)
+    keys = set()
+    for correction in ("tis", "mis"):
+        cfg = LossConfig(off_policy_correction=correction, behav_weight_cap=2.0)
+        keys |= set(grpo_loss(lp, old, t([-1.0]), t([[1, 1, 1, 0]]), cfg, **random_batch_extras()).metrics)
+    assert keys == set(METRIC_REDUCTIONS)
 
 
 def random_batch_extras():

@@ -171,7 +171,7 @@ class StandInPolicy:
         assert method is PolicyWorker.train
         self.pool.log.append(("train", batch.size))
         fields = {f.name: 0.0 for f in dataclasses.fields(TrainMetrics)}
-        return [TrainMetrics(**{**fields, "token_mult_prob_error_mean": None, "tis_capped_frac": None})]
+        return [TrainMetrics(**{**fields, "token_mult_prob_error_mean": None, "behav_truncated_frac": None})]
 
 
 def _grpo_steps(k: int, steps: int):

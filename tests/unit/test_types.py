@@ -20,7 +20,11 @@ def _reduced(**optional) -> dict[str, float]:
         lp + 0.05 * torch.randn(2, 5, generator=gen),
         torch.tensor([1.0, -1.0]),
         torch.ones(2, 5),
-        LossConfig(tis_cap=optional.get("tis_cap"), kl_coef=0.1 if optional.get("ref") else 0.0),
+        LossConfig(
+            off_policy_correction=optional.get("correction", "none"),
+            behav_weight_cap=2.0 if optional.get("correction") in ("tis", "mis") else None,
+            kl_coef=0.1 if optional.get("ref") else 0.0,
+        ),
         ref_logprobs=lp - 0.1 if optional.get("ref") else None,
         gen_logprobs=lp + 0.01 if optional.get("gen") else None,
         entropy=torch.rand(2, 5, generator=gen),
@@ -33,8 +37,9 @@ def _reduced(**optional) -> dict[str, float]:
     [
         dict(),
         dict(gen=True),
-        dict(gen=True, tis_cap=2.0),
-        dict(gen=True, tis_cap=2.0, ref=True),
+        dict(gen=True, correction="tis"),
+        dict(gen=True, correction="mis", ref=True),
+        dict(gen=True, correction="decoupled_ppo"),
         dict(ref=True),
     ],
 )
@@ -45,5 +50,5 @@ def test_as_dict_is_the_reduced_mapping_in_its_order(optional):
 
 
 def test_every_loss_metric_has_a_field():
-    reduced = _reduced(gen=True, tis_cap=2.0, ref=True)
+    reduced = _reduced(gen=True, correction="tis", ref=True) | _reduced(gen=True, correction="mis")
     assert sorted(reduced) == sorted(f.name for f in dataclasses.fields(TrainMetrics))
