@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from megagrpo.algorithms.grpo import zero_variance_groups
+from megagrpo.algorithms.off_policy import judge_staleness
 from megagrpo.ckpt import CheckpointError
 from megagrpo.compat.safe_load import load_file, refusals_as
 from megagrpo.config import Config
@@ -63,10 +64,6 @@ class FinishedGroup:
     """[G] float32."""
     timeouts: int = 0
     errors: int = 0
-
-    def oldest_version(self) -> int:
-        """The oldest policy version that sampled a token of any of its responses."""
-        return min(oldest_version(c) for c in self.completions)
 
 
 def oldest_version(completion: Completion) -> int:
@@ -156,11 +153,14 @@ class GroupBuffer:
 
     def take(self, count: int, trained_version: int, max_staleness: int) -> list[FinishedGroup] | None:
         """``count`` finished groups in the order they finished, or None (nothing taken) while fewer
-        are there. Groups more than ``max_staleness`` versions older than ``trained_version`` are
-        dropped whole first (counted): a group only grows staler."""
-        fresh = deque(g for g in self.ready if trained_version - g.oldest_version() <= max_staleness)
-        self.counts.stale += len(self.ready) - len(fresh)
-        self.ready = fresh
+        are there. Groups with a sample more than ``max_staleness`` versions older than
+        ``trained_version`` are dropped whole first (``algorithms.off_policy.judge_staleness``;
+        counted): a group only grows staler."""
+        if self.ready:
+            oldest = [oldest_version(c) for g in self.ready for c in g.completions]
+            verdict = judge_staleness(oldest, trained_version, max_staleness, self.num_generations)
+            self.counts.stale += verdict.dropped_groups
+            self.ready = deque(g for g, keep in zip(self.ready, verdict.keep.tolist(), strict=True) if keep)
         if len(self.ready) < count:
             return None
         return [self.ready.popleft() for _ in range(count)]
