@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
     import dataclasses
 
     from megagrpo.envs.episodes import EpisodeRunner, vllm_turn_engine
-    from megagrpo.generation.worker import GenerationWorker
+    from megagrpo.generation.vllm import GenerationWorker
     from megagrpo.types import SamplingSettings
 
     args = parse_args(argv)

@@ -418,7 +418,7 @@ def measure_capture(args) -> list[Measurement]:
     uncaptured, it returns at once)."""
     import torch
 
-    from megagrpo.generation.worker import GenerationWorker
+    from megagrpo.generation.vllm import GenerationWorker
     from megagrpo.types import SamplingSettings
 
     from .common.configs import cpu_engine_overrides, make_config

@@ -148,7 +148,7 @@ def random_prompts(args) -> list[list[int]]:
 def main(argv=None) -> dict:
     import ray
 
-    from megagrpo.generation.worker import engine_cpu_threads
+    from megagrpo.generation.vllm import engine_cpu_threads
     from megagrpo.runtime.engines import launch_engines, wait_for_engines
     from megagrpo.runtime.ray_session import shutdown_ray, start_ray
     from megagrpo.types import SamplingSettings

@@ -196,7 +196,7 @@ def vllm_alone(cfg, model: Path, requests: dict, settings) -> list[float]:
 
     import ray
 
-    from megagrpo.generation.worker import engine_cpu_threads
+    from megagrpo.generation.vllm import engine_cpu_threads
     from megagrpo.runtime.ray_session import shutdown_ray, start_ray
 
     from .rollout import RawEngine

@@ -24,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from megagrpo.generation.worker import GenerationWorker
+from megagrpo.generation.vllm import GenerationWorker
 from megagrpo.policy.worker import PolicyWorker
 
 from .common import MB, TMP, importable_by_workers, record

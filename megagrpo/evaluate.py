@@ -154,7 +154,7 @@ def completion_scores(
 
 
 def _loaded_engine_class():
-    from megagrpo.generation.worker import GenerationWorker
+    from megagrpo.generation.vllm import GenerationWorker
 
     class LoadedEngine(GenerationWorker):
         """A vLLM engine that reads the model's weights from its directory (no trainer sends them)."""

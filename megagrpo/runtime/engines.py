@@ -32,7 +32,7 @@ from megagrpo.runtime.groups import COLOCATED_SHARE, NODE_LABEL_AMOUNT, RankGrou
 from megagrpo.weight_sync.sync import ProbeResult, WeightSync, WeightSyncError
 
 if TYPE_CHECKING:
-    from megagrpo.generation.worker import GenerationWorker
+    from megagrpo.generation.vllm import GenerationWorker
     from megagrpo.weight_sync.shards import SyncPath
 
 
@@ -65,7 +65,7 @@ def launch_engines(
 ) -> list:
     """``start_engines`` without the wait: the actors, still starting (``wait_for_engines``)."""
     if engine_cls is None:
-        from megagrpo.generation.worker import GenerationWorker
+        from megagrpo.generation.vllm import GenerationWorker
 
         engine_cls = GenerationWorker
     actor_cls = ray.remote(engine_cls)

@@ -17,7 +17,7 @@ import lazy_groups
 import ray.cloudpickle
 from lazy_groups import connected_by, defer_group_creation
 
-from megagrpo.generation.worker import GenerationWorker
+from megagrpo.generation.vllm import GenerationWorker
 
 # Ray's workers cannot import the test modules by name: ship their classes and functions by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
