@@ -205,9 +205,9 @@ def engine_restart(args) -> list[Measurement]:
         (engine,) = [
             p
             for p in session_processes(local_session_dir())
-            if cmdline(p).startswith("ray::GenerationWorker")
+            if cmdline(p).startswith("ray::VLLMEngine")
         ]
-        while not cmdline(engine).startswith("ray::GenerationWorker.generate"):
+        while not cmdline(engine).startswith("ray::VLLMEngine.generate"):
             time.sleep(0.002)
         os.kill(engine, signal.SIGKILL)
         marks["killed"] = time.time()

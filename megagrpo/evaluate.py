@@ -154,9 +154,9 @@ def completion_scores(
 
 
 def _loaded_engine_class():
-    from megagrpo.generation.vllm import GenerationWorker
+    from megagrpo.generation.vllm import VLLMEngine
 
-    class LoadedEngine(GenerationWorker):
+    class LoadedEngine(VLLMEngine):
         """A vLLM engine that reads the model's weights from its directory (no trainer sends them)."""
 
         def __init__(self, cfg, model_dir: str, engine_index: int = 0):

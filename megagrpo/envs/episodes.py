@@ -47,7 +47,7 @@ class Turn:
 
 
 class TurnEngine(Protocol):
-    """What the runner needs of an engine (``GenerationWorker`` adapts vLLM's ``LLMEngine``)."""
+    """What the runner needs of an engine (``VLLMEngine`` adapts vLLM's ``LLMEngine``)."""
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, seed: int) -> None: ...
 

@@ -95,7 +95,7 @@ def engine_cpu_threads(cfg: Config, node_cores: int) -> int | None:
     return max(1, node_cores // cfg.generation.num_engines)
 
 
-class GenerationWorker:
+class VLLMEngine:
     def __init__(self, cfg: Config, model_dir: str, engine_index: int = 0, *, dummy_weights: bool = True):
         for name, value in vllm_env(cfg).items():
             os.environ.setdefault(name, value)

@@ -1,6 +1,6 @@
 """vLLM engines as Ray actors, and the pool that keeps a run's engines answering.
 
-An engine is a single Ray actor of ``GenerationWorker`` (or a subclass), called as
+An engine is a single Ray actor of ``VLLMEngine`` (or a subclass), called as
 ``engine.generate.remote(...)``. Colocated placement puts engine ``i`` in the policy's bundle ``i``
 (sharing that rank's GPU); disaggregated engines get devices of their own.
 
@@ -32,7 +32,7 @@ from megagrpo.runtime.groups import COLOCATED_SHARE, NODE_LABEL_AMOUNT, RankGrou
 from megagrpo.weight_sync.sync import ProbeResult, WeightSync, WeightSyncError
 
 if TYPE_CHECKING:
-    from megagrpo.generation.vllm import GenerationWorker
+    from megagrpo.generation.vllm import VLLMEngine
     from megagrpo.weight_sync.shards import SyncPath
 
 
@@ -41,13 +41,13 @@ def start_engines(
     model_dir: str,
     *,
     policy: RankGroup | None = None,
-    engine_cls: type[GenerationWorker] | None = None,
+    engine_cls: type[VLLMEngine] | None = None,
     timeout_s: float = 600.0,
     indices: Sequence[int] | None = None,
 ) -> list:
     """``generation.num_engines`` vLLM engines as Ray actors (started in parallel, returned when ready).
 
-    Each is an ``engine_cls(cfg, model_dir, index)`` (default ``GenerationWorker``). Colocated
+    Each is an ``engine_cls(cfg, model_dir, index)`` (default ``VLLMEngine``). Colocated
     placement needs ``policy`` (its placement group). ``indices``: start only these engines (a
     replacement starts where the engine it replaces was placed).
     """
@@ -60,14 +60,14 @@ def launch_engines(
     model_dir: str,
     *,
     policy: RankGroup | None = None,
-    engine_cls: type[GenerationWorker] | None = None,
+    engine_cls: type[VLLMEngine] | None = None,
     indices: Sequence[int] | None = None,
 ) -> list:
     """``start_engines`` without the wait: the actors, still starting (``wait_for_engines``)."""
     if engine_cls is None:
-        from megagrpo.generation.vllm import GenerationWorker
+        from megagrpo.generation.vllm import VLLMEngine
 
-        engine_cls = GenerationWorker
+        engine_cls = VLLMEngine
     actor_cls = ray.remote(engine_cls)
     colocated = cfg.generation.placement == "colocated"
     if colocated and (policy is None or cfg.generation.num_engines > policy.world_size):
@@ -181,7 +181,7 @@ class EnginePool:
         actors: Sequence,
         *,
         policy: RankGroup | None = None,
-        engine_cls: type[GenerationWorker] | None = None,
+        engine_cls: type[VLLMEngine] | None = None,
         vocab_size: int | None = None,
         log_dir: Path | None = None,
     ):
@@ -209,7 +209,7 @@ class EnginePool:
         policy: RankGroup | None = None,
         *,
         launched: list | None = None,
-        engine_cls: type[GenerationWorker] | None = None,
+        engine_cls: type[VLLMEngine] | None = None,
         log_dir: Path | None = None,
     ) -> EnginePool:
         """The pool of ``generation.num_engines`` engines loading ``model_dir``: ``launched`` (started by
@@ -248,7 +248,7 @@ class EnginePool:
     ) -> list:
         """Completions (``Completion``) for ``prompts`` (objects with ``token_ids``; ``settings.n`` each,
         in prompt order), split across the engines; prompts with a ``task`` get multi-turn episodes
-        (``GenerationWorker.run_episodes``). An engine that fails is replaced and its share
+        (``VLLMEngine.run_episodes``). An engine that fails is replaced and its share
         generated again, with the same seeds; ``step``: the GRPO step asking (restart windows count
         steps); ``restartable=False`` while the trainer changes the weights a replacement would be sent
         (``grpo.max_staleness``): a failure then is an EngineFailure."""

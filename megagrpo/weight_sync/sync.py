@@ -2,7 +2,7 @@
 
 The trainer ranks are driven through their :class:`~megagrpo.weight_sync.trainer.WeightSyncEndpoints`
 methods (plans and what the senders report are the frozen dataclasses of ``buckets``), the engines
-through ``GenerationWorker.init_weight_sync`` / ``receive_weights`` / ``prompt_logprobs``.
+through ``VLLMEngine.init_weight_sync`` / ``receive_weights`` / ``prompt_logprobs``.
 
 Set-up: the path is chosen once (``shards.choose_path``, on the first trainer rank, which holds the
 model shape); every sending rank offers its links (``transport.Link``: where its group listens and
