@@ -143,8 +143,8 @@ class _TimedEngine:
 def main(argv=None) -> dict:
     import dataclasses
 
-    from megagrpo.envs.episodes import EpisodeRunner, vllm_turn_engine
-    from megagrpo.generation.vllm import VLLMEngine
+    from megagrpo.envs.episodes import EpisodeRunner
+    from megagrpo.generation.vllm import VLLMEngine, vllm_turn_engine
     from megagrpo.types import SamplingSettings
 
     args = parse_args(argv)
