@@ -169,12 +169,13 @@ class StreamingEngine(RolloutEngine, Protocol):
         ...
 
     def advance(self, seconds: float) -> list[StreamResult]:
-        """Run whole engine steps until ``seconds`` have passed or no request is left, the requests that
-        finished meanwhile (a paused engine runs none and returns [])."""
+        """Run whole engine steps until ``seconds`` have passed or no request is left; returns the requests
+        that finished meanwhile (a paused engine runs no step and returns [])."""
         ...
 
     def abort(self, request_ids: Sequence[str]) -> list[str]:
-        """Drop these requests (running or queued); the ids that were still there. None is ever a sample."""
+        """Drop these requests (running or queued); returns the ids that were still there (an aborted
+        request is never a sample)."""
         ...
 
     def pause(self) -> None:
