@@ -82,6 +82,10 @@ class GenerationConfig:
     stream_slice_s: float = 0.25
     """grpo.async_mode partial: seconds of generation an engine runs per call of the driver's pump; a
     weight sync waits at most this long for the engines to reach a token boundary."""
+    stream_kv: Literal["keep", "recompute"] = "keep"
+    """grpo.async_mode partial, at a weight swap: keep = requests in flight decode on over the KV cache
+    their prefix had under the old weights (free); recompute = they are prefilled again (prompt and tokens
+    so far) with the new weights before their next token (``megagrpo.generation.stream``)."""
     max_engine_restarts: int = 2
     """Engine restarts allowed per engine_restart_window_steps; one failure more checkpoints and stops."""
     engine_restart_window_steps: int = 100
@@ -272,7 +276,9 @@ CAPABILITIES = {
 """What a rollout engine may be able to do beyond the calls every engine answers
 (``megagrpo.generation.engine.RolloutEngine``), and which settings need it."""
 
-ENGINE_CAPABILITIES = {"vllm": frozenset({"sleep", "episodes", "routed_experts", "expert_parallel"})}
+ENGINE_CAPABILITIES = {
+    "vllm": frozenset({"sleep", "episodes", "routed_experts", "expert_parallel", "stream"}),
+}
 """What each ``generation.engine`` can do, of :data:`CAPABILITIES` (its entry of
 ``megagrpo.generation.engine.ENGINES``): the preflight refuses a setting the engine cannot serve."""
 

@@ -421,6 +421,8 @@ def engine_needs(cfg: Config, *, trainer: bool) -> dict[str, tuple[str, ...]]:
         needs["sleep"] = ("generation.placement",)
     if trainer and cfg.grpo.routing_replay == "rollout":
         needs["routed_experts"] = ("grpo.routing_replay",)
+    if trainer and cfg.grpo.async_mode == "partial":
+        needs["stream"] = ("grpo.async_mode",)
     return needs
 
 

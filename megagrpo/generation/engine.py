@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from megagrpo.config.rollout import CAPABILITIES, ENGINE_CAPABILITIES
 
 if TYPE_CHECKING:
+    from megagrpo.generation.stream import PartialRequest, StreamRequest, StreamSlice
     from megagrpo.types import Completion, SamplingSettings
     from megagrpo.weight_sync.buckets import Bucket
     from megagrpo.weight_sync.shards import Placement
@@ -43,7 +44,6 @@ __all__ = [
     "EngineLayout",
     "EngineSpec",
     "RolloutEngine",
-    "StreamResult",
     "StreamingEngine",
     "engine_spec",
 ]
@@ -142,52 +142,44 @@ class RolloutEngine(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class StreamResult:
-    """A request of the stream that finished (engine -> driver)."""
-
-    request_id: str
-    completion: Completion
-    """Its tokens and sampling logprobs (``prompt_index`` 0: a request has one prompt)."""
-    versions: list[int]
-    """[N] the policy version whose weights sampled each token (weights change between engine steps)."""
-
-
 @runtime_checkable
 class StreamingEngine(RolloutEngine, Protocol):
-    """An engine generating continuously from a request stream (capability ``"stream"``).
+    """An engine generating continuously from a request stream (capability ``"stream"``;
+    ``grpo.async_mode: partial``), with the records of ``megagrpo.generation.stream``.
 
-    Requests go in with :meth:`submit`, generation moves forward only inside :meth:`advance`, one
-    engine step (a token of every running request) at a time; between two steps the engine is at a token
-    boundary. :meth:`pause` holds it there: running requests keep their state (KV cache included) and
-    ``receive_weights`` may load new weights under them, after which :meth:`resume` continues them with the
-    new weights, every later token tagged with the version :meth:`set_version` gave.
+    Requests go in with :meth:`submit`; generation moves forward only inside :meth:`advance`, in whole
+    engine steps (a token of every running request). Between two ``advance`` calls no step runs: the
+    engine is paused at a token boundary, its running requests keep their state (KV cache included), and
+    ``receive_weights`` may load new weights under them; :meth:`set_version` then says which policy
+    version later tokens come from. ``generate`` and ``prompt_logprobs`` (validation, the probe) still
+    work while the stream holds requests, which move on meanwhile.
     """
 
-    def submit(self, request_id: str, prompt: list[int], settings: SamplingSettings, seed: int) -> None:
-        """Queue one request (``settings.n`` must be 1); it starts at the next :meth:`advance`."""
+    def submit(self, requests: Sequence[StreamRequest]) -> None:
+        """Queue requests (``settings.n`` 1 each); they start at the next :meth:`advance`."""
         ...
 
-    def advance(self, seconds: float) -> list[StreamResult]:
-        """Run whole engine steps until ``seconds`` have passed or no request is left; returns the requests
-        that finished meanwhile (a paused engine runs no step and returns [])."""
+    def advance(self, seconds: float) -> StreamSlice:
+        """Run whole engine steps until ``seconds`` have passed or no request is left: the requests that
+        finished meanwhile, those the engine ended without a sample, and the seconds spent stepping."""
         ...
 
     def abort(self, request_ids: Sequence[str]) -> list[str]:
-        """Drop these requests (running or queued); returns the ids that were still there (an aborted
-        request is never a sample)."""
-        ...
-
-    def pause(self) -> None:
-        """Stop at the token boundary the engine is at (between two steps), keeping running requests."""
-        ...
-
-    def resume(self) -> None:
-        """Continue the paused requests from where they stopped."""
+        """Drop these requests (running or queued); the ids that were still there. None is ever a sample."""
         ...
 
     def set_version(self, version: int) -> None:
         """The policy version of the weights the engine holds from now on (tags the tokens it samples)."""
+        ...
+
+    def in_flight(self) -> list[PartialRequest]:
+        """Every request not yet returned by :meth:`advance`, with its tokens, logprobs and versions so far
+        (a checkpoint's record of it)."""
+        ...
+
+    def resume_from(self, partials: Sequence[PartialRequest]) -> None:
+        """Queue the continuation of each partial request (prompt + its tokens so far); each finishes as one
+        record, the parts joined."""
         ...
 
 

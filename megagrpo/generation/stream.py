@@ -101,6 +101,17 @@ class StreamCompletion:
 
 
 @dataclasses.dataclass(frozen=True)
+class StreamSlice:
+    """What one ``advance`` of an engine's stream returns to the driver."""
+
+    finished: list[StreamCompletion]
+    failed: list[StreamFailure]
+    """Requests the engine ended without a sample (never trained on: their groups are generated again)."""
+    busy_s: float
+    """Seconds the engine spent stepping."""
+
+
+@dataclasses.dataclass(frozen=True)
 class PartialRequest:
     """A request in flight, as a checkpoint stores it; N = tokens sampled so far."""
 
@@ -163,7 +174,7 @@ class RequestStream:
             )
         self._engine = llm.llm_engine
         self._live: dict[str, _Live] = {}  # by request id
-        self._ready: list[StreamCompletion] = []  # continuations that had nothing left to sample
+        self._ready: list[StreamCompletion] = []  # finished, for the next advance (run_now's, continuations')
         self._failed: list[StreamFailure] = []
         self.version = version
         self._engine.set_weight_version(str(version))
@@ -326,3 +337,34 @@ class RequestStream:
                     f"logprobs and {len(p.versions)} versions do not line up"
                 )
             self._add(p.request, p.token_ids, p.logprobs, p.versions)
+
+    # ------------------------------------------------------------------------- other requests
+
+    def run_now(self, prompts: Sequence[Sequence[int]], params) -> list:
+        """vLLM's ``RequestOutput`` of each prompt (one ``SamplingParams``, or one per prompt), in prompt
+        order, run on the engine beside the stream's requests: what ``LLM.generate`` would return, for the
+        probe and validation while the stream holds requests (``LLM.generate`` would step them and keep
+        their outputs). The stream's requests move on meanwhile, their tokens stamped as in ``advance``;
+        those that finish are returned by the next ``advance``."""
+        from vllm.sampling_params import RequestOutputKind
+
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = {}
+        for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+            p = p.clone()
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            own = f"run-now-{index}"  # never a stream id: those are the driver's
+            ids[own] = index
+            self._engine.add_request(own, {"prompt_token_ids": list(prompt)}, p)
+        outputs: list = [None] * len(prompts)
+        left = len(ids)
+        while left:
+            for output in self._engine.step():
+                index = ids.get(output.request_id)
+                if index is None:
+                    done = self._take(output)
+                    if done is not None:
+                        self._ready.append(done)
+                elif output.finished:
+                    outputs[index], left = output, left - 1
+        return outputs

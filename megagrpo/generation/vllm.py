@@ -17,6 +17,7 @@ the last hop into vLLM's worker (``collective_rpc``) is the dict vLLM's API asks
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from megagrpo.config import Config
 from megagrpo.envs.episodes import Turn, TurnEngine
 from megagrpo.generation.engine import SLEEP_TAGS
 from megagrpo.generation.routing import engine_routing
+from megagrpo.generation.stream import PartialRequest, RequestStream, StreamRequest, StreamSlice
 from megagrpo.generation.vllm_layout import VLLM_LAYOUT, VLLMLayout
 from megagrpo.types import Completion, SamplingSettings
 from megagrpo.weight_sync.buckets import Bucket
@@ -50,12 +52,17 @@ def scheduler_args(cfg: Config) -> dict:
     """
     from vllm.platforms import current_platform
 
-    gen = cfg.generation
+    gen, partial = cfg.generation, cfg.grpo.async_mode == "partial"
     args = {} if gen.max_num_seqs is None else {"max_num_seqs": gen.max_num_seqs}
     if not current_platform.is_cpu():
-        return args
+        # A request stream loads weights between two engine steps: each step must be done when step()
+        # returns, which vLLM's async scheduling (a batch queued past it) is not (generation.stream).
+        return args | ({"async_scheduling": False} if partial else {})
     if gen.max_num_seqs is None:
-        rollouts = max(cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations, cfg.data.num_val_prompts)
+        # Partial rollouts: the driver keeps up to max_staleness + 1 steps' groups on the engines.
+        steps = cfg.grpo.max_staleness + 1 if partial else 1
+        rollouts = steps * cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations
+        rollouts = max(rollouts, cfg.data.num_val_prompts)
         per_engine = -(-rollouts // gen.num_engines)
         args["max_num_seqs"] = max(256 * gen.engine_tensor_parallel_size, per_engine)
     # vLLM wants the token budget to hold a decode step of every sequence.
@@ -118,6 +125,8 @@ class VLLMEngine:
         self.engine_index = engine_index
         self._episodes = None  # the episode runner's renderer and environment pool, made on first use
         self.asleep: set[str] = set()  # the SLEEP_TAGS given back (colocated placement)
+        self.stream: RequestStream | None = None  # grpo.async_mode partial: made by the first submit
+        self.version = 0  # the policy version of the weights held (set_version)
         # Routed experts with every completion (grpo.routing_replay), else None.
         self.routing = engine_routing(cfg, model_dir)
         has_tokenizer = any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
@@ -211,7 +220,7 @@ class VLLMEngine:
         per_prompt = [params(s) for s in seeds] if seeds is not None else params(settings.seed)
         if self.routing is not None:
             self.routing.start(self.llm)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False)
+        outputs = self._run(prompts, per_prompt)
         routed = self.routing.collect(self.llm, outputs) if self.routing is not None else None
         completions = []
         for index, out in enumerate(outputs):
@@ -291,7 +300,7 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         if routed:
             self.routing.start(self.llm)
-        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        outputs = self._run(sequences, params)
         result = []
         for seq, out in zip(sequences, outputs, strict=True):
             # Position 0 has no logprob (nothing precedes it).
@@ -397,6 +406,44 @@ class VLLMEngine:
 
     def shutdown_weight_sync(self) -> None:
         self.llm.collective_rpc("shutdown_weight_transfer_engine")
+
+    # ------------------------------------------------------------------------ continuous generation
+
+    def _run(self, prompts: list[list[int]], params) -> list:
+        """vLLM's outputs of ``prompts``: ``LLM.generate``, or beside the stream's requests while it
+        holds some (``LLM.generate`` would step them and keep their outputs)."""
+        if self.stream is not None and len(self.stream):
+            return self.stream.run_now(prompts, params)
+        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    def _stream(self) -> RequestStream:
+        if self.stream is None:
+            self.stream = RequestStream(self.llm, version=self.version)
+        return self.stream
+
+    def submit(self, requests: Sequence[StreamRequest]) -> None:
+        self._require_awake("submit")
+        self._stream().submit(requests)
+
+    def advance(self, seconds: float) -> StreamSlice:
+        start = time.perf_counter()
+        finished = self._stream().advance(max_seconds=seconds)
+        return StreamSlice(finished, self.stream.take_failed(), time.perf_counter() - start)
+
+    def abort(self, request_ids: Sequence[str]) -> list[str]:
+        return [r.request_id for r in self._stream().abort(request_ids)]
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+        if self.stream is not None:
+            self.stream.set_version(version, kv=self.cfg.generation.stream_kv)
+
+    def in_flight(self) -> list[PartialRequest]:
+        return self._stream().in_flight()
+
+    def resume_from(self, partials: Sequence[PartialRequest]) -> None:
+        self._require_awake("resume_from")
+        self._stream().resume_from(partials)
 
 
 def vllm_turn_engine(

@@ -20,7 +20,7 @@ import dataclasses
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -293,34 +293,43 @@ class EnginePool:
                     refs[i] = getattr(self.actors[i], method).remote(*args)
         return results
 
-    def sync_weights(self, *, step: int) -> SyncOutcome:
+    def sync_weights(self, *, step: int, after_load: Callable[[], None] | None = None) -> SyncOutcome:
         """Send the trainer's weights to every engine and probe them (colocated: in the order of
         ``runtime.colocated``); an engine that fails meanwhile is replaced (counted at ``step``), which
-        sends and probes again."""
+        sends and probes again. ``after_load``: called once the weights are in, before the probe."""
         weights = self._require_weights()
         try:
-            return self._sync_and_probe(weights, step)
+            return self._sync_and_probe(weights, step, after_load)
         except WeightSyncError as err:
             if err.ranks:  # a replacement's groups would queue behind the stuck ranks' call
                 raise RankFailure(f"policy rank(s) stuck in a weight sync: {first_line(err)}") from err
             if err.engine is None:
                 raise
-            return self.replace(err.engine, err, step=step)
+            return self.replace(err.engine, err, step=step, after_load=after_load)
 
-    def _sync_and_probe(self, weights: WeightSync, step: int) -> SyncOutcome:
+    def _sync_and_probe(self, weights: WeightSync, step: int, after_load=None) -> SyncOutcome:
         """Colocated: wake the weights, sync, park the trainer, wake the KV cache, probe."""
         offloaded = self.turns.before_sync(self.actors, step) if self.turns else 0
         weights.sync()
+        if after_load is not None:
+            after_load()
         if self.turns:
             offloaded += self.turns.after_sync(self.actors, step)
         return dataclasses.replace(self._probe(weights), offloaded=offloaded)
 
     def replace(
-        self, index: int, err: BaseException, *, step: int, restartable: bool = True
+        self,
+        index: int,
+        err: BaseException,
+        *,
+        step: int,
+        restartable: bool = True,
+        after_load: Callable[[], None] | None = None,
     ) -> SyncOutcome | None:
         """Restart engine ``index`` on its placement, then (with a policy) re-form the sync groups,
         re-sync and probe: that probe's outcome, None without a policy. An EngineFailure when
-        ``restartable`` is False or the restart budget is spent at ``step``."""
+        ``restartable`` is False or the restart budget is spent at ``step``. ``after_load``: as
+        ``sync_weights``'s."""
         gen = self.cfg.generation
         if not restartable:
             raise EngineFailure(
@@ -348,7 +357,7 @@ class EnginePool:
         self._weights = self._connect()
         outcome = None
         if self._weights is not None:
-            outcome = self._sync_and_probe(self._weights, step)
+            outcome = self._sync_and_probe(self._weights, step, after_load)
         seconds = time.perf_counter() - start
         self.restarts.append((index, seconds))
         print(f"vLLM engine {index} restarted, weights re-synced and probed in {seconds:.1f}s", flush=True)

@@ -207,7 +207,7 @@ class GRPOSteps:
         generating, then swap the new weights into their running requests (``trainers.partial``)."""
         cfg, timings, t0 = self.cfg, {}, time.perf_counter()
         if step == self.start_step + 1:
-            self.partial.resume(self.start_step)  # the engines hold the resumed (or initial) policy
+            self.partial.resume()  # the engines hold the resumed (or initial) policy
         taken = self.partial.take(step)
         rollouts = rollouts_of(taken.groups)
         batch = to_train_batch(cfg, rollouts)
@@ -216,7 +216,10 @@ class GRPOSteps:
         with timed(timings, "pause_s"):  # the engines' current slices end: a token boundary
             self.partial.pause()
         with timed(timings, "sync_s"):  # a failed engine's replacement re-syncs every engine
-            synced = self.partial.replace_dead(step) or self.engines.sync_weights(step=step)
+            new_version = functools.partial(self.partial.set_version, step)  # before the probe's tokens
+            synced = self.partial.replace_dead(step) or self.engines.sync_weights(
+                step=step, after_load=new_version
+            )
         timings["probe_s"] = synced.probe_s
         self._trained = Trained(step, self.partial.buffer.next_position)
         metrics = step_metrics(cfg, rollouts, batch, train_metrics, synced.probe.error, taken.counts.filtered)
@@ -226,7 +229,7 @@ class GRPOSteps:
             with timed(timings, "validation_s"):
                 metrics |= self.validate(step)
         self._in_flight = self.partial.snapshot() if due.save else None
-        self.partial.resume(step)
+        self.partial.resume()
         timings["step_s"] = time.perf_counter() - t0
         metrics |= prefixed("timing", timings)
         metrics["throughput/tokens_per_s"] = batch.num_tokens / timings["step_s"]
@@ -256,7 +259,7 @@ class GRPOSteps:
             if state is None:
                 self.partial.pause()
                 state = self.partial.snapshot()
-                self.partial.resume(self.partial.version)
+                self.partial.resume()
             return functools.partial(save_in_flight, state)
         pending = self.schedule.pending if self.schedule else None
         return pending.save if pending is not None else None

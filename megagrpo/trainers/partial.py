@@ -41,6 +41,7 @@ from megagrpo.ckpt import CheckpointError
 from megagrpo.compat.safe_load import load_file, refusals_as
 from megagrpo.config import Config
 from megagrpo.data.prompts import Prompt, PromptSource
+from megagrpo.generation.stream import PartialRequest, StreamRequest
 from megagrpo.types import Completion, SamplingSettings
 
 
@@ -142,6 +143,12 @@ class GroupBuffer:
             return
         self.ready.append(group)
 
+    def requeue(self, engine: int, position: int) -> None:
+        """A request of group ``position`` on ``engine`` ended without a sample: the group goes back to
+        the front of the queue whole (none of its samples is kept)."""
+        self.queued.appendleft(self.on_engine[engine].pop(position))
+        self.counts.requeued += 1
+
     def engine_lost(self, engine: int) -> list[GroupRequest]:
         """``engine`` failed: its groups go back to the front of the queue, in data order (none of their
         samples is kept); returns them."""
@@ -235,37 +242,74 @@ class Taken:
 
 
 class EngineStreams:
-    """The engines' side of the pump: Ray calls to each engine's request stream.
+    """The engines' side of the pump: Ray calls to each engine's request stream (``StreamingEngine``).
+    A group's G samples are G requests, ``"<position>:<sample>"``, all on one engine.
 
     ``actors`` is the pool's live list (a replacement engine appears at its index)."""
 
     def __init__(self, actors: list, settings: SamplingSettings, slice_s: float):
-        self.actors, self.settings, self.slice_s = actors, settings, slice_s
+        self.actors, self.slice_s = actors, slice_s
+        self.settings = dataclasses.replace(settings, n=1)
+        self.num_generations = settings.n
 
-    def submit(self, engine: int, requests: Sequence[GroupRequest]):
-        wire = [(str(r.position), r.prompt.token_ids, r.seed) for r in requests]
-        return self.actors[engine].stream_submit.remote(wire, self.settings)
+    def requests(self, group: GroupRequest) -> list[StreamRequest]:
+        prompt = tuple(group.prompt.token_ids)
+        return [
+            StreamRequest(
+                f"{group.position}:{k}", prompt, self.settings, sample_seed(group.seed, k), group.position
+            )
+            for k in range(self.num_generations)
+        ]
+
+    def submit(self, engine: int, groups: Sequence[GroupRequest]):
+        return self.actors[engine].submit.remote([r for g in groups for r in self.requests(g)])
 
     def advance(self, engine: int):
-        return self.actors[engine].stream_advance.remote(self.slice_s)
+        return self.actors[engine].advance.remote(self.slice_s)
+
+    def abort(self, engine: int, position: int):
+        return self.actors[engine].abort.remote([f"{position}:{k}" for k in range(self.num_generations)])
 
     def set_version(self, engine: int, version: int):
-        return self.actors[engine].stream_set_version.remote(version)
+        return self.actors[engine].set_version.remote(version)
 
-    def snapshot(self, engine: int):
-        return self.actors[engine].stream_snapshot.remote()
+    def in_flight(self, engine: int):
+        return self.actors[engine].in_flight.remote()
 
-    def resume(self, engine: int, partials: list, version: int):
-        return self.actors[engine].stream_resume.remote(partials, self.settings, version)
+    def resume_from(self, engine: int, partials: list):
+        return self.actors[engine].resume_from.remote(partials)
+
+
+def sample_seed(group_seed: int, sample: int) -> int:
+    """The seed of sample ``sample`` of the group seeded ``group_seed`` (one request per sample)."""
+    return (group_seed * 1_000_003 + sample) % (2**63 - 1)
+
+
+def request_key(request_id: str) -> tuple[int, int]:
+    """(group position, sample index) of a stream request id."""
+    position, _, sample = request_id.partition(":")
+    return int(position), int(sample)
+
+
+def to_completion(done) -> Completion:
+    """A finished stream request (``StreamCompletion``) as the pipeline's record, its versions in runs."""
+    runs: list[tuple[int, int]] = []
+    for v in done.versions:
+        if runs and runs[-1][0] == v:
+            runs[-1] = (v, runs[-1][1] + 1)
+        else:
+            runs.append((v, 1))
+    return Completion(0, list(done.token_ids), list(done.logprobs), done.finish_reason, versions=runs)
 
 
 class ContinuousRollouts:
     """The pump: keeps the engines' streams fed and advancing from a thread, and hands finished groups
     to the steps (see the module docstring).
 
-    The main thread calls ``take`` at the start of a step, ``pause`` before a weight sync, ``resume``
-    after it. While paused no engine step runs, so the engines are at a token boundary and the sync may
-    use them (the pool's calls then reach idle actors)."""
+    The main thread calls ``take`` at the start of a step, ``pause`` before a weight sync, ``set_version``
+    once the weights are in (before the probe), ``resume`` after it. While paused no engine step runs
+    but those the probe and validation make (``StreamingEngine``), so the engines are at a token boundary
+    when the weights load."""
 
     def __init__(
         self,
@@ -295,8 +339,12 @@ class ContinuousRollouts:
         self._paused, self._stop = True, False
         self._refs: dict[int, tuple[object, float]] = {}
         """Engine -> (its outstanding advance, when it was issued)."""
+        self._samples: dict[int, dict[int, Completion]] = {}
+        """Group position -> its finished samples, by index, until all G are in."""
         self.dead: dict[int, BaseException] = {}
         """Engines that failed, by index, with their error; replaced at the next sync point."""
+        self.failed_requests = 0
+        """Requests an engine ended without a sample (their groups were generated again)."""
         self._error: BaseException | None = None
         self._busy_s, self._since = 0.0, time.perf_counter()
         self._resumed: dict[int, list] = {}
@@ -321,15 +369,15 @@ class ContinuousRollouts:
                     busy, self._busy_s = self._busy_s, 0.0
                     now = time.perf_counter()
                     elapsed, self._since = now - self._since, now
-                    self._cond.notify_all()  # room for new groups
                     engines = len(self.pool.actors) - len(self.dead)
+                    self._cond.notify_all()  # room for new groups
                     return Taken(taken, counts, now - start, busy, elapsed, engines)
                 if not self.dead:
                     self._cond.wait(0.5)
                     continue
             self.pause()
-            self.replace_dead(step)
-            self.resume(self.version)
+            self.replace_dead(step - 1)
+            self.resume()
 
     def pause(self) -> None:
         """Stop issuing slices and wait for those in flight (a failure then is handled as any other)."""
@@ -340,37 +388,48 @@ class ContinuousRollouts:
                 self._cond.wait(0.5)
             self._raise_error()
 
-    def resume(self, version: int) -> None:
-        """The engines now hold policy ``version``: their tokens from here on carry it; generation goes on."""
+    def set_version(self, version: int) -> None:
+        """Paused, the new weights loaded: the engines' tokens from now on carry ``version``."""
         import ray
 
         with self._cond:
             self.version = version
-            live = [i for i in range(len(self.pool.actors)) if i not in self.dead]
-            ray.get([self.streams.set_version(i, version) for i in live], timeout=self.timeout_s)
+            ray.get([self.streams.set_version(i, version) for i in self._live()], timeout=self.timeout_s)
+
+    def resume(self) -> None:
+        """Generation goes on."""
+        with self._cond:
             self._paused = False
             self._cond.notify_all()
 
-    def replace_dead(self, step: int):
-        """Paused: restart every failed engine (``EnginePool.replace``: the trainer's weights re-synced
-        to all engines and probed). The last replacement's sync outcome, or None when none failed."""
+    def replace_dead(self, version: int):
+        """Paused: restart every failed engine (``EnginePool.replace``: the trainer's weights, policy
+        ``version``, re-synced to every engine and probed). The last replacement's sync outcome, or None
+        when none failed."""
         outcome = None
         for index, err in sorted(self.dead.items()):
-            outcome = self.pool.replace(index, err, step=step)
+            outcome = self.pool.replace(
+                index, err, step=version + 1, after_load=lambda: self.set_version(version)
+            )
             del self.dead[index]
         return outcome
 
     def snapshot(self) -> dict:
-        """Paused: the buffer's groups and every engine's partial responses, for a checkpoint."""
+        """Paused: the buffer's groups, the samples of unfinished groups and every engine's partial
+        requests, as plain data for a checkpoint."""
         import ray
 
         with self._cond:
             assert self._paused and not self._refs, "snapshot while the pump runs"
-            live = [i for i in range(len(self.pool.actors)) if i not in self.dead]
-            partials = ray.get([self.streams.snapshot(i) for i in live], timeout=self.timeout_s)
+            live = self._live()
+            partials = ray.get([self.streams.in_flight(i) for i in live], timeout=self.timeout_s)
             return {
                 "buffer": self.buffer.state(),
-                "partials": [p for per_engine in partials for p in per_engine],
+                "samples": {
+                    pos: {k: dataclasses.asdict(c) for k, c in got.items()}
+                    for pos, got in self._samples.items()
+                },
+                "partials": [dataclasses.asdict(p) for per_engine in partials for p in per_engine],
                 "version": self.version,
             }
 
@@ -381,6 +440,9 @@ class ContinuousRollouts:
         self._thread.join(timeout=max(5.0, self.streams.slice_s * 4))
 
     # ------------------------------------------------------------------------------- pump thread
+
+    def _live(self) -> list[int]:
+        return [i for i in range(len(self.pool.actors)) if i not in self.dead]
 
     def _run(self) -> None:
         import ray
@@ -410,7 +472,7 @@ class ContinuousRollouts:
     def _feed(self) -> None:
         """Under the lock: new groups while there is room, each live engine topped up to its share and
         given a slice to run if it has requests."""
-        live = [i for i in range(len(self.pool.actors)) if i not in self.dead]
+        live = self._live()
         if not live:
             return
         room = self.buffer.room()
@@ -420,11 +482,11 @@ class ContinuousRollouts:
         for engine in live:
             resumed = self._resumed.pop(engine, None)
             if resumed:
-                self.streams.resume(engine, resumed, self.version)
+                self.streams.resume_from(engine, resumed)
             mine = self.buffer.on_engine.get(engine, {})
-            requests = self.buffer.assign(engine, share - len(mine))
-            if requests:
-                self.streams.submit(engine, requests)
+            groups = self.buffer.assign(engine, share - len(mine))
+            if groups:
+                self.streams.submit(engine, groups)
             if self.buffer.on_engine.get(engine) and engine not in self._refs:
                 self._refs[engine] = (self.streams.advance(engine), time.perf_counter())
 
@@ -433,7 +495,8 @@ class ContinuousRollouts:
         return GroupRequest(position, prompt, group_seed(self.cfg, position))
 
     def _collect(self, engine: int, ref) -> None:
-        """An engine's slice returned: score its finished groups (outside the lock), buffer them."""
+        """An engine's slice returned: its samples join their groups; complete groups are scored (outside
+        the lock) and buffered; a group with a failed request is generated again."""
         import ray
 
         try:
@@ -442,12 +505,28 @@ class ContinuousRollouts:
             with self._cond:
                 self._lose(engine, err)
             return
+        complete = []
         with self._cond:
             self._refs.pop(engine, None)
             self._busy_s += result.busy_s
             mine = self.buffer.on_engine.get(engine, {})
-            requests = [(mine[int(rid)], comps) for rid, comps in result.finished]
-        groups = [score_group(self.cfg, self.source, self.scorer, r, c) for r, c in requests]
+            for failure in result.failed:
+                position, _ = request_key(failure.request.request_id)
+                if position in mine:
+                    self.failed_requests += 1
+                    self.streams.abort(engine, position)
+                    self._samples.pop(position, None)
+                    self.buffer.requeue(engine, position)
+            for done in result.finished:
+                position, sample = request_key(done.request.request_id)
+                if position not in mine:  # its group was generated again meanwhile
+                    continue
+                got = self._samples.setdefault(position, {})
+                got[sample] = to_completion(done)
+                if len(got) == self.buffer.num_generations:
+                    del self._samples[position]
+                    complete.append((mine[position], [got[k] for k in sorted(got)]))
+        groups = [score_group(self.cfg, self.source, self.scorer, r, c) for r, c in complete]
         with self._cond:
             for group in groups:
                 self.buffer.finished(engine, group)
@@ -468,7 +547,8 @@ class ContinuousRollouts:
         """Under the lock: ``engine`` failed; its groups are queued again whole."""
         self._refs.pop(engine, None)
         self._resumed.pop(engine, None)
-        self.buffer.engine_lost(engine)
+        for request in self.buffer.engine_lost(engine):
+            self._samples.pop(request.position, None)
         self.dead[engine] = err
         print(
             f"vLLM engine {engine} failed while generating ({err}); its groups are queued again", flush=True
@@ -480,31 +560,42 @@ class ContinuousRollouts:
             raise RuntimeError(f"the partial-rollout pump failed: {self._error!r}") from self._error
 
     def _restore(self, state: dict) -> None:
-        """A checkpoint's groups back in the buffer; partial responses handed to the engines in turn."""
+        """A checkpoint's groups back in the buffer; each unfinished group's partial requests handed to
+        one engine (groups dealt round the engines) to be continued."""
         buf = state["buffer"]
         self.buffer.next_position = buf["next_position"]
-        partial_ids = {p["request_id"] for p in state["partials"]}
-        for row in buf["queued"]:
-            request = _request_from(row)
-            if str(request.position) not in partial_ids:
-                self.buffer.queued.append(request)
         for row in buf["ready"]:
+            completions = [Completion(**c) for c in row["completions"]]
+            group = _request_from(row["request"])
             self.buffer.ready.append(
-                FinishedGroup(
-                    _request_from(row["request"]),
-                    [Completion(**c) for c in row["completions"]],
-                    row["rewards"],
-                    row["timeouts"],
-                    row["errors"],
-                )
+                FinishedGroup(group, completions, row["rewards"], row["timeouts"], row["errors"])
             )
-        by_id = {str(row["position"]): _request_from(row) for row in buf["queued"]}
+        self._samples = {
+            int(pos): {int(k): Completion(**c) for k, c in got.items()}
+            for pos, got in state["samples"].items()
+        }
+        partials: dict[int, list] = {}
+        for row in state["partials"]:
+            partial = partial_request(row)
+            partials.setdefault(request_key(partial.request.request_id)[0], []).append(partial)
         engines = len(self.pool.actors)
-        for n, partial in enumerate(state["partials"]):
+        for n, row in enumerate(buf["queued"]):
+            request = _request_from(row)
+            if request.position not in partials and request.position not in self._samples:
+                self.buffer.queued.append(request)
+                continue
             engine = n % engines
-            request = by_id[partial["request_id"]]
             self.buffer.on_engine.setdefault(engine, {})[request.position] = request
-            self._resumed.setdefault(engine, []).append(partial)
+            self._resumed.setdefault(engine, []).extend(partials.get(request.position, []))
+
+
+def partial_request(row: dict) -> PartialRequest:
+    """A checkpoint's partial request (plain data) as the stream takes it."""
+    request = dict(row["request"])
+    request["settings"] = SamplingSettings(**request["settings"])
+    request["prompt_ids"] = tuple(request["prompt_ids"])
+    fields = {k: v for k, v in row.items() if k != "request"}
+    return PartialRequest(StreamRequest(**request), **fields)
 
 
 def _request_from(row: dict) -> GroupRequest:
