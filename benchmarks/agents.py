@@ -143,8 +143,8 @@ class _TimedEngine:
 def main(argv=None) -> dict:
     import dataclasses
 
-    from megagrpo.envs.episodes import EpisodeRunner, vllm_turn_engine
-    from megagrpo.generation.worker import GenerationWorker
+    from megagrpo.envs.episodes import EpisodeRunner
+    from megagrpo.generation.vllm import VLLMEngine, vllm_turn_engine
     from megagrpo.types import SamplingSettings
 
     args = parse_args(argv)
@@ -162,7 +162,7 @@ def main(argv=None) -> dict:
         }
     )
     importable_by_workers()
-    worker = GenerationWorker(cfg, str(model))
+    worker = VLLMEngine(cfg, str(model))
     renderer, pool = worker.episode_parts()  # the engine actor's own renderer and environment pool
     pool.wait_ready()
     tasks = make_tasks(args.tasks, args.max_turns, args.latency_ms)

@@ -203,11 +203,9 @@ def engine_restart(args) -> list[Measurement]:
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= args.kill_step - 1):
             time.sleep(0.1)
         (engine,) = [
-            p
-            for p in session_processes(local_session_dir())
-            if cmdline(p).startswith("ray::GenerationWorker")
+            p for p in session_processes(local_session_dir()) if cmdline(p).startswith("ray::VLLMEngine")
         ]
-        while not cmdline(engine).startswith("ray::GenerationWorker.generate"):
+        while not cmdline(engine).startswith("ray::VLLMEngine.generate"):
             time.sleep(0.002)
         os.kill(engine, signal.SIGKILL)
         marks["killed"] = time.time()

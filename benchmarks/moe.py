@@ -419,7 +419,7 @@ def measure_capture(args) -> list[Measurement]:
     uncaptured, it returns at once)."""
     import torch
 
-    from megagrpo.generation.worker import GenerationWorker
+    from megagrpo.generation.vllm import VLLMEngine
     from megagrpo.types import SamplingSettings
 
     from .common.configs import cpu_engine_overrides, make_config
@@ -429,7 +429,7 @@ def measure_capture(args) -> list[Measurement]:
     hf_dir = source_model(args.shape_values)
     overrides = cpu_engine_overrides(hf_dir, seq_length=SEQ_LENGTH)
     cfg = make_config(overrides | {"grpo.routing_replay": "rollout", "generation.max_num_seqs": args.batch})
-    worker = GenerationWorker(cfg, str(hf_dir), dummy_weights=False)
+    worker = VLLMEngine(cfg, str(hf_dir), dummy_weights=False)
     capture, gen = worker.routing, torch.Generator().manual_seed(0)
     vocab, prompt_len = args.shape_values["vocab_size"], args.seq // 4
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(args.batch // 8)]

@@ -5,7 +5,7 @@
 One random Qwen2-shaped fp32 model (no EOS: every sample runs to ``--new-tokens``), two engines
 started at once, as Ray actors with the same CPU reservation and threads:
 
-- ``ours``: the production ``GenerationWorker`` (``runtime.engines.launch_engines``), called as the
+- ``ours``: the production ``VLLMEngine`` (``runtime.engines.launch_engines``), called as the
   GRPO driver calls it, one seed per prompt; timed at the controller around the Ray call (the
   round trip and the conversion to ``Completion`` records included); a timer around its own
   ``llm.generate`` gives vLLM's share of that call, a ratio from one run that contention cannot tilt;
@@ -78,7 +78,7 @@ class RawEngine:
     """``vllm.LLM`` and nothing else, in a Ray actor (no megagrpo code on the timed path)."""
 
     def __init__(self, model_dir: str, seq_length: int, seed: int, load_format="dummy", threads=None):
-        # GenerationWorker's environment: the engine core in this process, 1 GiB of KV cache, its threads.
+        # VLLMEngine's environment: the engine core in this process, 1 GiB of KV cache, its threads.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -123,7 +123,7 @@ class RawEngine:
 
 
 def time_generate(worker) -> None:
-    """On a live GenerationWorker: keep the seconds of each ``llm.generate`` call."""
+    """On a live VLLMEngine: keep the seconds of each ``llm.generate`` call."""
     plain = worker.llm.generate
 
     def generate(*a, **kw):
@@ -148,7 +148,7 @@ def random_prompts(args) -> list[list[int]]:
 def main(argv=None) -> dict:
     import ray
 
-    from megagrpo.generation.worker import engine_cpu_threads
+    from megagrpo.generation.vllm import engine_cpu_threads
     from megagrpo.runtime.engines import launch_engines, wait_for_engines
     from megagrpo.runtime.ray_session import shutdown_ray, start_ray
     from megagrpo.types import SamplingSettings
@@ -220,7 +220,7 @@ def main(argv=None) -> dict:
         Measurement("largest logprob difference, ours vs raw", [max(diffs, default=0.0)], "", s),
         other_load(*times.values()),
     ]
-    what = "rollouts through megagrpo's GenerationWorker actor against a bare vllm.LLM on the same requests"
+    what = "rollouts through megagrpo's VLLMEngine actor against a bare vllm.LLM on the same requests"
     return record.write(args, "rollout", what, out, packages=("torch", "vllm", "ray"))
 
 

@@ -196,7 +196,7 @@ def vllm_alone(cfg, model: Path, requests: dict, settings) -> list[float]:
 
     import ray
 
-    from megagrpo.generation.worker import engine_cpu_threads
+    from megagrpo.generation.vllm import engine_cpu_threads
     from megagrpo.runtime.ray_session import shutdown_ray, start_ray
 
     from .rollout import RawEngine
@@ -210,7 +210,7 @@ def vllm_alone(cfg, model: Path, requests: dict, settings) -> list[float]:
         )
         stops = [] if settings.ignore_eos else list(settings.stop_token_ids)
         kw = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
-        kw |= {"stop_token_ids": stops, "ignore_eos": settings.ignore_eos}  # as GenerationWorker sets them
+        kw |= {"stop_token_ids": stops, "ignore_eos": settings.ignore_eos}  # as VLLMEngine sets them
         out = []
         for step, (prompts, seeds) in requests.items():
             seconds, _ = ray.get(

@@ -24,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from megagrpo.generation.worker import GenerationWorker
+from megagrpo.generation.vllm import VLLMEngine
 from megagrpo.policy.worker import PolicyWorker
 
 from .common import MB, TMP, importable_by_workers, record
@@ -116,8 +116,8 @@ def _pid(worker) -> int:
     return os.getpid()
 
 
-class BenchEngine(GenerationWorker):
-    """GenerationWorker with its pid and a reload from memory (nothing else changed)."""
+class BenchEngine(VLLMEngine):
+    """VLLMEngine with its pid and a reload from memory (nothing else changed)."""
 
     def pid(self) -> int:
         return os.getpid()

@@ -200,12 +200,16 @@ def time_sender(worker, args) -> dict:
 
     import torch
 
+    from megagrpo.generation.engine import engine_spec
     from megagrpo.parallel.backends import weight_sync_backend
     from megagrpo.weight_sync.shards import SyncPath
     from megagrpo.weight_sync.transport import GroupAddress
 
     device = worker.ctx.device
-    links = worker.weight_sync_offer(SyncPath("gathered", "benchmark"), 1, int(args.sync_bucket_mb * 2**20))
+    layout = engine_spec(worker.cfg.generation.engine).layout()
+    links = worker.weight_sync_offer(
+        SyncPath("gathered", "benchmark"), 1, int(args.sync_bucket_mb * 2**20), layout
+    )
     if len(links) != 1:
         raise SystemExit("--sync-bucket-mb times one sender: run it with --tp 1")
     plan = tuple(replace(b, source=0) for b in links[0].buckets)  # this rank's own plan

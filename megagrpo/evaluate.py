@@ -153,11 +153,11 @@ def completion_scores(
 # ----------------------------------------------------------------------------------- megagrpo eval
 
 
-def _loaded_engine_class():
-    from megagrpo.generation.worker import GenerationWorker
+def _loaded_engine_class(cfg):
+    from megagrpo.generation.engine import engine_spec
 
-    class LoadedEngine(GenerationWorker):
-        """A vLLM engine that reads the model's weights from its directory (no trainer sends them)."""
+    class LoadedEngine(engine_spec(cfg.generation.engine).load_class()):
+        """An engine that reads the model's weights from its directory (no trainer sends them)."""
 
         def __init__(self, cfg, model_dir: str, engine_index: int = 0):
             super().__init__(cfg, model_dir, engine_index, dummy_weights=False)
@@ -190,7 +190,7 @@ def run_eval(cfg, model_dir: str | Path, out_dir: str | Path, *, samples: int | 
         n=n,
     )
     start_ray(cfg.cluster, cfg=cfg)
-    engine_cls = _loaded_engine_class()
+    engine_cls = _loaded_engine_class(cfg)
     try:
         # No policy: the engines load their weights from model_dir, a replacement too.
         engines = EnginePool.start(cfg, str(model_dir), engine_cls=engine_cls)

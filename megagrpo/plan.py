@@ -215,6 +215,7 @@ def _sync_traffic(cfg: Config, shape: GPTShape, itemsize: int, link_gbps: float)
     stage's EP shares of the experts has senders of its own, which send only its experts (the first
     share's also send the rest of the stage: the most any sender sends). A broadcast carries each byte
     once per link, so the time is the larger of the two over ``link_gbps``."""
+    from megagrpo.generation.engine import engine_spec
     from megagrpo.models.mapping import decoder_rules
     from megagrpo.weight_sync.shards import SyncPath, choose_path, shard_bytes
 
@@ -230,8 +231,17 @@ def _sync_traffic(cfg: Config, shape: GPTShape, itemsize: int, link_gbps: float)
         and shape.num_attention_heads % tp == 0
     )
     et = plan_experts.expert_tp(par) if shape.is_moe else tp
+    layout = engine_spec(gen.engine).layout()
     path = (
-        choose_path(shape, tp, etp, gen.weight_sync_path, expert_tp=et, engine_ep=gen.engine_expert_parallel)
+        choose_path(
+            shape,
+            tp,
+            etp,
+            gen.weight_sync_path,
+            layout=layout,
+            expert_tp=et,
+            engine_ep=gen.engine_expert_parallel,
+        )
         if fits
         else SyncPath("gathered", "the trainer layout does not fit the model (see the errors)")
     )
@@ -242,10 +252,14 @@ def _sync_traffic(cfg: Config, shape: GPTShape, itemsize: int, link_gbps: float)
     per_sender, per_worker = 0, [0] * e
     for stage in range(pp):
         stage_rules = [r for r in rules if _stage_of(r.megatron, shape, pp) == stage]
-        _, received = shard_bytes(shape, stage_rules, t, e, itemsize, expert_tp=et, engine_ep=path.engine_ep)
+        _, received = shard_bytes(
+            shape, stage_rules, t, e, itemsize, layout=layout, expert_tp=et, engine_ep=path.engine_ep
+        )
         # What the first EP share's senders send: the stage's dense tensors and their own experts.
         first = [r for r in stage_rules if _expert_of(r.megatron) < shape.num_experts // ep]
-        sent, _ = shard_bytes(shape, first, t, e, itemsize, expert_tp=et, engine_ep=path.engine_ep)
+        sent, _ = shard_bytes(
+            shape, first, t, e, itemsize, layout=layout, expert_tp=et, engine_ep=path.engine_ep
+        )
         per_sender = max(per_sender, *sent)
         per_worker = [a + b for a, b in zip(per_worker, received, strict=True)]
     worst = max(per_sender, *per_worker)

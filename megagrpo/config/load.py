@@ -33,6 +33,9 @@ __all__ = ["DEFAULT_CONFIG_PATH", "config_to_dict", "load_config", "save_config"
 DEFAULT_CONFIG_PATH = config_files.DEFAULT_CONFIG_PATH
 """The tiny CPU config, used when no file is given."""
 
+_RENAMED = {"generation.backend": "generation.engine"}
+"""Keys that were renamed: a config still using the old name is told the new one."""
+
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
@@ -122,6 +125,9 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
         if key in getattr(cls, "REPLACED_KEYS", {}):
             raise ConfigError(join(prefix, str(key)), f"no longer a key: {cls.REPLACED_KEYS[key]}")
         if key not in fields:
+            where = join(prefix, str(key))
+            if where in _RENAMED:
+                raise ConfigError(where, f"renamed to {_RENAMED[where]}")
             close = difflib.get_close_matches(str(key), list(fields), n=3)
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
             raise ConfigError(join(prefix, str(key)), f"unknown key in {cls.__name__}{hint}")

@@ -10,6 +10,8 @@ from megagrpo.config.errors import check, positive, require
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
+    "CAPABILITIES",
+    "ENGINE_CAPABILITIES",
     "DataConfig",
     "EnvConfig",
     "EvalConfig",
@@ -20,10 +22,12 @@ __all__ = [
 
 @dataclass(kw_only=True, frozen=True)
 class GenerationConfig:
-    """Rollout engines (vLLM) and the weight sync from the trainer to them."""
+    """Rollout engines (``engine``: vLLM) and the weight sync from the trainer to them."""
 
-    backend: Literal["vllm"] = "vllm"
-    """Inference engine."""
+    engine: Literal["vllm"] = "vllm"
+    """Rollout engine (megagrpo.generation.engine.ENGINES): "vllm". The config's checks refuse settings the
+    engine cannot serve (colocated sleep, episodes, routed experts, expert parallelism) before any
+    process starts."""
     num_engines: int = 1
     """Number of independent engine instances (each on engine_tensor_parallel_size devices)."""
     engine_tensor_parallel_size: int = 1
@@ -253,6 +257,20 @@ class EvalConfig:
         check(self, "max_new_tokens", self.max_new_tokens is None or self.max_new_tokens >= 1, ">= 1 or null")
         check(self, "val_samples", self.val_samples >= 0, ">= 0")
 
+
+CAPABILITIES = {
+    "sleep": "give its device memory back while the trainer runs (generation.placement: colocated)",
+    "episodes": "run multi-turn episodes (env.environment)",
+    "routed_experts": "report the experts it routed each token to (grpo.routing_replay: rollout)",
+    "expert_parallel": "hold whole experts per worker (generation.engine_expert_parallel)",
+    "stream": "generate from a request stream, pausing between steps for weights (StreamingEngine)",
+}
+"""What a rollout engine may be able to do beyond the calls every engine answers
+(``megagrpo.generation.engine.RolloutEngine``), and which settings need it."""
+
+ENGINE_CAPABILITIES = {"vllm": frozenset({"sleep", "episodes", "routed_experts", "expert_parallel"})}
+"""What each ``generation.engine`` can do, of :data:`CAPABILITIES` (its entry of
+``megagrpo.generation.engine.ENGINES``): the preflight refuses a setting the engine cannot serve."""
 
 BUILTIN_ENVIRONMENTS = {
     "guess_number": "megagrpo.envs.games:GuessNumber",

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from megagrpo.config.errors import ConfigError, require
+from megagrpo.config.rollout import CAPABILITIES, ENGINE_CAPABILITIES
 from megagrpo.parallel import backends
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ def validate(cfg: Config, trainer: Trainer = "grpo") -> None:
         raise ValueError(f"trainer must be one of {', '.join(TRAINERS)}; got {trainer!r}")
     if trainer == "eval":
         _check_generation_lengths(cfg)
+        _check_engine(cfg, trainer=False)
         _check_cluster(cfg, trainer=False)
         _check_reward(cfg)
         _check_env(cfg)
@@ -63,6 +65,7 @@ def validate(cfg: Config, trainer: Trainer = "grpo") -> None:
         _check_distill(cfg, trainer)
         _check_grpo(cfg)
         _check_generation_lengths(cfg)
+        _check_engine(cfg, trainer=True)
         _check_cluster(cfg, trainer=True)
         _check_reward(cfg)
         _check_env(cfg)
@@ -397,6 +400,34 @@ def _check_generation_lengths(cfg: Config) -> None:
         eval_new is None or eval_new < seq,
         ("eval.max_new_tokens", "model.seq_length"),
         f"max_new_tokens {eval_new} leaves no room for a prompt in seq_length {seq}",
+    )
+
+
+def engine_needs(cfg: Config, *, trainer: bool) -> dict[str, tuple[str, ...]]:
+    """The engine capabilities (``config.rollout.CAPABILITIES``) this config asks for, each with the
+    keys that ask for it; ``trainer``: GRPO's engines (a trainer beside them), else ``megagrpo eval``'s."""
+    gen, needs = cfg.generation, {}
+    if cfg.env.enabled:
+        needs["episodes"] = ("env.environment",)
+    if gen.engine_expert_parallel:
+        needs["expert_parallel"] = ("generation.engine_expert_parallel",)
+    if trainer and gen.placement == "colocated":
+        needs["sleep"] = ("generation.placement",)
+    if trainer and cfg.grpo.routing_replay == "rollout":
+        needs["routed_experts"] = ("grpo.routing_replay",)
+    return needs
+
+
+def _check_engine(cfg: Config, *, trainer: bool) -> None:
+    """The engine ``generation.engine`` names can do all the config asks of it: one error naming every
+    key it cannot serve."""
+    engine = cfg.generation.engine
+    needs = engine_needs(cfg, trainer=trainer)
+    missing = {c: keys for c, keys in needs.items() if c not in ENGINE_CAPABILITIES[engine]}
+    require(
+        not missing,
+        ("generation.engine", *(key for keys in missing.values() for key in keys)),
+        f"engine {engine!r} cannot " + "; nor ".join(CAPABILITIES[c] for c in missing),
     )
 
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megagrpo.types import Completion, SamplingSettings
+from megagrpo.types import Completion
 
 __all__ = ["EpisodeRunner", "Turn", "TurnEngine"]
 
@@ -47,7 +47,9 @@ class Turn:
 
 
 class TurnEngine(Protocol):
-    """What the runner needs of an engine (``GenerationWorker`` adapts vLLM's ``LLMEngine``)."""
+    """What the runner needs of an engine (``generation.vllm.vllm_turn_engine`` adapts vLLM's
+    ``LLMEngine``): ``add`` a request, whether any is unfinished, and ``step`` the engine once, returning
+    the requests that finished in that step."""
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, seed: int) -> None: ...
 
@@ -243,47 +245,3 @@ class EpisodeRunner:
         ep.logprobs += [0.0] * len(observation)
         ep.budget -= len(observation)
         return True
-
-
-def vllm_turn_engine(
-    llm, settings: SamplingSettings, stop_token_ids: Sequence[int], routing=None
-) -> TurnEngine:
-    """``llm``'s engine (vLLM's ``LLM``, in process) as a :class:`TurnEngine` sampling with ``settings``;
-    with ``routing`` (``megagrpo.generation.routing``, started), each turn carries its routed experts."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    engine = llm.llm_engine
-    stops = sorted({*stop_token_ids, *settings.stop_token_ids})
-
-    class _Engine:
-        def add(self, request_id: str, prompt: list[int], max_tokens: int, seed: int) -> None:
-            params = SamplingParams(
-                n=1,
-                max_tokens=max_tokens,
-                temperature=settings.temperature,
-                top_p=settings.top_p,
-                top_k=settings.top_k,
-                stop_token_ids=stops,
-                seed=seed,
-                logprobs=0,
-                detokenize=False,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-
-        def busy(self) -> bool:
-            return engine.has_unfinished_requests()
-
-        def step(self) -> list[Turn]:
-            finished = [out for out in engine.step() if out.finished]
-            routed = routing.collect(llm, finished, running=True) if routing and finished else None
-            turns = []
-            for i, out in enumerate(finished):
-                comp = out.outputs[0]
-                ids = list(comp.token_ids)
-                lps = [s[t].logprob for s, t in zip(comp.logprobs, ids, strict=True)] if comp.logprobs else []
-                turns.append(Turn(out.request_id, ids, lps, routed[i][0] if routed else None))
-            return turns
-
-    return _Engine()

@@ -10,7 +10,7 @@ picked by :func:`routing_capture`:
   prefix caching on: a cached prompt's rows are kept per KV block), which returns with a finished
   request ``CompletionOutput.routed_experts`` ``[tokens, decoder layers, k]`` (uint8, uint16 past 256
   experts); the MoE layers' rows are kept. Rows kept for cached blocks were routed by the weights that
-  computed them: a weight sync resets the prefix cache (``GenerationWorker.receive_weights``), which
+  computed them: a weight sync resets the prefix cache (``VLLMEngine.receive_weights``), which
   also starts a new namespace of vLLM's routing store. Written from vLLM 0.32's code, not run: this
   machine has no GPU.
 - :class:`HookedRouting` (vLLM's CPU build, which cannot run vLLM's own capture): megagrpo's hook on

@@ -1,8 +1,10 @@
 """vLLM engines as Ray actors, and the pool that keeps a run's engines answering.
 
-An engine is a single Ray actor of ``GenerationWorker`` (or a subclass), called as
-``engine.generate.remote(...)``. Colocated placement puts engine ``i`` in the policy's bundle ``i``
-(sharing that rank's GPU); disaggregated engines get devices of their own.
+An engine is a single Ray actor of the :class:`~megagrpo.generation.engine.RolloutEngine` that
+``generation.engine`` names (``generation.engine.ENGINES``; or a subclass given as ``engine_cls``), called
+through that Protocol's methods as ``engine.generate.remote(...)``. Colocated placement puts engine
+``i`` in the policy's bundle ``i`` (sharing that rank's GPU); disaggregated engines get devices of their
+own.
 
 ``EnginePool`` holds a run's engines and their weight sync with the policy: it generates (a step's
 prompts split across the engines), sends the trainer's weights and probes them, and replaces an engine
@@ -26,13 +28,14 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megagrpo.config import Config
+from megagrpo.generation.engine import engine_spec
 from megagrpo.runtime.colocated import GpuTurns
 from megagrpo.runtime.faults import EngineFailure, RankFailure, first_line
 from megagrpo.runtime.groups import COLOCATED_SHARE, NODE_LABEL_AMOUNT, RankGroup
 from megagrpo.weight_sync.sync import ProbeResult, WeightSync, WeightSyncError
 
 if TYPE_CHECKING:
-    from megagrpo.generation.worker import GenerationWorker
+    from megagrpo.generation.engine import RolloutEngine
     from megagrpo.weight_sync.shards import SyncPath
 
 
@@ -41,15 +44,15 @@ def start_engines(
     model_dir: str,
     *,
     policy: RankGroup | None = None,
-    engine_cls: type[GenerationWorker] | None = None,
+    engine_cls: type[RolloutEngine] | None = None,
     timeout_s: float = 600.0,
     indices: Sequence[int] | None = None,
 ) -> list:
     """``generation.num_engines`` vLLM engines as Ray actors (started in parallel, returned when ready).
 
-    Each is an ``engine_cls(cfg, model_dir, index)`` (default ``GenerationWorker``). Colocated
-    placement needs ``policy`` (its placement group). ``indices``: start only these engines (a
-    replacement starts where the engine it replaces was placed).
+    Each is an ``engine_cls(cfg, model_dir, index)`` (default: the class ``generation.engine`` names).
+    Colocated placement needs ``policy`` (its placement group). ``indices``: start only these engines
+    (a replacement starts where the engine it replaces was placed).
     """
     engines = launch_engines(cfg, model_dir, policy=policy, engine_cls=engine_cls, indices=indices)
     return wait_for_engines(engines, timeout_s)
@@ -60,14 +63,12 @@ def launch_engines(
     model_dir: str,
     *,
     policy: RankGroup | None = None,
-    engine_cls: type[GenerationWorker] | None = None,
+    engine_cls: type[RolloutEngine] | None = None,
     indices: Sequence[int] | None = None,
 ) -> list:
     """``start_engines`` without the wait: the actors, still starting (``wait_for_engines``)."""
     if engine_cls is None:
-        from megagrpo.generation.worker import GenerationWorker
-
-        engine_cls = GenerationWorker
+        engine_cls = engine_spec(cfg.generation.engine).load_class()
     actor_cls = ray.remote(engine_cls)
     colocated = cfg.generation.placement == "colocated"
     if colocated and (policy is None or cfg.generation.num_engines > policy.world_size):
@@ -181,7 +182,7 @@ class EnginePool:
         actors: Sequence,
         *,
         policy: RankGroup | None = None,
-        engine_cls: type[GenerationWorker] | None = None,
+        engine_cls: type[RolloutEngine] | None = None,
         vocab_size: int | None = None,
         log_dir: Path | None = None,
     ):
@@ -209,7 +210,7 @@ class EnginePool:
         policy: RankGroup | None = None,
         *,
         launched: list | None = None,
-        engine_cls: type[GenerationWorker] | None = None,
+        engine_cls: type[RolloutEngine] | None = None,
         log_dir: Path | None = None,
     ) -> EnginePool:
         """The pool of ``generation.num_engines`` engines loading ``model_dir``: ``launched`` (started by
@@ -248,7 +249,7 @@ class EnginePool:
     ) -> list:
         """Completions (``Completion``) for ``prompts`` (objects with ``token_ids``; ``settings.n`` each,
         in prompt order), split across the engines; prompts with a ``task`` get multi-turn episodes
-        (``GenerationWorker.run_episodes``). An engine that fails is replaced and its share
+        (``RolloutEngine.run_episodes``). An engine that fails is replaced and its share
         generated again, with the same seeds; ``step``: the GRPO step asking (restart windows count
         steps); ``restartable=False`` while the trainer changes the weights a replacement would be sent
         (``grpo.max_staleness``): a failure then is an EngineFailure."""

@@ -22,12 +22,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megagrpo.models.layout import CoverageError, listing
 from megagrpo.models.mapping import Rule, hf_tensor_shapes
 from megagrpo.models.shape import GPTShape
 from megagrpo.weight_sync.buckets import Bucket
-from megagrpo.weight_sync.shards import Piece, SyncPath, rank_pieces, vllm_placement
+from megagrpo.weight_sync.shards import Piece, SyncPath, rank_pieces
+
+if TYPE_CHECKING:
+    from megagrpo.generation.engine import EngineLayout
 
 
 @dataclass(frozen=True)
@@ -45,9 +49,12 @@ def sender_shares(
     shape: GPTShape,
     engine_tp: int,
     shard_wise: bool,
+    *,
+    layout: EngineLayout,
 ) -> dict[str, int]:
     """{HF tensor: extent along its split dim} this rank must send whole, ``[0, extent)``, for the rules
-    it sends (each with its (TP rank, TP size)); a tensor it leaves to a TP peer is not listed."""
+    it sends (each with its (TP rank, TP size)) to engines of ``layout``; a tensor it leaves to a TP peer
+    is not listed."""
     full = hf_tensor_shapes(shape)
     out = {}
     for rule, (r, t) in zip(rules, splits, strict=True):
@@ -56,12 +63,13 @@ def sender_shares(
                 if r == 0:  # gathered: the group's first rank sends whole tensors
                     out[name] = full[name][0]
                 continue
-            if vllm_placement(name).dim < 0:
+            if layout.placement(name).dim < 0:
                 # Whole on every engine rank j, sent by trainer rank j * t // e.
                 if any(j * t // engine_tp == r for j in range(engine_tp)):
                     out[name] = full[name][0]
                 continue
-            own = rank_pieces(name, shape, t, r, 1)  # one engine rank: the trainer rank's whole share
+            # One engine rank: the trainer rank's whole share.
+            own = rank_pieces(name, shape, t, r, 1, layout=layout)
             if own:
                 out[name] = own[0].length
     return out
@@ -130,8 +138,10 @@ def worker_blocks(
     shape: GPTShape,
     engine_tp: int,
     worker: int,
+    *,
+    layout: EngineLayout,
 ) -> list[Block]:
-    """What the plan's buckets carry into engine TP rank ``worker``'s parameters."""
+    """What the plan's buckets carry into engine TP rank ``worker``'s parameters (of ``layout``)."""
     out = []
     for bucket in plan:
         if path.kind == "shard":
@@ -142,8 +152,8 @@ def worker_blocks(
                 length = slot.shape[dim] if slot.shape else 1
                 out.append(Block(slot.name, math.prod(slot.shape), dim, start + length, slot.pad))
             continue
-        for slot in bucket.slots:  # gathered: whole HF tensors; vLLM's loaders cut out the worker's part
-            for p in rank_pieces(slot.name, shape, 1, 0, engine_tp, path.engine_ep):
+        for slot in bucket.slots:  # gathered: whole HF tensors; the engine's loaders cut out its part
+            for p in rank_pieces(slot.name, shape, 1, 0, engine_tp, path.engine_ep, layout=layout):
                 if p.engine_rank == worker:
                     out.append(Block(p.param, math.prod(p.shape), p.dim, p.dst_start + p.length, p.pad))
     return out

@@ -1,7 +1,9 @@
-"""Shard-wise weight sync: which trainer TP rank sends which block of which vLLM parameter.
+"""Shard-wise weight sync: which trainer TP rank sends which block of which engine parameter.
 
-Pure functions of the model shape and the two TP sizes (``t`` trainer, ``e`` engine), shared by the
-trainer's senders, ``megagrpo plan`` and the tests.
+Pure functions of the model shape, the two TP sizes (``t`` trainer, ``e`` engine) and the engine's
+layout (an ``EngineLayout``, ``megagrpo.generation.engine``: where each HF tensor goes among an engine
+worker's parameters, and how it pads the vocabulary), shared by the trainer's senders, ``megagrpo plan``
+and the tests. The layout of ``generation.engine: vllm`` is ``generation.vllm_layout``, described below.
 
 :func:`choose_path` is the one place that picks the path. ``shard`` when ``t`` and ``e`` divide one
 another and vLLM splits every tensor without replicating any of it (query groups divisible by ``e``:
@@ -22,7 +24,7 @@ down_proj; norms are whole on every rank):
   placed as a block of a fused per-rank parameter: ``qkv_proj`` = ``[q_j; k_j; v_j]`` (heads, then
   KV heads, then KV heads: concatenated, not interleaved), ``gate_up_proj`` = ``[gate_j; up_j]``,
   ``embed_tokens`` / ``lm_head`` = rows ``[j P/e, (j + 1) P/e)`` of the vocabulary padded to a
-  multiple of :data:`VLLM_VOCAB_PADDING` (``P``; rows past the real vocabulary are zero).
+  multiple of ``vllm_layout.VLLM_VOCAB_PADDING`` (``P``; rows past the real vocabulary are zero).
 
 Mixture-of-experts models (vLLM's Qwen3-MoE / Qwen2-MoE): the router ``mlp.gate`` and Qwen2-MoE's
 ``mlp.shared_expert_gate`` are whole on every rank (vLLM's CPU build prepacks them, shape ``(0,)``
@@ -51,9 +53,8 @@ every engine. So every vLLM worker receives exactly the bytes of its own shard (
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -61,9 +62,8 @@ from megagrpo.models.layout import is_expert
 from megagrpo.models.mapping import Rule, hf_tensor_shapes, to_hf
 from megagrpo.models.shape import GPTShape, padded_vocab_size
 
-VLLM_VOCAB_PADDING = 64
-"""vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: its embedding and LM head pad the vocabulary to a multiple of it
-(a unit test checks it against the installed vLLM)."""
+if TYPE_CHECKING:
+    from megagrpo.generation.engine import EngineLayout
 
 PathKind = Literal["shard", "gathered"]
 
@@ -77,12 +77,8 @@ class SyncPath:
     reason: str
     """One sentence naming the sizes that decided it."""
     engine_ep: bool = False
-    """The engines run vLLM's expert parallelism (``generation.engine_expert_parallel``): each engine
+    """The engines run their expert parallelism (``generation.engine_expert_parallel``): each engine
     rank holds whole experts, a contiguous range of them."""
-
-
-def vllm_padded_vocab(vocab_size: int) -> int:
-    return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
 
 
 def choose_path(
@@ -91,21 +87,32 @@ def choose_path(
     engine_tp: int,
     requested: str = "auto",
     *,
+    layout: EngineLayout,
     expert_tp: int | None = None,
     engine_ep: bool = False,
 ) -> SyncPath:
-    """The weight-sync path for a model of ``shape`` with these TP sizes (``requested``: ``auto`` or
-    ``gathered``, the config's ``generation.weight_sync_path``; ``expert_tp``: the trainer's expert
-    tensor-parallel size, by default ``trainer_tp``; ``engine_ep``: the engines hold whole experts)."""
-    path = _choose_path(shape, trainer_tp, engine_tp, requested, expert_tp, engine_ep)
+    """The weight-sync path for a model of ``shape`` with these TP sizes into engines of ``layout``
+    (``requested``: ``auto`` or ``gathered``, the config's ``generation.weight_sync_path``; ``expert_tp``:
+    the trainer's expert tensor-parallel size, by default ``trainer_tp``; ``engine_ep``: the engines hold
+    whole experts)."""
+    path = _choose_path(shape, trainer_tp, engine_tp, requested, expert_tp, engine_ep, layout)
     if engine_ep and path.kind == "shard":
         path = replace(
-            path, reason=path.reason + "; each vLLM worker receives its own experts whole (engine EP)"
+            path,
+            reason=path.reason + f"; each {layout.name} worker receives its own experts whole (engine EP)",
         )
     return replace(path, engine_ep=engine_ep)
 
 
-def _choose_path(shape: GPTShape, t: int, e: int, requested: str, expert_tp: int | None, engine_ep: bool):
+def _choose_path(
+    shape: GPTShape,
+    t: int,
+    e: int,
+    requested: str,
+    expert_tp: int | None,
+    engine_ep: bool,
+    layout: EngineLayout,
+):
     et = t if expert_tp is None else expert_tp
     heads, groups, ffn = shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size
     if requested == "gathered":
@@ -119,7 +126,8 @@ def _choose_path(shape: GPTShape, t: int, e: int, requested: str, expert_tp: int
     if groups % e:
         return SyncPath(
             "gathered",
-            f"{groups} query groups do not split over engine TP {e}: vLLM replicates KV heads across ranks",
+            f"{groups} query groups do not split over engine TP {e}: "
+            f"{layout.name} replicates KV heads across ranks",
         )
     if heads % e or ffn % e or shape.hidden_size % e:
         return SyncPath(
@@ -132,7 +140,7 @@ def _choose_path(shape: GPTShape, t: int, e: int, requested: str, expert_tp: int
             f"trainer expert TP {et} and engine TP {e} do not divide one another: expert shards do not nest",
         )
     for key, width, tt in (
-        # Under vLLM's expert parallelism an engine rank holds its experts whole: any trainer split nests.
+        # Under the engine's expert parallelism a rank holds its experts whole: any trainer split nests.
         ("expert FFN", shape.moe_ffn_hidden_size if shape.is_moe and not engine_ep else None, et),
         ("shared expert FFN", shape.moe_shared_expert_ffn_hidden_size, t),
     ):
@@ -140,7 +148,7 @@ def _choose_path(shape: GPTShape, t: int, e: int, requested: str, expert_tp: int
             return SyncPath(
                 "gathered", f"{key} {width} does not split over trainer TP {tt} and engine TP {e}"
             )
-    per_engine_rank = vllm_padded_vocab(shape.vocab_size) // e
+    per_engine_rank = layout.padded_vocab(shape.vocab_size) // e
     if shape.vocab_size <= (e - 1) * per_engine_rank:
         return SyncPath(
             "gathered",
@@ -153,22 +161,19 @@ def _choose_path(shape: GPTShape, t: int, e: int, requested: str, expert_tp: int
     )
 
 
-# ------------------------------------------------------------------------------------ vLLM layout
+# ---------------------------------------------------------------------------------- engine layout
 
-_FUSED = re.compile(
-    r"^(.*\.)(?:self_attn\.([qkv])_proj|(mlp\.(?:shared_expert\.)?)(gate|up)_proj)\.(weight|bias)$"
-)
-_EXPERT = re.compile(r"^(.*\.mlp\.)experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.shared_expert.down_proj.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where an HF tensor lives in vLLM's per-rank parameters."""
+    """Where an HF tensor lives in an engine's per-rank parameters (``EngineLayout.placement``); fused
+    blocks lie in block order, a stacked expert parameter holds expert ``x`` at ``[x]``."""
 
     param: str
-    """The vLLM parameter (``...qkv_proj.weight`` for q/k/v, ``...gate_up_proj.weight`` for gate/up)."""
+    """The engine parameter (vLLM: ``...qkv_proj.weight`` for q/k/v, ``...gate_up_proj.weight`` for
+    gate/up)."""
     dim: int
     """The dim TP splits (0 rows, 1 columns); -1: the whole tensor on every rank."""
     block: int
@@ -176,27 +181,6 @@ class Placement:
     expert: int = -1
     """The expert's index in the stacked expert parameter (``w13_weight``, ``w2_weight``); -1: not an
     expert's tensor."""
-
-
-def vllm_placement(hf_name: str) -> Placement:
-    expert = _EXPERT.match(hf_name)
-    if expert:
-        prefix, index, proj = expert.groups()
-        stacked = f"{prefix}experts.routed_experts."
-        if proj == "down":
-            return Placement(stacked + "w2_weight", 1, 0, int(index))
-        return Placement(stacked + "w13_weight", 0, ("gate", "up").index(proj), int(index))
-    match = _FUSED.match(hf_name)
-    if match:
-        prefix, qkv, mlp, gate_up, kind = match.groups()
-        if qkv:
-            return Placement(f"{prefix}self_attn.qkv_proj.{kind}", 0, "qkv".index(qkv))
-        return Placement(f"{prefix}{mlp}gate_up_proj.{kind}", 0, ("gate", "up").index(gate_up))
-    if hf_name.endswith(_ROW_PARALLEL):
-        return Placement(hf_name, 1, 0)
-    if hf_name in _VOCAB:
-        return Placement(hf_name, 0, 0)
-    return Placement(hf_name, -1, 0)
 
 
 def _mlp_width(hf_name: str, placement: Placement, shape: GPTShape) -> int:
@@ -253,7 +237,7 @@ class Piece:
     engine_rank: int
     """The engine TP rank that holds it (of every engine)."""
     param: str
-    """The vLLM parameter it is copied into."""
+    """The engine parameter it is copied into."""
     dim: int
     """The dim it is a block along (0 for a whole tensor)."""
     src_start: int
@@ -270,13 +254,20 @@ class Piece:
 
 
 def rank_pieces(
-    hf_name: str, shape: GPTShape, trainer_tp: int, trainer_rank: int, engine_tp: int, engine_ep: bool = False
+    hf_name: str,
+    shape: GPTShape,
+    trainer_tp: int,
+    trainer_rank: int,
+    engine_tp: int,
+    engine_ep: bool = False,
+    *,
+    layout: EngineLayout,
 ) -> list[Piece]:
-    """What trainer rank ``trainer_rank`` sends of HF tensor ``hf_name``, by engine rank (``engine_ep``:
-    vLLM's expert parallelism, see :func:`_whole_expert_piece`)."""
+    """What trainer rank ``trainer_rank`` sends of HF tensor ``hf_name``, by engine rank of ``layout``
+    (``engine_ep``: the engine's expert parallelism, see :func:`_whole_expert_piece`)."""
     t, r, e, V = trainer_tp, trainer_rank, engine_tp, shape.vocab_size
     full = _hf_shapes(shape)[hf_name]
-    place = vllm_placement(hf_name)
+    place = layout.placement(hf_name)
     if engine_ep and place.expert >= 0:
         return [_whole_expert_piece(hf_name, place, full, shape, t, r, e)]
     if place.dim < 0:
@@ -290,7 +281,7 @@ def rank_pieces(
     pieces = []
     for j in range(e):
         if vocab:
-            dst_lo, dst_hi = _vocab_share(V, vllm_padded_vocab(V), e, j)
+            dst_lo, dst_hi = _vocab_share(V, layout.padded_vocab(V), e, j)
         else:
             dst_lo, dst_hi = _share(full[dim], e, j)
         lo, hi = max(src_lo, dst_lo), min(src_hi, dst_hi)
@@ -298,7 +289,7 @@ def rank_pieces(
             continue
         block = list(full)
         block[dim] = hi - lo
-        pad = vocab and hi == dst_hi and hi - dst_lo < vllm_padded_vocab(V) // e
+        pad = vocab and hi == dst_hi and hi - dst_lo < layout.padded_vocab(V) // e
         pieces.append(
             Piece(hf_name, j, place.param, dim, lo - src_lo, offset + lo - dst_lo, hi - lo, tuple(block), pad)
         )
@@ -308,10 +299,11 @@ def rank_pieces(
 def _whole_expert_piece(
     hf_name: str, place: Placement, full: tuple[int, ...], shape: GPTShape, t: int, r: int, e: int
 ) -> Piece:
-    """Under vLLM's expert parallelism engine rank ``j`` of ``e`` holds experts ``j E/e .. (j+1) E/e - 1``
-    whole (linear placement, checked by the engine at start) as ``w13_weight`` ``[E/e, 2f, h]`` and
-    ``w2_weight`` ``[E/e, h, f]``: trainer rank ``r``'s slice of the expert goes to that one rank, at the
-    expert's local index and the slice's own offset in the whole width."""
+    """Under the engine's expert parallelism engine rank ``j`` of ``e`` holds experts
+    ``j E/e .. (j+1) E/e - 1`` whole (linear placement, checked by the engine at start) as
+    ``w13_weight`` ``[E/e, 2f, h]`` and ``w2_weight`` ``[E/e, h, f]``: trainer rank ``r``'s slice of the
+    expert goes to that one rank, at the expert's local index and the slice's own offset in the whole
+    width."""
     per = shape.num_experts // e
     j, local = divmod(place.expert, per)
     width = shape.moe_ffn_hidden_size
@@ -324,7 +316,13 @@ def _whole_expert_piece(
 
 
 def stage_links(
-    rules: list[Rule], shape: GPTShape, trainer_tp: int, engine_tp: int, engine_ep: bool = False
+    rules: list[Rule],
+    shape: GPTShape,
+    trainer_tp: int,
+    engine_tp: int,
+    engine_ep: bool = False,
+    *,
+    layout: EngineLayout,
 ) -> list[tuple[int, int]]:
     """Every (trainer rank, engine rank) pair that has pieces of these rules (a pipeline stage's), sorted."""
     return sorted(
@@ -333,7 +331,7 @@ def stage_links(
             for rule in rules
             for name in rule.hf
             for r in range(trainer_tp)
-            for p in rank_pieces(name, shape, trainer_tp, r, engine_tp, engine_ep)
+            for p in rank_pieces(name, shape, trainer_tp, r, engine_tp, engine_ep, layout=layout)
         }
     )
 
@@ -375,6 +373,7 @@ def shard_bytes(
     engine_tp: int,
     itemsize: int,
     *,
+    layout: EngineLayout,
     expert_tp: int | None = None,
     engine_ep: bool = False,
 ):
@@ -386,7 +385,7 @@ def shard_bytes(
         t = trainer_tp if expert_tp is None or not is_expert(rule.megatron) else expert_tp
         for name in rule.hf:
             for r in range(t):
-                for p in rank_pieces(name, shape, t, r, engine_tp, engine_ep):
+                for p in rank_pieces(name, shape, t, r, engine_tp, engine_ep, layout=layout):
                     n = itemsize
                     for d in p.shape:
                         n *= d

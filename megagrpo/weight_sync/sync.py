@@ -2,7 +2,9 @@
 
 The trainer ranks are driven through their :class:`~megagrpo.weight_sync.trainer.WeightSyncEndpoints`
 methods (plans and what the senders report are the frozen dataclasses of ``buckets``), the engines
-through ``GenerationWorker.init_weight_sync`` / ``receive_weights`` / ``prompt_logprobs``.
+through the weight-sync methods of :class:`~megagrpo.generation.engine.RolloutEngine`
+(``init_weight_sync`` / ``param_shapes`` / ``receive_weights`` / ``prompt_logprobs``); where the weights
+go inside an engine is the ``EngineLayout`` the engines give (``RolloutEngine.weight_layout``).
 
 Set-up: the path is chosen once (``shards.choose_path``, on the first trainer rank, which holds the
 model shape); every sending rank offers its links (``transport.Link``: where its group listens and
@@ -147,17 +149,26 @@ class WeightSync:
     """
 
     def __init__(self, cfg: Config, policy: RankGroup, engines: list, vocab_size: int):
+        """``engines``: Ray actors of a :class:`~megagrpo.generation.engine.RolloutEngine` (the first one's
+        ``weight_layout`` is the plan's)."""
         self.cfg, self.policy, self.engines = cfg, policy, engines
-        self.backend = backend = weight_sync_backend(cfg.resolved.backend)
         self.timeout_s = cfg.generation.sync_timeout_s
+        self.layout = self._engine_layout()
+        self.backend = backend = weight_sync_backend(cfg.resolved.backend)
         gen = cfg.generation
         etp = gen.engine_tensor_parallel_size
         colocated = gen.placement == "colocated"
         self.path: SyncPath = policy.call_first(
-            WeightSyncEndpoints.weight_sync_path, etp, gen.weight_sync_path, gen.engine_expert_parallel
+            WeightSyncEndpoints.weight_sync_path,
+            etp,
+            gen.weight_sync_path,
+            gen.engine_expert_parallel,
+            self.layout,
         )
         bucket_bytes = int(gen.sync_bucket_mb * 2**20)
-        offers = policy.call_all(WeightSyncEndpoints.weight_sync_offer, self.path, etp, bucket_bytes)
+        offers = policy.call_all(
+            WeightSyncEndpoints.weight_sync_offer, self.path, etp, bucket_bytes, self.layout
+        )
         links = sorted((link for links in offers for link in links), key=lambda link: link.key)
         self.keys: list[LinkKey] = [link.key for link in links]
         self.verified_buckets = 0
@@ -185,6 +196,13 @@ class WeightSync:
         self.probe_batch = TrainBatch.from_sequences(probe_sequences(vocab_size), [1] * 4)
         self.replays = cfg.grpo.routing_replay == "rollout"
 
+    def _engine_layout(self):
+        """The engines' ``EngineLayout`` (every engine of a run is of one class: the first one's)."""
+        try:
+            return ray.get(self.engines[0].weight_layout.remote(), timeout=self.timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+            raise WeightSyncError(f"vLLM engine 0 did not give its weight layout: {err}", 0) from err
+
     def _check_coverage(self, engine_tp: int) -> SyncCoverage:
         """Before any group opens: the ranks' offers were each checked to send every parameter they hold
         (``WeightSender.offer``); here every parameter of every engine worker's model is checked to be
@@ -200,7 +218,9 @@ class WeightSync:
                 raise WeightSyncError(f"vLLM engine {e} did not list its parameters: {err}", e) from err
             counts = []
             for w, params in enumerate(workers):
-                blocks = worker_blocks(self.plan, self.keys, self.path, shape, engine_tp, w)
+                blocks = worker_blocks(
+                    self.plan, self.keys, self.path, shape, engine_tp, w, layout=self.layout
+                )
                 where = f"vLLM engine {e} worker {w}"
                 counts.append(check_engine_plan(blocks, params, tied=shape.tie_word_embeddings, where=where))
             engines.append(tuple(counts))

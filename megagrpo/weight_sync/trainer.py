@@ -52,6 +52,7 @@ from megagrpo.weight_sync.shards import SyncPath, choose_path, local_hf_tensors,
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress, Link, LinkKey
 
 if TYPE_CHECKING:
+    from megagrpo.generation.engine import EngineLayout
     from megagrpo.models.description import ModelDescription
     from megagrpo.parallel import ParallelContext
     from megagrpo.types import TrainBatch
@@ -62,6 +63,7 @@ class WeightSender:
         self.ctx, self.module, self.info = ctx, module, model_info
         self.path: SyncPath | None = None
         self.engine_tp = 1
+        self.layout: EngineLayout | None = None  # the engines' (given with the offer)
         self.groups: dict[int, BroadcastGroup] = {}  # plan source (link index) -> its group
         self.ipc: dict[int, IpcSender] = {}  # plan source -> the handoff to the engine on this device
         self.sources: list[int] = []  # the plan sources (links) this rank sends
@@ -103,10 +105,16 @@ class WeightSender:
     def shard_wise(self) -> bool:
         return self.path is not None and self.path.kind == "shard"
 
-    def choose(self, engine_tp: int, requested: str, engine_ep: bool = False) -> SyncPath:
+    def choose(self, engine_tp: int, requested: str, engine_ep: bool, layout: EngineLayout) -> SyncPath:
         sizes, shape = self.ctx.sizes, self.info.shape
         return choose_path(
-            shape, sizes.tp, engine_tp, requested, expert_tp=sizes.expert_tp, engine_ep=engine_ep
+            shape,
+            sizes.tp,
+            engine_tp,
+            requested,
+            layout=layout,
+            expert_tp=sizes.expert_tp,
+            engine_ep=engine_ep,
         )
 
     # ----------------------------------------------------------------------------------- planning
@@ -116,15 +124,19 @@ class WeightSender:
         shape = self.info.shape
         for k, (rule, (r, t)) in enumerate(zip(self.rules, self.splits, strict=True)):
             for i, name in enumerate(rule.hf):
-                for piece in rank_pieces(name, shape, t, r, self.engine_tp, self.path.engine_ep):
+                for piece in rank_pieces(
+                    name, shape, t, r, self.engine_tp, self.path.engine_ep, layout=self.layout
+                ):
                     if piece.engine_rank == engine_rank:
                         yield k, i, piece
 
-    def offer(self, path: SyncPath, engine_tp: int, bucket_bytes: int) -> tuple[Link, ...]:
-        """This rank's links with their buckets (``source`` set by the controller): shard-wise, one per
-        engine rank it sends to; gathered, one on TP rank 0 of the stage (and on expert-TP rank 0 of
-        each share of the experts); none elsewhere."""
-        self.path, self.engine_tp = path, engine_tp
+    def offer(
+        self, path: SyncPath, engine_tp: int, bucket_bytes: int, layout: EngineLayout
+    ) -> tuple[Link, ...]:
+        """This rank's links with their buckets (``source`` set by the controller) into engines of
+        ``layout``: shard-wise, one per engine rank it sends to; gathered, one on TP rank 0 of the stage
+        (and on expert-TP rank 0 of each share of the experts); none elsewhere."""
+        self.path, self.engine_tp, self.layout = path, engine_tp, layout
         if not self.takes_part:
             return ()
         stage, dtype = self.ctx.pp_rank, self.info.dtype
@@ -156,7 +168,9 @@ class WeightSender:
     def _check_plan(self, pieces, whole: list[str]) -> None:
         """What this rank offers covers its share of every HF tensor it sends (``weight_sync.coverage``)."""
         shape = self.info.shape
-        expected = sender_shares(self.rules, self.splits, shape, self.engine_tp, self.shard_wise)
+        expected = sender_shares(
+            self.rules, self.splits, shape, self.engine_tp, self.shard_wise, layout=self.layout
+        )
         shares = check_sender_plan(self.ctx.rank, expected, sent_ranges(pieces, whole, shape))
         self.covered = (self.covered[0], shares)
 
@@ -329,13 +343,19 @@ class WeightSyncEndpoints:
             self.sender = WeightSender(*self.weight_source())
         return self.sender
 
-    def weight_sync_path(self, engine_tp: int, requested: str, engine_ep: bool = False) -> SyncPath:
-        """The path for this model and these TP sizes (``shards.choose_path``, from this rank's shape)."""
-        return self._sender().choose(engine_tp, requested, engine_ep)
+    def weight_sync_path(
+        self, engine_tp: int, requested: str, engine_ep: bool, layout: EngineLayout
+    ) -> SyncPath:
+        """The path for this model and these TP sizes into engines of ``layout`` (``shards.choose_path``,
+        from this rank's shape)."""
+        return self._sender().choose(engine_tp, requested, engine_ep, layout)
 
-    def weight_sync_offer(self, path: SyncPath, engine_tp: int, bucket_bytes: int) -> tuple[Link, ...]:
-        """This rank's links (where each group will listen, and its buckets of <= ``bucket_bytes``)."""
-        return self._sender().offer(path, engine_tp, bucket_bytes)
+    def weight_sync_offer(
+        self, path: SyncPath, engine_tp: int, bucket_bytes: int, layout: EngineLayout
+    ) -> tuple[Link, ...]:
+        """This rank's links (where each group will listen, and its buckets of <= ``bucket_bytes``) into
+        engines of ``layout``."""
+        return self._sender().offer(path, engine_tp, bucket_bytes, layout)
 
     def weight_sync_covered(self) -> tuple[int, int]:
         """(parameters of this rank checked against the HF map, HF tensor shares its offer was checked to

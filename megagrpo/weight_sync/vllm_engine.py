@@ -55,7 +55,7 @@ class _Handoff:
         self.receiver.receive(self.index, self.out)
 
 
-# vLLM builds these from the dicts ``GenerationWorker`` passes to ``collective_rpc`` (``cls(**info)``);
+# vLLM builds these from the dicts ``VLLMEngine`` passes to ``collective_rpc`` (``cls(**info)``);
 # they subclass vLLM's (mutable) dataclasses, so they cannot be frozen themselves.
 @dataclass
 class MegagrpoInitInfo(WeightTransferInitInfo):

@@ -5,7 +5,7 @@ checksum mode) catch a sync that went wrong, with no such hook in the production
 transfer engine (inside vLLM's worker): the k-th
 bucket the next sync receives gets bytes flipped as soon as it has arrived, before it is digested
 and loaded. The wrapping undoes itself after that bucket. In-process engines only (engine TP = 1,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``GenerationWorker`` sets it).
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``VLLMEngine`` sets it).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import lazy_groups
 import ray.cloudpickle
 from lazy_groups import connected_by, defer_group_creation
 
-from megagrpo.generation.worker import GenerationWorker
+from megagrpo.generation.vllm import VLLMEngine
 
 # Ray's workers cannot import the test modules by name: ship their classes and functions by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ray.cloudpickle.register_pickle_by_value(lazy_groups)
 
 
-class DamagingGenerationWorker(GenerationWorker):
+class DamagingGenerationWorker(VLLMEngine):
     def damage_next_sync(self, bucket: int) -> None:
         """Flip bytes of bucket ``bucket`` (plan order) when the next sync receives it."""
         self.llm.collective_rpc(_damage_on_arrival, args=(bucket,))

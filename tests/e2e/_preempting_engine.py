@@ -3,7 +3,7 @@ preempts a request and later computes it again from its first token, and the rou
 completion must be those of that last computation.
 
 A Ray actor with the engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as
-``GenerationWorker`` runs it), capturing through ``megagrpo.generation.routing.HookedRouting``; vLLM's
+``VLLMEngine`` runs it), capturing through ``megagrpo.generation.routing.HookedRouting``; vLLM's
 preemption counter (``vllm:num_preemptions``) says whether a preemption happened.
 """
 

@@ -93,11 +93,11 @@ class EngineKiller(threading.Thread):
         session = local_session_dir()
         pids = session_processes(session)
         self.listening = _listening_addresses([*pids, os.getpid()])
-        engines = [p for p in pids if _cmdline(p).startswith("ray::GenerationWorker")]
+        engines = [p for p in pids if _cmdline(p).startswith("ray::VLLMEngine")]
         assert len(engines) == 1, [_cmdline(p) for p in pids]
 
         def generating() -> bool:
-            return _cmdline(engines[0]).startswith("ray::GenerationWorker.generate")
+            return _cmdline(engines[0]).startswith("ray::VLLMEngine.generate")
 
         _wait_until(generating, 300, "the engine to be generating", poll_s=0.002)
         os.kill(engines[0], signal.SIGKILL)

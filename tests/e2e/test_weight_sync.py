@@ -164,8 +164,9 @@ def test_engine_with_tensor_parallel_workers(stack, policy_group):
     both workers): the workers join their groups through the plugin, each receives exactly its shard
     (shard-wise) or the whole model (gathered), and after a real optimizer step the engine scores and
     samples exactly like the trainer."""
+    from megagrpo.generation.vllm_layout import VLLM_LAYOUT, vllm_placement
     from megagrpo.runtime.engines import start_engines
-    from megagrpo.weight_sync.shards import shard_bytes, vllm_placement
+    from megagrpo.weight_sync.shards import shard_bytes
     from megagrpo.weight_sync.sync import WeightSync
 
     hf_dir, _ = stack
@@ -204,7 +205,11 @@ def test_engine_with_tensor_parallel_workers(stack, policy_group):
                 assert sync.path.kind == "gathered" and received == [whole, whole]
             else:
                 assert sync.path.kind == "shard"
-                assert received == shard_bytes(shape, rules, tp, 2, itemsize)[1] == sync.worker_bytes
+                assert (
+                    received
+                    == shard_bytes(shape, rules, tp, 2, itemsize, layout=VLLM_LAYOUT)[1]
+                    == sync.worker_bytes
+                )
                 assert all(r < 0.55 * whole for r in received)  # half the model, plus the norms
             probe = sync.probe()
             assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4

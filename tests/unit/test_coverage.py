@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megagrpo.ckpt.hf_weights import check_export, hf_tensors_from_full
+from megagrpo.generation.vllm_layout import VLLM_LAYOUT, vllm_padded_vocab
 from megagrpo.models.layout import (
     CoverageError,
     check_stage,
@@ -42,7 +43,7 @@ from megagrpo.weight_sync.coverage import (
     sent_ranges,
     worker_blocks,
 )
-from megagrpo.weight_sync.shards import choose_path, rank_pieces, vllm_padded_vocab
+from megagrpo.weight_sync.shards import choose_path, rank_pieces
 
 pytestmark = pytest.mark.unit
 
@@ -234,8 +235,13 @@ def _sender(shape: GPTShape, t: int, r: int, e: int, engine_ep: bool = False):
     """A trainer rank's (expected shares, offered pieces) as ``WeightSender.offer`` makes them."""
     rules = [rule for rule in decoder_rules(shape) if rule.export]
     splits = [(r, t)] * len(rules)
-    pieces = [p for rule in rules for n in rule.hf for p in rank_pieces(n, shape, t, r, e, engine_ep)]
-    return sender_shares(rules, splits, shape, e, shard_wise=True), pieces
+    pieces = [
+        p
+        for rule in rules
+        for n in rule.hf
+        for p in rank_pieces(n, shape, t, r, e, engine_ep, layout=VLLM_LAYOUT)
+    ]
+    return sender_shares(rules, splits, shape, e, shard_wise=True, layout=VLLM_LAYOUT), pieces
 
 
 @pytest.mark.parametrize(("shape", "t", "e"), [(DENSE, 2, 1), (DENSE, 1, 2), (MOE, 2, 2)])
@@ -255,8 +261,8 @@ def test_a_plan_that_drops_or_renames_a_piece_is_refused_naming_the_tensor(shape
 
 def test_gathered_plan_on_a_rank_other_than_the_sender_expects_nothing():
     rules = [rule for rule in decoder_rules(DENSE) if rule.export]
-    assert sender_shares(rules, [(1, 2)] * len(rules), DENSE, 2, shard_wise=False) == {}
-    whole = sender_shares(rules, [(0, 2)] * len(rules), DENSE, 2, shard_wise=False)
+    assert sender_shares(rules, [(1, 2)] * len(rules), DENSE, 2, shard_wise=False, layout=VLLM_LAYOUT) == {}
+    whole = sender_shares(rules, [(0, 2)] * len(rules), DENSE, 2, shard_wise=False, layout=VLLM_LAYOUT)
     assert set(whole) == set(hf_tensor_shapes(DENSE))
     check_sender_plan(0, whole, sent_ranges(None, list(whole), DENSE))
 
@@ -305,7 +311,7 @@ def _plan(shape: GPTShape, t: int, e: int, engine_ep: bool = False):
             Slot(p.param, "float32", p.shape, 0, into=(p.dim, p.dst_start), pad=p.pad)
             for rule in rules
             for n in rule.hf
-            for p in rank_pieces(n, shape, t, r, e, engine_ep)
+            for p in rank_pieces(n, shape, t, r, e, engine_ep, layout=VLLM_LAYOUT)
             if p.engine_rank == j
         ]
         if slots:
@@ -319,14 +325,14 @@ def _plan(shape: GPTShape, t: int, e: int, engine_ep: bool = False):
 )
 def test_an_engine_parameter_the_plan_misses_is_refused_naming_it(shape, t, e, engine_ep):
     plan, keys = _plan(shape, t, e, engine_ep)
-    path = choose_path(shape, t, e, engine_ep=engine_ep)
+    path = choose_path(shape, t, e, layout=VLLM_LAYOUT, engine_ep=engine_ep)
     assert path.kind == "shard"
     params = _vllm_params(shape, e, engine_ep)
     tied = shape.tie_word_embeddings
     for j in range(e):
-        blocks = worker_blocks(plan, keys, path, shape, e, j)
+        blocks = worker_blocks(plan, keys, path, shape, e, j, layout=VLLM_LAYOUT)
         assert check_engine_plan(blocks, params, tied=tied, where=f"worker {j}") == len(params)
-    blocks = worker_blocks(plan, keys, path, shape, e, 0)
+    blocks = worker_blocks(plan, keys, path, shape, e, 0, layout=VLLM_LAYOUT)
     victim = "model.layers.1.self_attn.o_proj.weight"
     with pytest.raises(
         CoverageError, match=r"parameters nothing is sent to: model\.layers\.1\.self_attn\.o_proj"
@@ -343,19 +349,23 @@ def test_an_engine_parameter_the_plan_misses_is_refused_naming_it(shape, t, e, e
 def test_an_untied_lm_head_that_receives_nothing_is_refused():
     shape = replace(DENSE, tie_word_embeddings=False)
     plan, keys = _plan(shape, 1, 1)
-    path = choose_path(shape, 1, 1)
-    blocks = [b for b in worker_blocks(plan, keys, path, shape, 1, 0) if b.param != "lm_head.weight"]
+    path = choose_path(shape, 1, 1, layout=VLLM_LAYOUT)
+    blocks = [
+        b
+        for b in worker_blocks(plan, keys, path, shape, 1, 0, layout=VLLM_LAYOUT)
+        if b.param != "lm_head.weight"
+    ]
     with pytest.raises(CoverageError, match=r"nothing is sent to: lm_head\.weight"):
         check_engine_plan(blocks, _vllm_params(shape, 1), tied=False, where="worker 0")
 
 
 def test_gathered_plan_fills_every_worker_through_vllms_loaders():
-    path = choose_path(DENSE, 1, 2, "gathered")
+    path = choose_path(DENSE, 1, 2, "gathered", layout=VLLM_LAYOUT)
     tensors = [(n, torch.float32, s) for n, s in hf_tensor_shapes(DENSE).items()]
     plan = [replace(b, source=0) for b in plan_buckets(tensors, 256, -1)]
     params = _vllm_params(DENSE, 2)
     for j in range(2):
-        blocks = worker_blocks(plan, [(0, 0, -1)], path, DENSE, 2, j)
+        blocks = worker_blocks(plan, [(0, 0, -1)], path, DENSE, 2, j, layout=VLLM_LAYOUT)
         assert sum(b.numel for b in blocks) < sum(math.prod(s) for s in params.values())  # padding
         check_engine_plan(blocks, params, tied=True, where=f"worker {j}")
 

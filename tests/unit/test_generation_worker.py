@@ -3,7 +3,7 @@
 import pytest
 
 from megagrpo.config import load_config
-from megagrpo.generation.worker import engine_cpu_threads, scheduler_args, vllm_env
+from megagrpo.generation.vllm import engine_cpu_threads, scheduler_args, vllm_env
 
 pytestmark = pytest.mark.unit
 

@@ -6,9 +6,9 @@ import torch
 from megagrpo.algorithms.grpo import LossConfig, grpo_loss, overlong_penalty
 from megagrpo.config import load_config
 from megagrpo.data.prompts import Prompt
-from megagrpo.generation.worker import Completion
 from megagrpo.rewards import RewardScorer
 from megagrpo.trainers import rollouts as rollouts_io
+from megagrpo.types import Completion
 
 pytestmark = pytest.mark.unit
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megagrpo.generation import vllm_layout
+from megagrpo.generation.vllm_layout import VLLM_LAYOUT
 from megagrpo.models.layout import is_gated_fc1, tp_partition_dim, tp_shard
 from megagrpo.models.mapping import decoder_rules, hf_tensor_shapes, to_megatron
 from megagrpo.models.shape import GPTShape, padded_vocab_size
@@ -54,51 +56,54 @@ _QWEN2_MOE = dict(
     ],
 )
 def test_path_for_tp_pairs_and_head_counts(heads, groups, t, e, kind, words):
-    path = shards.choose_path(_shape(heads, groups), t, e)
+    path = shards.choose_path(_shape(heads, groups), t, e, layout=VLLM_LAYOUT)
     assert path.kind == kind
     assert words in path.reason
 
 
 def test_experts_that_do_not_split_over_engine_tp_take_the_gathered_path():
     moe = dict(num_experts=4, moe_router_topk=2)
-    assert shards.choose_path(_shape(8, 8, moe_ffn_hidden_size=16, **moe), 1, 8).kind == "shard"
-    path = shards.choose_path(_shape(8, 8, moe_ffn_hidden_size=12, **moe), 1, 8)
+    assert (
+        shards.choose_path(_shape(8, 8, moe_ffn_hidden_size=16, **moe), 1, 8, layout=VLLM_LAYOUT).kind
+        == "shard"
+    )
+    path = shards.choose_path(_shape(8, 8, moe_ffn_hidden_size=12, **moe), 1, 8, layout=VLLM_LAYOUT)
     assert path.kind == "gathered" and "expert FFN 12 does not split" in path.reason
     shared = _shape(8, 8, moe_ffn_hidden_size=16, moe_shared_expert_ffn_hidden_size=20, **moe)
-    path = shards.choose_path(shared, 1, 8)
+    path = shards.choose_path(shared, 1, 8, layout=VLLM_LAYOUT)
     assert path.kind == "gathered" and "shared expert FFN 20 does not split" in path.reason
 
 
 def test_expert_tensors_go_into_vllms_stacked_expert_parameters():
     layer = "model.layers.1.mlp."
     stacked = layer + "experts.routed_experts."
-    assert shards.vllm_placement(layer + "experts.3.gate_proj.weight") == shards.Placement(
+    assert vllm_layout.vllm_placement(layer + "experts.3.gate_proj.weight") == shards.Placement(
         stacked + "w13_weight", 0, 0, 3
     )
-    assert shards.vllm_placement(layer + "experts.3.up_proj.weight") == shards.Placement(
+    assert vllm_layout.vllm_placement(layer + "experts.3.up_proj.weight") == shards.Placement(
         stacked + "w13_weight", 0, 1, 3
     )
-    assert shards.vllm_placement(layer + "experts.3.down_proj.weight") == shards.Placement(
+    assert vllm_layout.vllm_placement(layer + "experts.3.down_proj.weight") == shards.Placement(
         stacked + "w2_weight", 1, 0, 3
     )
-    assert shards.vllm_placement(layer + "shared_expert.up_proj.weight") == shards.Placement(
+    assert vllm_layout.vllm_placement(layer + "shared_expert.up_proj.weight") == shards.Placement(
         layer + "shared_expert.gate_up_proj.weight", 0, 1
     )
-    assert shards.vllm_placement(layer + "shared_expert.down_proj.weight").dim == 1
+    assert vllm_layout.vllm_placement(layer + "shared_expert.down_proj.weight").dim == 1
     for whole in ("gate.weight", "shared_expert_gate.weight"):  # the router, the shared expert's gate
-        assert shards.vllm_placement(layer + whole) == shards.Placement(layer + whole, -1, 0)
+        assert vllm_layout.vllm_placement(layer + whole) == shards.Placement(layer + whole, -1, 0)
 
 
 def test_gathered_on_request_and_unknown_request_refused():
-    assert shards.choose_path(_shape(), 2, 2, "gathered").kind == "gathered"
+    assert shards.choose_path(_shape(), 2, 2, "gathered", layout=VLLM_LAYOUT).kind == "gathered"
     with pytest.raises(ValueError, match="weight_sync_path"):
-        shards.choose_path(_shape(), 2, 2, "shardwise")
+        shards.choose_path(_shape(), 2, 2, "shardwise", layout=VLLM_LAYOUT)
 
 
 def test_vllm_vocab_padding_is_vllms():
     from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PADDING_SIZE
 
-    assert shards.VLLM_VOCAB_PADDING == DEFAULT_VOCAB_PADDING_SIZE
+    assert vllm_layout.VLLM_VOCAB_PADDING == DEFAULT_VOCAB_PADDING_SIZE
 
 
 def _vllm_rank_params(
@@ -138,7 +143,7 @@ def _vllm_rank_params(
             cols = full.shape[1] // e
             out[name] = full.narrow(1, j * cols, cols)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            per = shards.vllm_padded_vocab(shape.vocab_size) // e
+            per = vllm_layout.vllm_padded_vocab(shape.vocab_size) // e
             lo, hi = j * per, min((j + 1) * per, shape.vocab_size)
             rows = torch.zeros(per, full.shape[1])
             rows[: hi - lo] = full[lo:hi]
@@ -232,7 +237,7 @@ def _assert_pieces_rebuild_vllms_parameters(
     from megagrpo.models.layout import is_expert
     from megagrpo.weight_sync.vllm_engine import _block_target, _copy_block
 
-    path = shards.choose_path(shape, t, e, expert_tp=et, engine_ep=engine_ep)
+    path = shards.choose_path(shape, t, e, layout=VLLM_LAYOUT, expert_tp=et, engine_ep=engine_ep)
     assert path.kind == "shard" and path.engine_ep == engine_ep
     gen = torch.Generator().manual_seed(t * 10 + e)
     hf = {n: torch.randn(s, generator=gen) for n, s in hf_tensor_shapes(shape).items()}
@@ -252,7 +257,7 @@ def _assert_pieces_rebuild_vllms_parameters(
             )
             local_hf = shards.local_hf_tensors(rule, local, shape, tt, r)
             for i, name in enumerate(rule.hf):
-                for piece in shards.rank_pieces(name, shape, tt, r, e, engine_ep):
+                for piece in shards.rank_pieces(name, shape, tt, r, e, engine_ep, layout=VLLM_LAYOUT):
                     block = shards.piece_tensor(local_hf[i], piece)
                     assert tuple(block.shape) == piece.shape
                     j = piece.engine_rank
@@ -272,7 +277,9 @@ def _assert_pieces_rebuild_vllms_parameters(
         )
         assert all(int(w.max()) == 1 for w in written[j].values())
         assert received[j] == sum(p.numel() for p in want[j].values()) - pad_rows
-    sent, recv = shards.shard_bytes(shape, rules, t, e, 4, expert_tp=et, engine_ep=engine_ep)
+    sent, recv = shards.shard_bytes(
+        shape, rules, t, e, 4, layout=VLLM_LAYOUT, expert_tp=et, engine_ep=engine_ep
+    )
     assert recv == [4 * n for n in received]
     assert (
         sum(sent)
@@ -285,11 +292,11 @@ def _assert_pieces_rebuild_vllms_parameters(
 def test_equal_tp_every_trainer_rank_feeds_one_engine_rank_with_half_the_bytes():
     shape = _shape(vocab=512)
     rules = [r for r in decoder_rules(shape) if r.export]
-    assert shards.stage_links(rules, shape, 2, 2) == [(0, 0), (1, 1)]
-    assert shards.stage_links(rules, shape, 2, 1) == [(0, 0), (1, 0)]
-    assert shards.stage_links(rules, shape, 1, 2) == [(0, 0), (0, 1)]
-    _, whole = shards.shard_bytes(shape, rules, 1, 1, 4)
-    _, halves = shards.shard_bytes(shape, rules, 2, 2, 4)
+    assert shards.stage_links(rules, shape, 2, 2, layout=VLLM_LAYOUT) == [(0, 0), (1, 1)]
+    assert shards.stage_links(rules, shape, 2, 1, layout=VLLM_LAYOUT) == [(0, 0), (1, 0)]
+    assert shards.stage_links(rules, shape, 1, 2, layout=VLLM_LAYOUT) == [(0, 0), (0, 1)]
+    _, whole = shards.shard_bytes(shape, rules, 1, 1, 4, layout=VLLM_LAYOUT)
+    _, halves = shards.shard_bytes(shape, rules, 2, 2, 4, layout=VLLM_LAYOUT)
     norms = 4 * sum(
         n for name, s in hf_tensor_shapes(shape).items() if name.endswith("norm.weight") for n in s
     )

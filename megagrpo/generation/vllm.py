@@ -1,9 +1,12 @@
 """One vLLM engine: token ids in, token ids + sampling logprobs out; receives weights from the trainer.
 
-A plain class; ``megagrpo.runtime.engines`` runs it as a Ray actor (``num_gpus`` = engine TP on GPU). The
-engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the actor owns it outright.
-Prompts and responses are token ids end to end: no detokenize/re-tokenize between generator and
-trainer, so the trainer scores exactly the tokens that were sampled.
+:class:`VLLMEngine` is the :class:`~megagrpo.generation.engine.RolloutEngine` of ``generation.engine:
+vllm``; its weight layout is ``generation.vllm_layout``, and its workers load what the sync sends through
+``weight_sync.vllm_engine``. A plain class; ``megagrpo.runtime.engines`` runs it as a Ray actor
+(``num_gpus`` = engine TP on GPU). The engine core runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the actor owns it outright. Prompts and responses are token
+ids end to end: no detokenize/re-tokenize between generator and trainer, so the trainer scores exactly
+the tokens that were sampled. Multi-turn episodes run on the engine's own loop (:func:`vllm_turn_engine`).
 
 What crosses the actor boundary is typed: ``generate`` takes ``SamplingSettings`` and returns
 ``Completion`` records (``megagrpo.types``); ``receive_weights`` takes the sync's bucket plan
@@ -21,14 +24,14 @@ from megagrpo.compat import vllm_cpu_moe_ep
 from megagrpo.compat.torch_store import stores_listen_on_their_host
 from megagrpo.compat.vllm_eager_cpu import eager_cpu_engine_env
 from megagrpo.config import Config
+from megagrpo.envs.episodes import Turn, TurnEngine
+from megagrpo.generation.engine import SLEEP_TAGS
 from megagrpo.generation.routing import engine_routing
+from megagrpo.generation.vllm_layout import VLLM_LAYOUT, VLLMLayout
 from megagrpo.types import Completion, SamplingSettings
 from megagrpo.weight_sync.buckets import Bucket
 from megagrpo.weight_sync.plugin import BACKEND
 from megagrpo.weight_sync.transport import GroupAddress
-
-SLEEP_TAGS = ("weights", "kv_cache")
-"""What a colocated engine's sleep gives back, as vLLM tags it (``LLM.wake_up(tags=...)``)."""
 
 
 def scheduler_args(cfg: Config) -> dict:
@@ -95,7 +98,10 @@ def engine_cpu_threads(cfg: Config, node_cores: int) -> int | None:
     return max(1, node_cores // cfg.generation.num_engines)
 
 
-class GenerationWorker:
+class VLLMEngine:
+    """A ``vllm.LLM`` in this process (a Ray actor's), as a :class:`~megagrpo.generation.engine.RolloutEngine`
+    (the methods' contracts are there). Its sleep tags are vLLM's own (``LLM.wake_up(tags=...)``)."""
+
     def __init__(self, cfg: Config, model_dir: str, engine_index: int = 0, *, dummy_weights: bool = True):
         for name, value in vllm_env(cfg).items():
             os.environ.setdefault(name, value)
@@ -229,7 +235,7 @@ class GenerationWorker:
         """``settings.n`` multi-turn episodes per task (``env.*``, ``megagrpo.envs.episodes``), in task
         order; ``Completion.prompt_index`` is the task's index. The first call starts the environment
         worker processes and loads the model's tokenizer (its chat template renders the messages)."""
-        from megagrpo.envs.episodes import EpisodeRunner, vllm_turn_engine
+        from megagrpo.envs.episodes import EpisodeRunner
 
         self._require_awake("run_episodes")
         renderer, pool = self.episode_parts()
@@ -372,6 +378,10 @@ class GenerationWorker:
         self.llm.reset_prefix_cache()
         return self.llm.collective_rpc(_received_digests) if checksums else []
 
+    def weight_layout(self) -> VLLMLayout:
+        """vLLM's layout (``generation.vllm_layout``)."""
+        return VLLM_LAYOUT
+
     def param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
         """Per worker of this engine (by rank), every parameter a sync fills, with its shape
         (``vllm_engine.model_param_shapes``): what the controller checks the plan against."""
@@ -387,6 +397,50 @@ class GenerationWorker:
 
     def shutdown_weight_sync(self) -> None:
         self.llm.collective_rpc("shutdown_weight_transfer_engine")
+
+
+def vllm_turn_engine(
+    llm, settings: SamplingSettings, stop_token_ids: Sequence[int], routing=None
+) -> TurnEngine:
+    """``llm``'s engine (vLLM's ``LLM``, in process) as a :class:`TurnEngine` sampling with ``settings``;
+    with ``routing`` (``megagrpo.generation.routing``, started), each turn carries its routed experts."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    stops = sorted({*stop_token_ids, *settings.stop_token_ids})
+
+    class _Engine:
+        def add(self, request_id: str, prompt: list[int], max_tokens: int, seed: int) -> None:
+            params = SamplingParams(
+                n=1,
+                max_tokens=max_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=settings.top_k,
+                stop_token_ids=stops,
+                seed=seed,
+                logprobs=0,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+
+        def busy(self) -> bool:
+            return engine.has_unfinished_requests()
+
+        def step(self) -> list[Turn]:
+            finished = [out for out in engine.step() if out.finished]
+            routed = routing.collect(llm, finished, running=True) if routing and finished else None
+            turns = []
+            for i, out in enumerate(finished):
+                comp = out.outputs[0]
+                ids = list(comp.token_ids)
+                lps = [s[t].logprob for s, t in zip(comp.logprobs, ids, strict=True)] if comp.logprobs else []
+                turns.append(Turn(out.request_id, ids, lps, routed[i][0] if routed else None))
+            return turns
+
+    return _Engine()
 
 
 def _param_shapes(worker) -> dict[str, tuple[int, ...]]:
