@@ -38,14 +38,9 @@ from megagrpo.runtime.engines import EnginePool, launch_engines, placement_summa
 from megagrpo.runtime.groups import RankGroup
 from megagrpo.runtime.ray_session import shutdown_ray, start_ray
 from megagrpo.trainers.checkpoints import check_checkpoint_dir, resolve_init_from, verified_resume_point
+from megagrpo.trainers.group_buffer import load_in_flight, rollouts_of, save_in_flight
 from megagrpo.trainers.overlap import RolloutSchedule
-from megagrpo.trainers.partial import (
-    ContinuousRollouts,
-    load_in_flight,
-    partial_metrics,
-    rollouts_of,
-    save_in_flight,
-)
+from megagrpo.trainers.partial import ContinuousRollouts, partial_metrics
 from megagrpo.trainers.rollouts import (
     Pending,
     episode_metrics,
@@ -111,13 +106,14 @@ class GRPOSteps:
     schedule, and what the policy holds (for checkpoints)."""
 
     save_method = staticmethod(PolicyWorker.save)  # the function itself: a class attribute would bind it
+    partial: ContinuousRollouts | None = None
+    """grpo.async_mode partial: the pump of the engines' request streams."""
 
     def __init__(self, cfg: Config, source: PromptSource, scorer, model_dir: str, resume_from: Path | None):
         """Start the policy ranks and the engines, restore ``resume_from`` (if any) and send the policy's
         weights to the engines. Whatever started is stopped by ``close`` (also when this fails)."""
         self.cfg, self.source, self.scorer = cfg, source, scorer
         self.policy, self.engines, self.schedule, self.teacher = None, None, None, None
-        self.partial: ContinuousRollouts | None = None
         self._in_flight: dict | None = None  # the partial-rollout state the next checkpoint saves
         try:
             self.policy, self.engines = start_workers(cfg, model_dir, Path(cfg.logging.dir) / cfg.run_name)

@@ -54,7 +54,7 @@ def test_the_protocols_declare_the_contract():
         "receive_buffer_bytes",
         "shutdown_weight_sync",
     }
-    assert set(_methods(StreamingEngine)) == {"submit", "advance", "abort", "pause", "resume", "set_version"}
+    assert set(_methods(StreamingEngine)) == {"submit", "advance", "abort", "set_version", "in_flight", "resume_from"}
     assert issubclass(VLLMEngine, RolloutEngine)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megagrpo.data.prompts import Prompt
-from megagrpo.trainers.partial import FinishedGroup, GroupBuffer, GroupRequest
+from megagrpo.trainers.group_buffer import FinishedGroup, GroupBuffer, GroupRequest
 from megagrpo.types import Completion
 
 pytestmark = pytest.mark.unit

@@ -1,0 +1,218 @@
+"""The partial-rollout buffer (``grpo.async_mode: partial``, ``megagrpo.trainers.partial``): groups queued,
+on an engine, finished; what a checkpoint keeps of them. Bookkeeping only: no engines, no threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megagrpo.algorithms.grpo import zero_variance_groups
+from megagrpo.algorithms.off_policy import judge_staleness
+from megagrpo.ckpt import CheckpointError
+from megagrpo.compat.safe_load import load_file, refusals_as
+from megagrpo.data.prompts import Prompt
+from megagrpo.types import Completion
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One prompt's G samples, sent to one engine as one request (they share the prompt's prefill)."""
+
+    position: int
+    """The prompt's data position: the group's id in the run."""
+    prompt: Prompt
+    seed: int
+
+
+@dataclass
+class FinishedGroup:
+    """A group whose G responses all finished, scored."""
+
+    request: GroupRequest
+    completions: list[Completion]
+    rewards: torch.Tensor
+    """[G] float32."""
+    timeouts: int = 0
+    errors: int = 0
+
+
+def oldest_version(completion: Completion) -> int:
+    """The oldest policy version among a response's tokens (its ``versions``, which a stream fills)."""
+    if completion.versions is None:
+        raise ValueError("a response of a partial rollout carries the versions of its tokens")
+    return completion.oldest_version(default=-1)
+
+
+@dataclass
+class BufferCounts:
+    """What the buffer did since it was last asked (``GroupBuffer.take_counts``)."""
+
+    filtered: int = 0
+    """Finished groups whose rewards were all equal, dropped by dynamic sampling."""
+    stale: int = 0
+    """Finished groups dropped for staleness (a response older than ``grpo.max_staleness``)."""
+    requeued: int = 0
+    """Groups sent back to the queue because their engine failed."""
+    engine_failures: int = 0
+
+
+class GroupBuffer:
+    """Groups by state: queued (not on an engine), on an engine, finished; pure bookkeeping, no engines.
+
+    Not thread-safe: ``ContinuousRollouts`` calls it under its lock."""
+
+    def __init__(self, num_generations: int, capacity: int, *, filter_flat: bool, next_position: int = 0):
+        self.num_generations, self.capacity, self.filter_flat = num_generations, capacity, filter_flat
+        self.next_position = next_position
+        """The data position of the next new group."""
+        self.queued: deque[GroupRequest] = deque()
+        self.on_engine: dict[int, dict[int, GroupRequest]] = {}
+        """Engine index -> {position: request} of the groups it is generating."""
+        self.ready: deque[FinishedGroup] = deque()
+        self.counts = BufferCounts()
+
+    def outstanding(self) -> int:
+        """Groups queued, on engines, or finished and not yet trained on."""
+        return len(self.queued) + sum(len(g) for g in self.on_engine.values()) + len(self.ready)
+
+    def room(self) -> int:
+        """New groups the capacity allows now."""
+        return max(0, self.capacity - self.outstanding())
+
+    def open(self, make: Callable[[int], GroupRequest], count: int) -> None:
+        """Queue ``count`` new groups (``make(position)`` each), positions in data order."""
+        for _ in range(count):
+            self.queued.append(make(self.next_position))
+            self.next_position += 1
+
+    def assign(self, engine: int, count: int) -> list[GroupRequest]:
+        """Up to ``count`` queued groups, now on ``engine`` (oldest first)."""
+        out = []
+        while self.queued and len(out) < count:
+            out.append(self.queued.popleft())
+        mine = self.on_engine.setdefault(engine, {})
+        for request in out:
+            mine[request.position] = request
+        return out
+
+    def finished(self, engine: int, group: FinishedGroup) -> None:
+        """``engine`` returned ``group`` whole; dynamic sampling drops it if its rewards are all equal."""
+        request = self.on_engine.get(engine, {}).pop(group.request.position, None)
+        if request is None:
+            raise RuntimeError(
+                f"engine {engine} returned group {group.request.position}, which it was not generating"
+            )
+        if len(group.completions) != self.num_generations:
+            raise RuntimeError(
+                f"engine {engine} returned {len(group.completions)} responses for group "
+                f"{request.position}, expected {self.num_generations}"
+            )
+        if self.filter_flat and bool(zero_variance_groups(group.rewards, self.num_generations)[0]):
+            self.counts.filtered += 1
+            return
+        self.ready.append(group)
+
+    def requeue(self, engine: int, position: int) -> None:
+        """A request of group ``position`` on ``engine`` ended without a sample: the group goes back to
+        the front of the queue whole (none of its samples is kept)."""
+        self.queued.appendleft(self.on_engine[engine].pop(position))
+        self.counts.requeued += 1
+
+    def engine_lost(self, engine: int) -> list[GroupRequest]:
+        """``engine`` failed: its groups go back to the front of the queue, in data order (none of their
+        samples is kept); returns them."""
+        lost = sorted(self.on_engine.pop(engine, {}).values(), key=lambda r: r.position)
+        self.queued.extendleft(reversed(lost))
+        self.counts.requeued += len(lost)
+        self.counts.engine_failures += 1
+        return lost
+
+    def take(self, count: int, trained_version: int, max_staleness: int) -> list[FinishedGroup] | None:
+        """``count`` finished groups in the order they finished, or None (nothing taken) while fewer
+        are there. Groups with a sample more than ``max_staleness`` versions older than
+        ``trained_version`` are dropped whole first (``algorithms.off_policy.judge_staleness``;
+        counted): a group only grows staler."""
+        if self.ready:
+            oldest = [oldest_version(c) for g in self.ready for c in g.completions]
+            verdict = judge_staleness(oldest, trained_version, max_staleness, self.num_generations)
+            self.counts.stale += verdict.dropped_groups
+            self.ready = deque(g for g, keep in zip(self.ready, verdict.keep.tolist(), strict=True) if keep)
+        if len(self.ready) < count:
+            return None
+        return [self.ready.popleft() for _ in range(count)]
+
+    def take_counts(self) -> BufferCounts:
+        counts, self.counts = self.counts, BufferCounts()
+        return counts
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the bookkeeping (the engines' partial responses are saved beside)."""
+        in_flight = [r for groups in self.on_engine.values() for r in groups.values()]
+        return {
+            "next_position": self.next_position,
+            "queued": [_request_state(r) for r in [*self.queued, *in_flight]],
+            "ready": [_finished_state(g) for g in self.ready],
+        }
+
+
+def _request_state(request: GroupRequest) -> dict:
+    p = request.prompt
+    return {
+        "position": request.position,
+        "seed": request.seed,
+        "prompt": {"token_ids": p.token_ids, "answer": p.answer, "task": p.task},
+    }
+
+
+def _finished_state(group: FinishedGroup) -> dict:
+    return {
+        "request": _request_state(group.request),
+        "completions": [dataclasses.asdict(c) for c in group.completions],
+        "rewards": group.rewards,
+        "timeouts": group.timeouts,
+        "errors": group.errors,
+    }
+
+
+def request_from(row: dict) -> GroupRequest:
+    return GroupRequest(row["position"], Prompt(**row["prompt"]), row["seed"])
+
+
+IN_FLIGHT_FILE = "rollouts_in_flight.pt"
+"""A checkpoint's partial-rollout state: the buffer's groups and the engines' partial responses."""
+
+
+def save_in_flight(state: dict, directory: Path) -> None:
+    """Into a checkpoint being written (its manifest covers the file)."""
+    torch.save(state, directory / IN_FLIGHT_FILE)
+
+
+def load_in_flight(checkpoint: Path) -> dict | None:
+    """A checkpoint's partial-rollout state, or None when it has none (a batch-mode checkpoint)."""
+    path = checkpoint / IN_FLIGHT_FILE
+    if not path.is_file():
+        return None
+    with refusals_as(CheckpointError):
+        state = load_file(path)  # torch.load(weights_only=True), its globals checked first
+    if not isinstance(state, dict) or not {"buffer", "partials", "version"} <= set(state):
+        raise CheckpointError(f"{path}: not the partial-rollout state a checkpoint saves")
+    return state
+
+
+def rollouts_of(groups: Sequence[FinishedGroup]):
+    """The step's ``Rollouts`` (trainers.rollouts) from its finished groups, in the order taken."""
+    from megagrpo.trainers.rollouts import Rollouts
+
+    return Rollouts(
+        [g.request.prompt for g in groups],
+        [c for g in groups for c in g.completions],
+        torch.cat([g.rewards for g in groups]),
+        sum(g.timeouts for g in groups),
+        sum(g.errors for g in groups),
+    )
