@@ -1,0 +1,332 @@
+"""Continuous generation on one in-process vLLM engine: a queue of requests that keeps decoding while the
+trainer's weights are swapped in between engine steps, every sampled token stamped with the policy
+version that sampled it.
+
+Design (verified against vLLM 0.32, engine core in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+
+- **Driving the engine.** Requests go straight to ``LLM.llm_engine``: ``add_request`` (our id; vLLM
+  appends a random suffix and returns that internal id, which ``abort_request(..., internal=True)``
+  takes), ``step`` (one schedule + forward + sample; with the engine core in-process it returns only
+  when that step is done), ``abort_request``. Not ``LLM.generate``: it steps the engine until *every*
+  request is done, this stream's included, and sorts the results by ``int(request_id)``. So while a
+  stream holds requests, the engine must not be used through ``LLM.generate`` (the probe included).
+- **Token boundary.** Between two :meth:`RequestStream.advance` calls no engine step runs, so weights
+  loaded then (``collective_rpc``: the weight sync's path) land between two tokens of every request
+  in flight. This needs a step to finish inside ``step()``: vLLM's async scheduling keeps a batch
+  queued past it (``max_concurrent_batches`` > 1), so the stream refuses such an engine. vLLM's CPU
+  build turns async scheduling off itself; on GPUs the engine is started with ``async_scheduling=False``.
+  No pause call is needed: vLLM's own ``pause_scheduler(mode="keep")`` exists for engines whose core
+  loops in another process; in-process, not calling ``step`` is the pause.
+- **Outputs.** Requests ask for ``RequestOutputKind.DELTA``: each step returns only the tokens (and their
+  logprobs) that step sampled, so the stream stamps them with the version of the weights that ran the
+  step, and holds each request's tokens, logprobs and versions so far itself. (``CUMULATIVE``, vLLM's
+  default, re-sends every token every step; ``FINAL_ONLY`` shows nothing before the end.) vLLM labels
+  the same spans itself (``set_weight_version``; ``CompletionOutput.weight_versions`` at the end): the
+  stream checks that both agree.
+- **KV cache at a swap** (:data:`KV_MODES`). ``"keep"``: in-flight requests keep the KV their prefix
+  had under the old weights and decode on (what PipelineRL-style in-flight updates do; free). A token
+  sampled after the swap then comes from new weights over a prefix whose keys and values older weights
+  computed; its version says which weights sampled it. ``"recompute"``: ``reset_prefix_cache(
+  reset_running_requests=True)`` makes vLLM preempt every running request and prefill prompt + tokens
+  so far again, with the new weights, before its next token (one prefill of everything in flight). The
+  plain ``reset_prefix_cache()`` after a sync refuses (returns False) while requests hold blocks.
+  Either way no *new* request reuses a prefix block computed by other weights: each request's prefix
+  blocks are salted with the version at its submission (vLLM's ``cache_salt``), so requests share
+  cached prefixes only within a version.
+- **Failures.** A request the engine ends otherwise than "stop" or "length" ("abort", "error") is never
+  a sample: it goes to :meth:`RequestStream.take_failed`, not to the finished list. The stream learns of
+  an end only from the engine's outputs: vLLM's pause and sleep in "abort" mode (``sleep``'s default)
+  drop requests without one (``Scheduler.finish_requests``), so neither may run while a stream holds
+  requests.
+- **Snapshot** (:meth:`RequestStream.in_flight`): per request, the request itself (prompt, sampling
+  settings, seed, group) and its tokens, sampling logprobs and versions so far: what a checkpoint
+  stores. :meth:`RequestStream.resume_from` submits each as a continuation, prompt + tokens so far with
+  ``max_tokens`` less the tokens it has, and returns it finished with the parts joined.
+- **Reproducibility.** vLLM seeds a generator per request (``torch.Generator.manual_seed``) when the
+  request first reaches the model runner and keeps it while the request lives, preemption included:
+  a ``"recompute"`` swap continues each request's random stream. A CPU generator cannot be rewound or
+  skipped ahead, so a continuation from a snapshot is a new engine request with its own seed,
+  derived from the request's seed and its token count (:func:`continuation_seed`): the same snapshot
+  continues the same way every time, but not as the uninterrupted request would have. Greedy requests
+  (temperature 0) continue exactly as the uninterrupted request (tested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+from megagrpo.types import Completion, SamplingSettings
+
+KvMode = Literal["keep", "recompute"]
+KV_MODES: tuple[KvMode, ...] = ("keep", "recompute")
+"""What a weight swap does to the KV cache of requests in flight (module docstring)."""
+
+SAMPLE_FINISH_REASONS = ("stop", "length")
+"""vLLM finish reasons that end a sample; any other ("abort", "error") makes the request a failure."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamRequest:
+    """One response to sample (controller -> engine); a group's responses are requests of one group id."""
+
+    request_id: str
+    """Unique among the stream's requests in flight."""
+    prompt_ids: tuple[int, ...]
+    """[P] prompt token ids."""
+    settings: SamplingSettings
+    """How to sample; ``settings.n`` must be 1 (each sample of a group is a request of its own)."""
+    seed: int | None = None
+    """This request's sampling seed; None: ``settings.seed``."""
+    group_id: int | str | None = None
+    """The group (prompt) the response belongs to."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamCompletion:
+    """A finished request; N = ``len(token_ids)``, and ``logprobs`` and ``versions`` line up with it."""
+
+    request: StreamRequest
+    token_ids: list[int]
+    """[N] sampled tokens (the stop token included when one ended the response)."""
+    logprobs: list[float]
+    """[N] sampling logprob of each token, as the engine's ``logprobs_mode`` has it ([] only if it reports
+    none; vLLM's CPU build reports them at temperature 0 too)."""
+    versions: list[int]
+    """[N] the policy version whose weights sampled each token."""
+    finish_reason: str
+    """"stop" or "length"."""
+
+    def completion(self, prompt_index: int) -> Completion:
+        """The record the rest of the pipeline takes (without the versions)."""
+        return Completion(prompt_index, list(self.token_ids), list(self.logprobs), self.finish_reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialRequest:
+    """A request in flight, as a checkpoint stores it; N = tokens sampled so far."""
+
+    request: StreamRequest
+    token_ids: list[int]
+    """[N] tokens sampled so far (after the prompt)."""
+    logprobs: list[float]
+    """[N] their sampling logprobs (as ``StreamCompletion.logprobs``)."""
+    versions: list[int]
+    """[N] the policy version that sampled each."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamFailure:
+    """A request the engine ended without a sample (never trained on)."""
+
+    request: StreamRequest
+    reason: str
+    """vLLM's finish reason ("abort", "error", ...)."""
+
+
+def continuation_seed(seed: int | None, tokens_so_far: int) -> int | None:
+    """The seed of a continuation of a seeded request that has ``tokens_so_far`` tokens: a fixed function of
+    both, so the same snapshot continues the same way (vLLM's generator cannot skip ahead: module doc)."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + tokens_so_far) % (2**63 - 1)
+
+
+@dataclasses.dataclass
+class _Live:
+    """A request in the engine. For a continuation the lists start with the snapshot's tokens, and the
+    engine's prompt is ``request.prompt_ids`` + those ``carried`` tokens."""
+
+    request: StreamRequest
+    engine_id: str
+    carried: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+class RequestStream:
+    """A queue of sampling requests on one ``vllm.LLM`` whose engine core runs in this process.
+
+    ``submit`` queues requests; ``advance`` runs engine steps for a budget and returns the requests that
+    finished in it; between two ``advance`` calls the caller may load new weights and call
+    ``set_version``. While it holds requests, nothing else may step the engine (``LLM.generate``).
+    """
+
+    def __init__(self, llm, *, version: int = 0):
+        config = llm.llm_engine.vllm_config
+        if config.max_concurrent_batches != 1:
+            raise ValueError(
+                f"RequestStream needs an engine that finishes each step inside step(): this one queues "
+                f"{config.max_concurrent_batches} batches (async_scheduling="
+                f"{config.scheduler_config.async_scheduling}, pipeline parallel "
+                f"{config.parallel_config.pipeline_parallel_size}); start vLLM with async_scheduling=False "
+                "and no pipeline parallelism"
+            )
+        self._engine = llm.llm_engine
+        self._live: dict[str, _Live] = {}  # by request id
+        self._ready: list[StreamCompletion] = []  # continuations that had nothing left to sample
+        self._failed: list[StreamFailure] = []
+        self.version = version
+        self._engine.set_weight_version(str(version))
+
+    # ------------------------------------------------------------------------------------------ queue
+
+    def submit(self, requests: Iterable[StreamRequest]) -> None:
+        """Queue ``requests``; they start at the next ``advance``."""
+        for request in requests:
+            self._add(request, (), (), ())
+
+    def _add(self, request: StreamRequest, tokens: Sequence[int], logprobs, versions) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.settings
+        if request.request_id in self._live:
+            raise ValueError(f"request id {request.request_id!r} is already in flight on this stream")
+        if s.n != 1:
+            raise ValueError(
+                f"request {request.request_id!r}: settings.n is {s.n}; a stream request is one sample "
+                "(submit a group's samples as requests of one group_id)"
+            )
+        left = s.max_tokens - len(tokens)
+        if left < 0:
+            raise ValueError(
+                f"request {request.request_id!r}: {len(tokens)} tokens so far, more than max_tokens "
+                f"{s.max_tokens}"
+            )
+        if left == 0:  # a snapshot taken after its last token: finished, with nothing to sample
+            self._ready.append(
+                StreamCompletion(request, list(tokens), list(logprobs), list(versions), "length")
+            )
+            return
+        seed = request.seed if request.seed is not None else s.seed
+        params = SamplingParams(
+            max_tokens=left,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            # As GenerationWorker.generate: ignore_eos lets the stop tokens pass too.
+            stop_token_ids=[] if s.ignore_eos else list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            seed=continuation_seed(seed, len(tokens)) if tokens else seed,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = {
+            "prompt_token_ids": list(request.prompt_ids) + list(tokens),
+            "cache_salt": f"v{self.version}",
+        }
+        engine_id = self._engine.add_request(request.request_id, prompt, params)
+        self._live[request.request_id] = _Live(
+            request, engine_id, len(tokens), list(tokens), list(logprobs), list(versions)
+        )
+
+    def abort(self, request_ids: Iterable[str]) -> list[StreamRequest]:
+        """Drop these requests (unknown ids are ignored); none of them is ever returned as finished.
+        Returns the requests dropped."""
+        dropped = [self._live.pop(rid) for rid in request_ids if rid in self._live]
+        if dropped:
+            self._engine.abort_request([live.engine_id for live in dropped], internal=True)
+        return [live.request for live in dropped]
+
+    def __len__(self) -> int:
+        """Requests in flight (queued or decoding)."""
+        return len(self._live)
+
+    # ------------------------------------------------------------------------------------- stepping
+
+    def advance(
+        self, *, max_steps: int | None = None, max_seconds: float | None = None
+    ) -> list[StreamCompletion]:
+        """Run engine steps until ``max_steps`` steps ran, ``max_seconds`` passed (checked after each step)
+        or no request is left; return the requests that finished meanwhile, in the order they finished.
+        Without a budget: until no request is left."""
+        if max_steps is not None and max_steps < 1:
+            raise ValueError(f"advance: max_steps must be at least 1, got {max_steps}")
+        finished, self._ready = self._ready, []
+        start, steps = time.monotonic(), 0
+        while self._live and self._engine.has_unfinished_requests():
+            for output in self._engine.step():
+                done = self._take(output)
+                if done is not None:
+                    finished.append(done)
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                break
+            if max_seconds is not None and time.monotonic() - start >= max_seconds:
+                break
+        return finished
+
+    def _take(self, output) -> StreamCompletion | None:
+        """Record one request's delta; the finished record when it ended with a sample."""
+        # vLLM reports our id (its internal id less the suffix it added); it drops an aborted request's.
+        live = self._live.get(output.request_id)
+        if live is None:
+            return None
+        (out,) = output.outputs
+        new = list(out.token_ids)
+        live.token_ids.extend(new)
+        if out.logprobs:
+            live.logprobs.extend(step[tok].logprob for step, tok in zip(out.logprobs, new, strict=True))
+        live.versions.extend([self.version] * len(new))
+        if not output.finished:
+            return None
+        del self._live[output.request_id]
+        if out.finish_reason not in SAMPLE_FINISH_REASONS:
+            self._failed.append(StreamFailure(live.request, str(out.finish_reason)))
+            return None
+        self._check_versions(live, out.weight_versions)
+        return StreamCompletion(live.request, live.token_ids, live.logprobs, live.versions, out.finish_reason)
+
+    @staticmethod
+    def _check_versions(live: _Live, spans) -> None:
+        """Our per-token versions against vLLM's own labels of the engine request's tokens."""
+        ours = live.versions[live.carried :]
+        theirs = [int(s.version) for s in spans or () for _ in range(s.start, s.end)]
+        if ours != theirs or (live.logprobs and len(live.logprobs) != len(live.token_ids)):
+            raise RuntimeError(
+                f"request {live.request.request_id!r}: per-token records out of line (tokens "
+                f"{len(live.token_ids)}, logprobs {len(live.logprobs)}, versions {ours} vs vLLM's {theirs})"
+            )
+
+    def take_failed(self) -> list[StreamFailure]:
+        """The requests the engine ended without a sample since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    # ---------------------------------------------------------------------------------- weight swap
+
+    def set_version(self, version: int, *, kv: KvMode = "keep") -> None:
+        """Call after new weights are loaded (between two ``advance`` calls): tokens sampled from now on
+        carry ``version``; ``kv`` says what becomes of the KV cache of requests in flight (module doc)."""
+        if kv not in KV_MODES:
+            raise ValueError(f"set_version: kv must be one of {KV_MODES}, got {kv!r}")
+        if kv == "recompute" and not self._engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM refused to drop the KV cache of the requests in flight")
+        self.version = version
+        self._engine.set_weight_version(str(version))
+
+    # ------------------------------------------------------------------------------ checkpointing
+
+    def in_flight(self) -> list[PartialRequest]:
+        """Every request in flight with its tokens, logprobs and versions so far (queued ones: none yet)."""
+        return [
+            PartialRequest(live.request, list(live.token_ids), list(live.logprobs), list(live.versions))
+            for live in self._live.values()
+        ] + [PartialRequest(c.request, c.token_ids, c.logprobs, c.versions) for c in self._ready]
+
+    def resume_from(self, partials: Iterable[PartialRequest]) -> None:
+        """Queue each partial request's continuation (prompt + tokens so far, the tokens left of its
+        ``max_tokens``); it finishes as one record, the parts joined."""
+        for p in partials:
+            lined_up = len(p.versions) == len(p.token_ids) and len(p.logprobs) in (0, len(p.token_ids))
+            if not lined_up:
+                raise ValueError(
+                    f"partial request {p.request.request_id!r}: {len(p.token_ids)} tokens, {len(p.logprobs)} "
+                    f"logprobs and {len(p.versions)} versions do not line up"
+                )
+            self._add(p.request, p.token_ids, p.logprobs, p.versions)
