@@ -34,7 +34,10 @@ Design (verified against vLLM 0.32, engine core in-process: ``VLLM_ENABLE_V1_MUL
   blocks are salted with the version at its submission (vLLM's ``cache_salt``), so requests share
   cached prefixes only within a version.
 - **Failures.** A request the engine ends otherwise than "stop" or "length" ("abort", "error") is never
-  a sample: it goes to :meth:`RequestStream.take_failed`, not to the finished list.
+  a sample: it goes to :meth:`RequestStream.take_failed`, not to the finished list. The stream learns of
+  an end only from the engine's outputs: vLLM's pause and sleep in "abort" mode (``sleep``'s default)
+  drop requests without one (``Scheduler.finish_requests``), so neither may run while a stream holds
+  requests.
 - **Snapshot** (:meth:`RequestStream.in_flight`): per request, the request itself (prompt, sampling
   settings, seed, group) and its tokens, sampling logprobs and versions so far: what a checkpoint
   stores. :meth:`RequestStream.resume_from` submits each as a continuation, prompt + tokens so far with
@@ -89,7 +92,8 @@ class StreamCompletion:
     token_ids: list[int]
     """[N] sampled tokens (the stop token included when one ended the response)."""
     logprobs: list[float]
-    """[N] sampling logprob of each token (after temperature); [] for greedy requests."""
+    """[N] sampling logprob of each token, as the engine's ``logprobs_mode`` has it ([] only if it reports
+    none; vLLM's CPU build reports them at temperature 0 too)."""
     versions: list[int]
     """[N] the policy version whose weights sampled each token."""
     finish_reason: str
@@ -119,7 +123,7 @@ class PartialRequest:
     token_ids: list[int]
     """[N] tokens sampled so far (after the prompt)."""
     logprobs: list[float]
-    """[N] their sampling logprobs ([] for greedy requests)."""
+    """[N] their sampling logprobs (as ``StreamCompletion.logprobs``)."""
     versions: list[int]
     """[N] the policy version that sampled each."""
 

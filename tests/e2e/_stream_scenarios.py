@@ -7,8 +7,9 @@ one entry per scenario, each a dict of plain lists the test compares; records ar
 and a small ``VLLM_CPU_KVCACHE_SPACE``.
 
 Weights change through ``LLM.collective_rpc`` (a function run inside vLLM's worker), as the weight sync
-loads them: the final norm's weight is rescaled, a tensor vLLM's CPU build reads as it is (its linear
-layers' weights are packed into GEMM kernels at load).
+loads them: the first layer's input norm weight is rescaled, a tensor vLLM's CPU build reads as it is (its
+linear layers' weights are packed into GEMM kernels at load), and one that every key and value depends on
+(unlike the final norm's, which only the logits see).
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ SAMPLED = SamplingSettings(max_tokens=12, temperature=1.0, ignore_eos=True)
 GREEDY = SamplingSettings(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def _final_norm(worker, new=None):
-    """Inside vLLM's worker: a copy of the final norm's weight; with ``new``, that weight set to it."""
+NORM = "model.layers.0.input_layernorm.weight"
+
+
+def _norm(worker, new=None):
+    """Inside vLLM's worker: a copy of ``NORM``; with ``new``, ``NORM`` set to it."""
     import torch
 
-    (weight,) = [p for n, p in worker.model_runner.model.named_parameters() if n == "model.norm.weight"]
+    (weight,) = [p for n, p in worker.model_runner.model.named_parameters() if n == NORM]
     old = weight.detach().clone()
     if new is not None:
         with torch.no_grad():
@@ -106,7 +110,7 @@ def slices(llm) -> dict:
 
 
 def swap(llm, kv) -> dict:
-    """Greedy requests; after 4 steps the final norm changes (version 1) with ``kv``; references: the same
+    """Greedy requests; after 4 steps ``NORM`` changes (version 1) with ``kv``; references: the same
     requests uninterrupted on the old weights, and the snapshot's continuation on the new weights."""
     import torch
 
@@ -116,15 +120,15 @@ def swap(llm, kv) -> dict:
     stream.submit(requests)
     early = [_record(c) for c in stream.advance(max_steps=4)]
     snapshot = stream.in_flight()
-    (original,) = llm.collective_rpc(_final_norm)
+    (original,) = llm.collective_rpc(_norm)
     changed = original * (1 + 0.5 * torch.randn(original.shape, generator=torch.Generator().manual_seed(3)))
-    llm.collective_rpc(_final_norm, args=(changed,))
+    llm.collective_rpc(_norm, args=(changed,))
     stream.set_version(1, kv=kv)
     swapped = {c.request.request_id: _record(c) for c in stream.advance()}
     continued = RequestStream(llm, version=1)
     continued.resume_from(snapshot)
     new_weights = {c.request.request_id: _record(c) for c in continued.advance()}
-    llm.collective_rpc(_final_norm, args=(original,))
+    llm.collective_rpc(_norm, args=(original,))
     return {
         "early": early,
         "at_swap": {p.request.request_id: len(p.token_ids) for p in snapshot},
@@ -183,13 +187,13 @@ def prefix_salt(llm) -> dict:
     settings = SamplingSettings(max_tokens=4, temperature=1.0, ignore_eos=True)
     request = [StreamRequest("salt", prompt, settings, seed=7)]
     out = {"block_size": block, "v0": _run(llm, request)["salt"]}
-    (original,) = llm.collective_rpc(_final_norm)
-    llm.collective_rpc(_final_norm, args=(original * 1.5,))
+    (original,) = llm.collective_rpc(_norm)
+    llm.collective_rpc(_norm, args=(original * 1.5,))
     out["v0_label_on_new_weights"] = _run(llm, request, version=0)["salt"]
     out["v1"] = _run(llm, request, version=1)["salt"]
     out["reset"] = llm.reset_prefix_cache()
     out["v1_after_reset"] = _run(llm, request, version=1)["salt"]
-    llm.collective_rpc(_final_norm, args=(original,))
+    llm.collective_rpc(_norm, args=(original,))
     return out
 
 
@@ -226,7 +230,7 @@ def main(model_dir: str, out_path: str) -> None:
         dtype="float32",
         enforce_eager=True,
         skip_tokenizer_init=True,
-        max_model_len=128,
+        max_model_len=256,  # a prompt of more than one KV block (128 tokens on the CPU build)
         seed=0,
         logprobs_mode="processed_logprobs",  # as the generation worker: the distribution sampled from
         enable_chunked_prefill=False,  # as the worker on CPU: seeded requests need whole prefills
