@@ -67,10 +67,22 @@ class GroupBuffer:
 
     Not thread-safe: ``ContinuousRollouts`` calls it under its lock."""
 
-    def __init__(self, num_generations: int, capacity: int, *, filter_flat: bool, next_position: int = 0):
-        self.num_generations, self.capacity, self.filter_flat = num_generations, capacity, filter_flat
+    def __init__(
+        self,
+        num_generations: int,
+        per_step: int,
+        max_staleness: int,
+        *,
+        filter_flat: bool,
+        next_position: int = 0,
+        consumed: int = 0,
+    ):
+        """``per_step``: groups a step trains on; ``consumed``: groups the steps so far took."""
+        self.num_generations, self.per_step, self.max_staleness = num_generations, per_step, max_staleness
+        self.filter_flat = filter_flat
         self.next_position = next_position
         """The data position of the next new group."""
+        self.consumed = consumed
         self.queued: deque[GroupRequest] = deque()
         self.on_engine: dict[int, dict[int, GroupRequest]] = {}
         """Engine index -> {position: request} of the groups it is generating."""
@@ -81,9 +93,18 @@ class GroupBuffer:
         """Groups queued, on engines, or finished and not yet trained on."""
         return len(self.queued) + sum(len(g) for g in self.on_engine.values()) + len(self.ready)
 
-    def room(self) -> int:
-        """New groups the capacity allows now."""
-        return max(0, self.capacity - self.outstanding())
+    def room(self, version: int) -> int:
+        """New groups the engines may start now, holding policy ``version``: with the groups taken and
+        outstanding, at most ``(version + max_staleness + 1) * per_step`` (AReaL's bound). Groups are
+        taken in about the order they started, so the last one started now is taken by step
+        ``version + max_staleness + 1`` at the latest, which trains version ``version + max_staleness``:
+        none is dropped for staleness unless it outlives groups started after it."""
+        limit = (version + self.max_staleness + 1) * self.per_step
+        return max(0, limit - self.consumed - self.outstanding())
+
+    def in_flight_limit(self) -> int:
+        """The most groups outstanding at once (a step's worth more than the staleness allows ahead)."""
+        return (self.max_staleness + 1) * self.per_step
 
     def open(self, make: Callable[[int], GroupRequest], count: int) -> None:
         """Queue ``count`` new groups (``make(position)`` each), positions in data order."""
@@ -145,6 +166,7 @@ class GroupBuffer:
             self.ready = deque(g for g, keep in zip(self.ready, verdict.keep.tolist(), strict=True) if keep)
         if len(self.ready) < count:
             return None
+        self.consumed += count
         return [self.ready.popleft() for _ in range(count)]
 
     def take_counts(self) -> BufferCounts:
@@ -156,6 +178,7 @@ class GroupBuffer:
         in_flight = [r for groups in self.on_engine.values() for r in groups.values()]
         return {
             "next_position": self.next_position,
+            "consumed": self.consumed,
             "queued": [_request_state(r) for r in [*self.queued, *in_flight]],
             "ready": [_finished_state(g) for g in self.ready],
         }

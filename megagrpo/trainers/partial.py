@@ -11,8 +11,9 @@ raised, and the pump resumes: a response's tokens record the version that sample
 
 Staleness is per sample: a group is trained only if the oldest token of every response in it is at most
 ``grpo.max_staleness`` versions older than the policy being trained; otherwise the whole group is dropped
-(counted), so that no group baseline is computed over a subset of its samples. The buffer holds at most
-``(max_staleness + 1) * num_prompts_per_step`` groups in flight or finished, which keeps such drops rare.
+(counted), so that no group baseline is computed over a subset of its samples. New groups start only while
+the groups started so far number at most ``(version + max_staleness + 1) * num_prompts_per_step`` (AReaL's
+bound, ``GroupBuffer.room``), so a group is dropped only when it outlives groups started after it.
 
 An engine that dies or does not answer a slice within ``generation.timeout_s`` never contributes a sample:
 its groups go back to the queue whole (generated again from their prompts, with their seeds, on the
@@ -170,9 +171,11 @@ class ContinuousRollouts:
         self.cfg, self.pool, self.source, self.scorer = cfg, pool, source, scorer
         self.buffer = GroupBuffer(
             g.num_generations,
-            (g.max_staleness + 1) * g.num_prompts_per_step,
+            g.num_prompts_per_step,
+            g.max_staleness,
             filter_flat=g.filter_zero_variance_groups,
             next_position=position,
+            consumed=version * g.num_prompts_per_step,
         )
         self.streams = EngineStreams(pool.actors, settings_for(cfg, source), cfg.generation.stream_slice_s)
         self.version = version
@@ -317,10 +320,10 @@ class ContinuousRollouts:
         live = self._live()
         if not live:
             return
-        room = self.buffer.room()
+        room = self.buffer.room(self.version)
         if room:
             self.buffer.open(self._request, room)
-        share = -(-self.buffer.capacity // len(live))
+        share = -(-self.buffer.in_flight_limit() // len(live))
         for engine in live:
             resumed = self._resumed.pop(engine, None)
             if resumed:
@@ -405,7 +408,7 @@ class ContinuousRollouts:
         """A checkpoint's groups back in the buffer; each unfinished group's partial requests handed to
         one engine (groups dealt round the engines) to be continued."""
         buf = state["buffer"]
-        self.buffer.next_position = buf["next_position"]
+        self.buffer.next_position, self.buffer.consumed = buf["next_position"], buf["consumed"]
         for row in buf["ready"]:
             completions = [Completion(**c) for c in row["completions"]]
             group = request_from(row["request"])

@@ -33,23 +33,25 @@ def finished(request: GroupRequest, versions: list[list[int]], rewards: list[flo
 
 
 def test_groups_move_from_queue_to_engines_to_ready_in_data_order():
-    buf = GroupBuffer(G, capacity=4, filter_flat=False, next_position=10)
-    buf.open(make, buf.room())
-    assert [r.position for r in buf.queued] == [10, 11, 12, 13] and buf.room() == 0
+    buf = GroupBuffer(G, per_step=2, max_staleness=1, filter_flat=False, next_position=10)
+    buf.open(make, buf.room(version=0))
+    assert [r.position for r in buf.queued] == [10, 11, 12, 13] and buf.room(version=0) == 0
     a = buf.assign(0, 3)
     b = buf.assign(1, 3)
     assert [r.position for r in a] == [10, 11, 12] and [r.position for r in b] == [13]
-    buf.finished(1, finished(b[0], [[4, 4], [4]], [1.0, 0.0]))
-    buf.finished(0, finished(a[1], [[4], [4]], [0.0, 1.0]))
+    buf.finished(1, finished(b[0], [[0, 0], [0]], [1.0, 0.0]))
+    buf.finished(0, finished(a[1], [[0], [0]], [0.0, 1.0]))
     assert [g.request.position for g in buf.ready] == [13, 11]  # in the order they finished
-    assert buf.outstanding() == 4 and buf.room() == 0
-    taken = buf.take(2, trained_version=4, max_staleness=1)
+    assert buf.outstanding() == 4 and buf.room(version=0) == 0
+    taken = buf.take(2, trained_version=0, max_staleness=1)
     assert [g.request.position for g in taken] == [13, 11]
-    assert buf.room() == 2 and buf.next_position == 14
+    # Taken by step 1: the engines, still at version 0, start no more (the bound is (0 + 1 + 1) x 2);
+    # at version 1 they may start two.
+    assert buf.room(version=0) == 0 and buf.room(version=1) == 2 and buf.next_position == 14
 
 
 def test_an_engine_failure_requeues_its_groups_whole_at_the_front():
-    buf = GroupBuffer(G, capacity=4, filter_flat=False)
+    buf = GroupBuffer(G, per_step=2, max_staleness=1, filter_flat=False)
     buf.open(make, 4)
     on0 = buf.assign(0, 2)
     buf.assign(1, 2)
@@ -67,7 +69,7 @@ def test_an_engine_failure_requeues_its_groups_whole_at_the_front():
 
 
 def test_staleness_is_measured_from_the_oldest_token_and_drops_the_whole_group():
-    buf = GroupBuffer(G, capacity=3, filter_flat=False)
+    buf = GroupBuffer(G, per_step=3, max_staleness=1, filter_flat=False)
     buf.open(make, 3)
     reqs = buf.assign(0, 3)
     # Group 0: one response began at version 3 and ended at 5; the other is all version 5.
@@ -81,18 +83,28 @@ def test_staleness_is_measured_from_the_oldest_token_and_drops_the_whole_group()
     assert [g.request.position for g in taken] == [1, 2]
 
 
+def test_groups_start_within_the_staleness_bound_of_the_engines_version():
+    # AReaL's bound: taken + outstanding <= (version + k + 1) x per_step.
+    buf = GroupBuffer(G, per_step=4, max_staleness=2, filter_flat=False, consumed=8)
+    assert buf.room(version=2) == (2 + 2 + 1) * 4 - 8
+    buf.open(make, 10)
+    assert buf.room(version=2) == 2 and buf.room(version=3) == 6
+    assert buf.in_flight_limit() == 12
+
+
 def test_dynamic_sampling_drops_flat_groups_when_they_finish():
-    buf = GroupBuffer(G, capacity=2, filter_flat=True)
+    buf = GroupBuffer(G, per_step=1, max_staleness=1, filter_flat=True)
     buf.open(make, 2)
     reqs = buf.assign(0, 2)
     buf.finished(0, finished(reqs[0], [[1], [1]], [1.0, 1.0]))
     buf.finished(0, finished(reqs[1], [[1], [1]], [0.0, 1.0]))
     assert [g.request.position for g in buf.ready] == [1]
-    assert buf.take_counts().filtered == 1 and buf.room() == 1
+    # A filtered group is not trained on: it leaves room for another.
+    assert buf.take_counts().filtered == 1 and buf.room(version=0) == 1
 
 
 def test_a_group_must_come_back_whole():
-    buf = GroupBuffer(G, capacity=1, filter_flat=False)
+    buf = GroupBuffer(G, per_step=1, max_staleness=1, filter_flat=False)
     buf.open(make, 1)
     (req,) = buf.assign(0, 1)
     with pytest.raises(RuntimeError, match="returned 1 responses for group 0, expected 2"):
@@ -100,13 +112,13 @@ def test_a_group_must_come_back_whole():
 
 
 def test_state_lists_in_flight_and_finished_groups():
-    buf = GroupBuffer(G, capacity=3, filter_flat=False, next_position=7)
+    buf = GroupBuffer(G, per_step=3, max_staleness=1, filter_flat=False, next_position=7, consumed=6)
     buf.open(make, 3)
     reqs = buf.assign(0, 1)
     buf.finished(0, finished(reqs[0], [[2], [2]], [1.0, 0.0]))
     buf.assign(1, 1)
     state = buf.state()
-    assert state["next_position"] == 10
+    assert state["next_position"] == 10 and state["consumed"] == 6
     assert sorted(r["position"] for r in state["queued"]) == [8, 9]
     assert [r["request"]["position"] for r in state["ready"]] == [7]
     assert state["ready"][0]["completions"][0]["versions"] == [(2, 1)]
