@@ -17,7 +17,7 @@ __all__ = ["TeacherWorker"]
 
 class TeacherWorker(MegatronRank):
     """One rank of the teacher, built from ``megagrpo.config.teacher.teacher_config(cfg)``; it answers
-    ``logprobs(batch)`` at the student's sampling temperature."""
+    ``logprobs(batch)`` at ``distill.teacher_temperature``, by default the student's sampling temperature."""
 
     def __init__(self, cfg: Config):
         super().__init__(
@@ -25,6 +25,6 @@ class TeacherWorker(MegatronRank):
             seed=cfg.grpo.seed + 4321,
             total_steps=1,
             keep_reference=False,
-            temperature=cfg.generation.temperature,
+            temperature=cfg.distill.teacher_temperature or cfg.generation.temperature,
             trainable=False,
         )
