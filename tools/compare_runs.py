@@ -4,8 +4,10 @@
 
 Prints a Markdown table (a row per step that any run logged the metric at; blank where a run did not) and,
 with ``--reach``, the first step at which each run's metric was >= X (``--reach-fraction F``: X = F times
-the last run's final value); both take several values. ``make distill-demo`` uses it to set the
-distilled student beside the GRPO demo that trained its teacher.
+the last run's final value); both take several values. With ``--common-steps`` a level is judged only at
+the steps every run logged: a run validated more often has more draws of a noisy metric, so its first step
+over a level comes earlier by chance alone. ``make distill-demo`` uses it to set the distilled student
+beside the GRPO demo that trained its teacher.
 """
 
 from __future__ import annotations
@@ -60,9 +62,20 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="--reach these fractions of the last run's final value",
     )
+    p.add_argument(
+        "--common-steps",
+        action="store_true",
+        help="judge the levels only at the steps every run logged the metric at",
+    )
     args = p.parse_args(argv)
     runs = {run.name: read_metric(run, args.metric) for run in args.runs}
     print(table(runs, args.metric))
+    judged = runs
+    if args.common_steps:
+        common = set.intersection(*(set(v) for v in runs.values()))
+        judged = {name: {s: v for s, v in values.items() if s in common} for name, values in runs.items()}
+        listed = ", ".join(map(str, sorted(common)))
+        print(f"\nlevels judged at the {len(common)} steps every run logged: {listed}")
     levels = [(f"{x:.3f}", x) for x in args.reach]
     if args.reach_fraction:
         last = runs[args.runs[-1].name]
@@ -73,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nlevels: fractions of {args.runs[-1].name}'s final {args.metric} ({final:.3f})")
     for label, level in levels:
         print(f"\n{args.metric} >= {label}:")
-        for name, values in runs.items():
+        for name, values in judged.items():
             step = first_reaching(values, level)
             reached = f"step {step}" if step is not None else f"not within its {max(values, default=0)} steps"
             print(f"  {name}: {reached}")
