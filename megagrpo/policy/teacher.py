@@ -10,6 +10,7 @@ forward passes on the trainer's side of the step (``timing/teacher_s``).
 from __future__ import annotations
 
 from megagrpo.config import Config
+from megagrpo.config.teacher import teacher_temperature
 from megagrpo.policy.rank import MegatronRank
 
 __all__ = ["TeacherWorker"]
@@ -25,6 +26,6 @@ class TeacherWorker(MegatronRank):
             seed=cfg.grpo.seed + 4321,
             total_steps=1,
             keep_reference=False,
-            temperature=cfg.distill.teacher_temperature or cfg.generation.temperature,
+            temperature=teacher_temperature(cfg),
             trainable=False,
         )

@@ -81,8 +81,11 @@ def test_distill_normalisation_and_teacher_temperature_keys_are_checked(tmp_path
     ):
         with pytest.raises(ConfigError, match=match):
             load_config(None, [bad])
+    from megagrpo.config.teacher import teacher_temperature
+
     cfg = load_config(None, ["distill.advantage_norm=center", "distill.teacher_temperature=0.5"])
-    assert (cfg.distill.advantage_norm, cfg.distill.teacher_temperature) == ("center", 0.5)
+    assert (cfg.distill.advantage_norm, teacher_temperature(cfg)) == ("center", 0.5)
+    assert teacher_temperature(load_config(None, ["generation.temperature=0.7"])) == 0.7  # the student's
 
 
 def test_garbage_off_the_response_stays_out():
