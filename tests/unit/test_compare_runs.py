@@ -53,9 +53,16 @@ def test_common_steps_judge_the_levels_where_every_run_validated(tmp_path):
     assert "val/accuracy >= 0.500:\n  dense: step 5\n  sparse: step 10" in out
     # at the common steps 0 and 10 only, the dense run's draw at step 5 does not count
     out = subprocess.run([*args, "--common-steps"], capture_output=True, text=True, check=True).stdout
-    assert "levels judged at the 2 steps every run logged: 0, 10" in out
+    assert "levels judged at the steps every run logged (to step 10): 0, 10" in out
     assert "val/accuracy >= 0.500:\n  dense: not within its 10 steps\n  sparse: step 10" in out
     assert "| 5 | 0.700 |  |" in out  # the table keeps every step
+    # past the shorter run's last step, the longer run's own steps count
+    longer = _run(
+        tmp_path, "longer", [{"step": s, "val/accuracy": a} for s, a in ((0, 0.2), (5, 0.9), (15, 0.6))]
+    )
+    cmd = [sys.executable, str(TOOL), str(longer), str(sparse), "--reach", "0.5", "--common-steps"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "val/accuracy >= 0.500:\n  longer: step 15\n  sparse: step 10" in out
 
 
 def test_a_missing_run_is_named(tmp_path):
