@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{args.metric} >= {label}:")
         for name, values in judged.items():
             step = first_reaching(values, level)
-            reached = f"step {step}" if step is not None else f"not within its {max(values, default=0)} steps"
+            last = max(runs[name], default=0)
+            reached = f"step {step}" if step is not None else f"not within its {last} steps"
             print(f"  {name}: {reached}")
     return 0
 

@@ -58,7 +58,9 @@ def test_common_steps_judge_the_levels_where_every_run_validated(tmp_path):
     assert "| 5 | 0.700 |  |" in out  # the table keeps every step
     # past the shorter run's last step, the longer run's own steps count
     longer = _run(
-        tmp_path, "longer", [{"step": s, "val/accuracy": a} for s, a in ((0, 0.2), (5, 0.9), (15, 0.6))]
+        tmp_path,
+        "longer",
+        [{"step": s, "val/accuracy": a} for s, a in ((0, 0.2), (5, 0.9), (10, 0.3), (15, 0.6))],
     )
     cmd = [sys.executable, str(TOOL), str(longer), str(sparse), "--reach", "0.5", "--common-steps"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
