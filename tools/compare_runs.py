@@ -7,8 +7,8 @@ with ``--reach``, the first step at which each run's metric was >= X (``--reach-
 the last run's final value); both take several values. With ``--common-steps`` a level is judged only at
 the steps every run logged, up to the shortest run's last step (past it, at each run's own steps): a run
 validated more often has more draws of a noisy metric, so its first step over a level comes earlier by
-chance alone. ``make distill-demo`` uses it to set the distilled student
-beside the GRPO demo that trained its teacher.
+chance alone. ``make distill-demo`` uses it to set the distilled student beside the GRPO demo that trained
+its teacher.
 """
 
 from __future__ import annotations
