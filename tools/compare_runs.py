@@ -1,6 +1,7 @@
 """One metric of several runs side by side, by step, from their ``metrics.jsonl``.
 
     python tools/compare_runs.py RUN_DIR [RUN_DIR ...] [--metric M] [--reach X | --reach-fraction F]
+                                 [--common-steps]
 
 Prints a Markdown table (a row per step that any run logged the metric at; blank where a run did not) and,
 with ``--reach``, the first step at which each run's metric was >= X (``--reach-fraction F``: X = F times
