@@ -68,12 +68,12 @@ dpo-demo: setup
 
 # On-policy distillation of the tiny model from the GRPO demo's final model (runs make demo first when its
 # export is missing), then its greedy accuracy beside the GRPO run that trained the teacher, from the same
-# warm-up: steps to reach 70, 80 and 90% of the teacher's final accuracy.
+# warm-up: steps to reach 70, 80 and 90% of the teacher's final accuracy, at the steps both runs validated.
 distill-demo: setup
 	test -f runs/tiny-cpu/hf_export/config.json || $(MAKE) demo
 	rm -rf runs/tiny-distill/checkpoints
 	$(VENV)/bin/megagrpo distill --config tiny_distill
-	$(PY) tools/compare_runs.py runs/tiny-distill runs/tiny-cpu --metric val/accuracy --reach-fraction 0.7 0.8 0.9
+	$(PY) tools/compare_runs.py runs/tiny-distill runs/tiny-cpu --metric val/accuracy --reach-fraction 0.7 0.8 0.9 --common-steps
 
 # CPU twin of the DeepScaleR recipe (configs/deepscaler/cpu_twin_*.yaml): make the model (BPE tokenizer +
 # SFT warm-up; rebuilt only when its config changes) and the data, evaluate the made model, run the three

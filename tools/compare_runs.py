@@ -1,11 +1,15 @@
 """One metric of several runs side by side, by step, from their ``metrics.jsonl``.
 
     python tools/compare_runs.py RUN_DIR [RUN_DIR ...] [--metric M] [--reach X | --reach-fraction F]
+                                 [--common-steps]
 
 Prints a Markdown table (a row per step that any run logged the metric at; blank where a run did not) and,
 with ``--reach``, the first step at which each run's metric was >= X (``--reach-fraction F``: X = F times
-the last run's final value); both take several values. ``make distill-demo`` uses it to set the
-distilled student beside the GRPO demo that trained its teacher.
+the last run's final value); both take several values. With ``--common-steps`` a level is judged only at
+the steps every run logged, up to the shortest run's last step (past it, at each run's own steps): a run
+validated more often has more draws of a noisy metric, so its first step over a level comes earlier by
+chance alone. ``make distill-demo`` uses it to set the distilled student beside the GRPO demo that trained
+its teacher.
 """
 
 from __future__ import annotations
@@ -46,6 +50,16 @@ def first_reaching(values: dict[int, float], level: float) -> int | None:
     return next((step for step in sorted(values) if values[step] >= level), None)
 
 
+def common_steps(runs: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """Each run's values at the steps that every run either logged or had not reached (its last step is
+    below them): no run gets a draw that another, still running, did not."""
+
+    def shared(step: int) -> bool:
+        return all(step in values or step > max(values, default=0) for values in runs.values())
+
+    return {name: {s: v for s, v in values.items() if shared(s)} for name, values in runs.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories (each holding metrics.jsonl)")
@@ -60,9 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="--reach these fractions of the last run's final value",
     )
+    p.add_argument(
+        "--common-steps",
+        action="store_true",
+        help="judge the levels only at the steps every run logged the metric at",
+    )
     args = p.parse_args(argv)
     runs = {run.name: read_metric(run, args.metric) for run in args.runs}
     print(table(runs, args.metric))
+    judged = runs
+    if args.common_steps:
+        judged = common_steps(runs)
+        shortest = min(max(values, default=0) for values in runs.values())
+        listed = ", ".join(str(s) for s in sorted(next(iter(judged.values()))) if s <= shortest)
+        print(f"\nlevels judged at the steps every run logged (to step {shortest}): {listed}")
     levels = [(f"{x:.3f}", x) for x in args.reach]
     if args.reach_fraction:
         last = runs[args.runs[-1].name]
@@ -73,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nlevels: fractions of {args.runs[-1].name}'s final {args.metric} ({final:.3f})")
     for label, level in levels:
         print(f"\n{args.metric} >= {label}:")
-        for name, values in runs.items():
+        for name, values in judged.items():
             step = first_reaching(values, level)
-            reached = f"step {step}" if step is not None else f"not within its {max(values, default=0)} steps"
+            last = max(runs[name], default=0)
+            reached = f"step {step}" if step is not None else f"not within its {last} steps"
             print(f"  {name}: {reached}")
     return 0
 

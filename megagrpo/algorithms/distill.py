@@ -37,9 +37,15 @@ def reverse_kl_advantages(
     reverse_kl_coef: float,
     task_advantages_B: Tensor | None = None,
     task_reward_weight: float = 0.0,
+    norm: str = "none",
 ) -> DistillSignal:
     """Per-token advantages from the student's sampling logprobs ``student_BT`` and the teacher's
-    ``teacher_BT`` of the same tokens; ``response_BT`` (bool) marks the sampled positions."""
+    ``teacher_BT`` of the same tokens; ``response_BT`` (bool) marks the sampled positions. ``norm``
+    (``distill.advantage_norm``) is applied to the reverse-KL term over all response tokens, before the
+    task term is added: ``none``, ``center`` (less the mean) or ``standardize`` (less the mean, over the
+    standard deviation)."""
+    if norm not in ("none", "center", "standardize"):
+        raise ValueError(f"norm must be 'none', 'center' or 'standardize', got {norm!r}")
     if not (student_BT.shape == teacher_BT.shape == response_BT.shape):
         raise ValueError(
             f"student {tuple(student_BT.shape)}, teacher {tuple(teacher_BT.shape)} and response "
@@ -50,6 +56,8 @@ def reverse_kl_advantages(
     # where, not a multiply: positions off the response may hold -inf or garbage.
     reverse_kl_BT = torch.where(valid_BT, student_BT.double() - teacher_BT.double(), zero)
     adv_BT = -reverse_kl_coef * reverse_kl_BT
+    if norm != "none":
+        adv_BT = _normalized(adv_BT, valid_BT, standardize=norm == "standardize")
     if task_advantages_B is not None and task_reward_weight:
         adv_BT = adv_BT + torch.where(
             valid_BT, task_reward_weight * task_advantages_B.double()[:, None], zero
@@ -61,3 +69,18 @@ def reverse_kl_advantages(
         reverse_kl_mean=mean(reverse_kl_BT),
         teacher_logprob_mean=mean(torch.where(valid_BT, teacher_BT.double(), zero)),
     )
+
+
+def _normalized(adv_BT: Tensor, valid_BT: Tensor, *, standardize: bool) -> Tensor:
+    """``adv_BT`` less its mean over the valid tokens (a baseline: the expected gradient is unchanged, its
+    variance falls), over their population standard deviation when ``standardize`` (kept as is when
+    that is 0); 0 off the valid tokens."""
+    tokens = int(valid_BT.sum())
+    if tokens == 0:
+        return adv_BT
+    values = adv_BT[valid_BT]
+    out = adv_BT - values.mean()
+    if standardize:
+        std = float(values.std(correction=0))
+        out = out / std if std > 0 else out
+    return torch.where(valid_BT, out, torch.zeros((), dtype=out.dtype))

@@ -16,7 +16,7 @@ from megagrpo.config.errors import ConfigError
 if TYPE_CHECKING:
     from megagrpo.config.schema import Config
 
-__all__ = ["teacher_config"]
+__all__ = ["teacher_config", "teacher_temperature"]
 
 
 def teacher_config(cfg: Config) -> Config:
@@ -43,3 +43,10 @@ def teacher_config(cfg: Config) -> Config:
     generation = dataclasses.replace(cfg.generation, placement="disaggregated")
     teacher = dataclasses.replace(cfg, model=model, parallel=parallel, generation=generation, resolution=None)
     return resolve(teacher)
+
+
+def teacher_temperature(cfg: Config) -> float:
+    """The temperature of the teacher's logprobs: ``distill.teacher_temperature``, else the student's
+    sampling temperature (the advantage then compares two logprobs of one distribution family)."""
+    t = cfg.distill.teacher_temperature
+    return cfg.generation.temperature if t is None else t

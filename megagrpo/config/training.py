@@ -274,6 +274,13 @@ class DistillConfig:
     task_reward_weight: float = 0.0
     """Weight of the task reward's advantage (grpo.baseline over reward.*) added on every token; 0: pure
     distillation (rewards are still computed and logged)."""
+    advantage_norm: Literal["none", "center", "standardize"] = "none"
+    """The reverse-KL advantages over a step's response tokens: as they are (``none``), less their mean
+    (``center``: a constant baseline), or less their mean and over their standard deviation
+    (``standardize``)."""
+    teacher_temperature: float | None = None
+    """Temperature of the teacher's logprobs; null: generation.temperature (the student's, the published
+    recipe). Below it, the student is drawn towards a sharpened teacher."""
 
     @property
     def teacher_world_size(self) -> int:
@@ -290,6 +297,8 @@ class DistillConfig:
         )
         ok = math.isfinite(self.task_reward_weight) and self.task_reward_weight >= 0
         check(self, "task_reward_weight", ok, "finite and >= 0")
+        t = self.teacher_temperature
+        check(self, "teacher_temperature", t is None or (math.isfinite(t) and t > 0), "null or > 0")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -10,6 +10,7 @@ forward passes on the trainer's side of the step (``timing/teacher_s``).
 from __future__ import annotations
 
 from megagrpo.config import Config
+from megagrpo.config.teacher import teacher_temperature
 from megagrpo.policy.rank import MegatronRank
 
 __all__ = ["TeacherWorker"]
@@ -17,7 +18,7 @@ __all__ = ["TeacherWorker"]
 
 class TeacherWorker(MegatronRank):
     """One rank of the teacher, built from ``megagrpo.config.teacher.teacher_config(cfg)``; it answers
-    ``logprobs(batch)`` at the student's sampling temperature."""
+    ``logprobs(batch)`` at ``distill.teacher_temperature``, by default the student's sampling temperature."""
 
     def __init__(self, cfg: Config):
         super().__init__(
@@ -25,6 +26,6 @@ class TeacherWorker(MegatronRank):
             seed=cfg.grpo.seed + 4321,
             total_steps=1,
             keep_reference=False,
-            temperature=cfg.generation.temperature,
+            temperature=teacher_temperature(cfg),
             trainable=False,
         )

@@ -383,6 +383,7 @@ def distill(
         reverse_kl_coef=d.reverse_kl_coef,
         task_advantages_B=batch.advantages,
         task_reward_weight=d.task_reward_weight,
+        norm=d.advantage_norm,
     )
     metrics = {
         "distill/reverse_kl": signal.reverse_kl_mean,

@@ -43,6 +43,30 @@ def test_table_and_steps_to_reach_a_fraction_of_the_last_runs_final_value(tmp_pa
     assert "val/accuracy >= 0.9 x 0.600 = 0.540:\n  fast: step 10\n  slow: step 50" in out
 
 
+def test_common_steps_judge_the_levels_where_every_run_validated(tmp_path):
+    dense = _run(
+        tmp_path, "dense", [{"step": s, "val/accuracy": a} for s, a in ((0, 0.2), (5, 0.7), (10, 0.3))]
+    )
+    sparse = _run(tmp_path, "sparse", [{"step": 0, "val/accuracy": 0.2}, {"step": 10, "val/accuracy": 0.6}])
+    args = [sys.executable, str(TOOL), str(dense), str(sparse), "--reach", "0.5"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    assert "val/accuracy >= 0.500:\n  dense: step 5\n  sparse: step 10" in out
+    # at the common steps 0 and 10 only, the dense run's draw at step 5 does not count
+    out = subprocess.run([*args, "--common-steps"], capture_output=True, text=True, check=True).stdout
+    assert "levels judged at the steps every run logged (to step 10): 0, 10" in out
+    assert "val/accuracy >= 0.500:\n  dense: not within its 10 steps\n  sparse: step 10" in out
+    assert "| 5 | 0.700 |  |" in out  # the table keeps every step
+    # past the shorter run's last step, the longer run's own steps count
+    longer = _run(
+        tmp_path,
+        "longer",
+        [{"step": s, "val/accuracy": a} for s, a in ((0, 0.2), (5, 0.9), (10, 0.3), (15, 0.6))],
+    )
+    cmd = [sys.executable, str(TOOL), str(longer), str(sparse), "--reach", "0.5", "--common-steps"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "val/accuracy >= 0.500:\n  longer: step 15\n  sparse: step 10" in out
+
+
 def test_a_missing_run_is_named(tmp_path):
     res = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "nope")], capture_output=True, text=True)
     assert res.returncode != 0 and "nope/metrics.jsonl: not found" in res.stderr

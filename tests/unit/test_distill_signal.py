@@ -37,6 +37,57 @@ def test_reverse_kl_advantages_by_hand():
     torch.testing.assert_close(mixed.advantages_BT, want)
 
 
+def test_reverse_kl_advantages_centered_and_standardized_by_hand():
+    student = t([[0.0, -0.5, -1.0], [-0.2, -0.1, 0.0]])
+    teacher = t([[-9.0, -0.7, -0.4], [-1.2, -0.1, -5.0]])
+    response = t([[0, 1, 1], [1, 1, 0]]).bool()
+    # coef 2: sampled advantages -0.4, 1.2, -2.0, 0.0 -> mean -0.3; less it: -0.1, 1.5, -1.7, 0.3
+    centered = reverse_kl_advantages(student, teacher, response, reverse_kl_coef=2.0, norm="center")
+    torch.testing.assert_close(centered.advantages_BT, torch.tensor([[0.0, -0.1, 1.5], [-1.7, 0.3, 0.0]]))
+    # population std: sqrt((0.01 + 2.25 + 2.89 + 0.09) / 4) = sqrt(1.31)
+    std = math.sqrt(1.31)
+    standard = reverse_kl_advantages(student, teacher, response, reverse_kl_coef=2.0, norm="standardize")
+    want = torch.tensor([[0.0, -0.1 / std, 1.5 / std], [-1.7 / std, 0.3 / std, 0.0]])
+    torch.testing.assert_close(standard.advantages_BT, want)
+    assert standard.reverse_kl_mean == pytest.approx(0.15)  # the metric stays the raw reverse KL
+    # the task term is added after the normalisation, unscaled by it
+    task = t([1.5, -0.5])
+    mixed = reverse_kl_advantages(
+        student,
+        teacher,
+        response,
+        reverse_kl_coef=2.0,
+        task_advantages_B=task,
+        task_reward_weight=0.5,
+        norm="standardize",
+    )
+    torch.testing.assert_close(
+        mixed.advantages_BT, want + torch.tensor([[0.0, 0.75, 0.75], [-0.25, -0.25, 0.0]])
+    )
+    # equal advantages: centred to 0, not divided by a zero std
+    flat = reverse_kl_advantages(
+        t([[-1.0, -1.0]]), t([[-2.0, -2.0]]), t([[1, 1]]).bool(), reverse_kl_coef=1.0, norm="standardize"
+    )
+    torch.testing.assert_close(flat.advantages_BT, torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="norm must be"):
+        reverse_kl_advantages(student, teacher, response, reverse_kl_coef=1.0, norm="std")
+
+
+def test_distill_normalisation_and_teacher_temperature_keys_are_checked(tmp_path):
+    for bad, match in (
+        ("distill.advantage_norm=std", "distill.advantage_norm"),
+        ("distill.teacher_temperature=0", "distill.teacher_temperature"),
+        ("distill.teacher_temperature=-1.0", "distill.teacher_temperature"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, [bad])
+    from megagrpo.config.teacher import teacher_temperature
+
+    cfg = load_config(None, ["distill.advantage_norm=center", "distill.teacher_temperature=0.5"])
+    assert (cfg.distill.advantage_norm, teacher_temperature(cfg)) == ("center", 0.5)
+    assert teacher_temperature(load_config(None, ["generation.temperature=0.7"])) == 0.7  # the student's
+
+
 def test_garbage_off_the_response_stays_out():
     student = t([[math.nan, -0.5]])
     teacher = t([[-math.inf, -0.5]])
