@@ -54,7 +54,8 @@ def test_the_protocols_declare_the_contract():
         "receive_buffer_bytes",
         "shutdown_weight_sync",
     }
-    assert set(_methods(StreamingEngine)) == {"submit", "advance", "abort", "set_version", "in_flight", "resume_from"}
+    streaming = {"submit", "advance", "abort", "set_version", "in_flight", "resume_from"}
+    assert set(_methods(StreamingEngine)) == streaming
     assert issubclass(VLLMEngine, RolloutEngine)
 
 
