@@ -152,8 +152,8 @@ class GRPOConfig:
     trains on the current ones, and a rollout is trained on at most this many policy versions after the
     one that generated it (weights reach the engines between batches, every max_staleness steps at
     least). 0: the sequential loop (generate, train, sync). A response's staleness is counted from its
-    oldest token (``Completion.versions``); ``megagrpo.trainers.rollouts.drop_stale_groups`` drops a
-    group with a member staler than this whole (the overlap schedule never lets a batch get that old)."""
+    oldest token (``Completion.versions``); with async_mode partial a group with a member staler than this
+    is dropped whole (``trainers.group_buffer``; the overlap schedule never lets a batch get that old)."""
     async_mode: Literal["batch", "partial"] = "batch"
     """batch: a step's rollouts are generated whole by one policy version (max_staleness 0: generate,
     train, sync in turns; >= 1: the next batch is generated while the trainer trains). partial: the

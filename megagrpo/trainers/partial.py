@@ -42,9 +42,10 @@ from megagrpo.trainers.group_buffer import (
     FinishedGroup,
     GroupBuffer,
     GroupRequest,
-    oldest_version,
     request_from,
+    rollouts_of,
 )
+from megagrpo.trainers.rollouts import staleness_metrics
 from megagrpo.types import Completion, SamplingSettings
 
 
@@ -444,16 +445,15 @@ def partial_request(row: dict) -> PartialRequest:
 
 
 def partial_metrics(taken: Taken, trained_version: int) -> dict[str, float]:
-    """Per-sample staleness (from each response's oldest token), the off-policy token fraction, what
-    the buffer dropped or re-queued, and the engines' busy fraction since the last step."""
-    comps = [c for g in taken.groups for c in g.completions]
-    staleness = [trained_version - oldest_version(c) for c in comps]
-    versions = [v for c in comps for v in c.token_versions(default=trained_version)]
+    """Per-sample staleness (from each response's oldest token) and the off-policy token fraction
+    (``rollouts.staleness_metrics``), what the buffer dropped or re-queued, and the engines' busy
+    fraction since the last step."""
+    rollouts = rollouts_of(taken.groups)
+    comps = rollouts.completions
+    staleness = staleness_metrics(rollouts, trained_version, trained_version=trained_version)
+    del staleness["staleness/generator_version"]  # one per token here
     engines = max(1, taken.engines)
-    return {
-        "staleness/mean": sum(staleness) / len(staleness),
-        "staleness/max": float(max(staleness)),
-        "staleness/off_policy_token_frac": sum(v < trained_version for v in versions) / max(1, len(versions)),
+    return staleness | {
         "async/stale_groups": taken.counts.stale,
         "async/requeued_groups": taken.counts.requeued,
         "async/engine_failures": taken.counts.engine_failures,

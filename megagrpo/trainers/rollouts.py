@@ -112,41 +112,6 @@ def staleness_metrics(rollouts: Rollouts, version: int, *, trained_version: int)
     }
 
 
-def drop_stale_groups(
-    rollouts: Rollouts, version: int, *, trained_version: int, max_staleness: int
-) -> tuple[Rollouts, dict[str, float]]:
-    """The rollouts without the groups that have a sample staler than ``max_staleness`` (measured from
-    its oldest token; see :mod:`megagrpo.algorithms.off_policy`), and ``staleness/dropped_groups``."""
-    g = len(rollouts.completions) // max(len(rollouts.prompts), 1)
-    oldest = [c.oldest_version(version) for c in rollouts.completions]
-    verdict = judge_staleness(oldest, trained_version, max_staleness, g)
-    dropped = {"staleness/dropped_groups": float(verdict.dropped_groups)}
-    if not verdict.dropped_groups:
-        return rollouts, dropped
-    kept = [p for p in range(len(rollouts.prompts)) if verdict.keep[p]]
-    rows = [p * g + i for p in kept for i in range(g)]
-    return (
-        dataclasses.replace(
-            rollouts,
-            prompts=[rollouts.prompts[p] for p in kept],
-            completions=[rollouts.completions[r] for r in rows],
-            rewards=rollouts.rewards[rows],
-        ),
-        dropped,
-    )
-
-
-def token_versions(rollouts: Rollouts, batch: TrainBatch, version: int) -> torch.Tensor:
-    """[B, S - 1] int64: the policy version that sampled each position's target token, laid out as
-    ``batch``'s logprobs (``to_train_batch(cfg, rollouts)``); -1 where no response token is."""
-    out = torch.full((batch.size, batch.input_ids.shape[1] - 1), -1, dtype=torch.int64)
-    for row, comp in enumerate(rollouts.completions):
-        start = int(batch.prompt_lengths[row]) - 1
-        versions = comp.token_versions(version)
-        out[row, start : start + len(versions)] = torch.tensor(versions, dtype=torch.int64)
-    return out
-
-
 def generate_groups(cfg: Config, generate: Generate, source: PromptSource, scorer, position: int):
     """``num_prompts_per_step`` groups of G scored completions; with dynamic sampling, groups whose
     rewards are all equal are replaced by fresh prompts (up to 3 extra rounds)."""

@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from megagrpo.algorithms.grpo import LossConfig, group_advantages, grpo_loss
+from megagrpo.algorithms.grpo import LossConfig, grpo_loss
 from megagrpo.algorithms.off_policy import behaviour_weight, judge_staleness
 from megagrpo.ckpt import CheckpointError
 from megagrpo.config import ConfigError, load_config
 from megagrpo.data.prompts import Prompt
-from megagrpo.trainers.rollouts import Pending, Rollouts, drop_stale_groups, staleness_metrics, token_versions
-from megagrpo.types import Completion, TrainBatch
+from megagrpo.trainers.rollouts import Pending, Rollouts, staleness_metrics
+from megagrpo.types import Completion
 
 pytestmark = pytest.mark.unit
 
@@ -140,23 +140,6 @@ def _completion(versions, n=3):
     return Completion(0, list(range(1, n + 1)), [-0.5] * n, "stop", versions=versions)
 
 
-def test_dropping_a_group_leaves_the_other_groups_advantages_as_they_were():
-    # Two groups of G = 3; a member of group 1 has a token from version 6 (staleness 2 at version 8).
-    comps = [_completion([(8, 3)]), _completion([(7, 1), (8, 2)]), _completion(None)]
-    comps += [_completion([(8, 3)]), _completion([(6, 2), (8, 1)]), _completion(None)]
-    rewards = t([1.0, 0.0, 0.0, 1.0, 1.0, 0.0]).float()
-    rollouts = Rollouts([Prompt([5], "a"), Prompt([6], "b")], comps, rewards)
-    kept, metrics = drop_stale_groups(rollouts, 8, trained_version=8, max_staleness=1)
-    assert metrics == {"staleness/dropped_groups": 1.0}
-    assert kept.prompts == [Prompt([5], "a")] and kept.completions == comps[:3]
-    assert kept.rewards.tolist() == [1.0, 0.0, 0.0]
-    # the group baselines: the kept group's advantages are those it had in the whole batch
-    whole = group_advantages(rewards, 3)
-    torch.testing.assert_close(group_advantages(kept.rewards, 3), whole[:3])
-    same, none_dropped = drop_stale_groups(rollouts, 8, trained_version=8, max_staleness=2)
-    assert same is rollouts and none_dropped == {"staleness/dropped_groups": 0.0}
-
-
 def test_staleness_metrics_count_each_sample_from_its_oldest_token():
     # version 5 trains; the batch was started at version 3 (completions without versions: all v3)
     comps = [_completion([(3, 1), (4, 1), (5, 1)]), _completion([(5, 3)]), _completion(None, n=2)]
@@ -181,15 +164,6 @@ def test_completion_versions_and_their_helpers():
     for bad in ([(3, 2)], [(3, 2), (4, 2)], [(3, 0), (4, 3)], [(3, 1.5), (4, 1.5)]):
         with pytest.raises(ValueError, match=r"Completion\.versions"):
             _completion(bad)
-
-
-def test_token_versions_are_laid_out_as_the_logprobs():
-    comps = [_completion([(3, 1), (4, 1), (5, 1)]), _completion(None, n=1)]
-    rollouts = Rollouts([Prompt([7, 8], "x")], comps, torch.zeros(2))
-    batch = TrainBatch.from_sequences([[7, 8, 1, 2, 3], [7, 8, 1]], [2, 2])
-    got = token_versions(rollouts, batch, 5)
-    # position t predicts token t + 1: the response starts at position prompt_length - 1 = 1
-    assert got.tolist() == [[-1, 3, 4, 5], [-1, 5, -1, -1]]
 
 
 def test_versions_survive_a_checkpoint_and_old_checkpoints_load_without_them(tmp_path):
