@@ -27,17 +27,16 @@ class PacedEngine(VLLMEngine):
         return super().advance(0.0)  # one engine step: advance checks its budget after each step
 
 
-def use_paced_engine() -> None:
-    """``generation.engine: vllm`` starts ``PacedEngine`` in this process's runs."""
+def paced_spec():
+    """``generation.engine: vllm``'s registry entry, starting ``PacedEngine``."""
     from megagrpo.generation import engine
 
-    engine.ENGINES["vllm"] = dataclasses.replace(
-        engine.ENGINES["vllm"], engine_class=f"{__name__}:PacedEngine"
-    )
+    return dataclasses.replace(engine.ENGINES["vllm"], engine_class=f"{__name__}:PacedEngine")
 
 
 if __name__ == "__main__":
     from megagrpo.cli import main
+    from megagrpo.generation import engine
 
-    use_paced_engine()
+    engine.ENGINES["vllm"] = paced_spec()
     sys.exit(main(sys.argv[1:]))

@@ -33,12 +33,15 @@ _LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 
 def _session_of(pid: int) -> Path:
-    """The Ray session directory a megagrpo driver ``pid`` started (its marker names it)."""
-    from megagrpo.runtime.watchdog import MARKER
+    """The Ray session directory a megagrpo driver ``pid`` started (its marker names it, with the pid's
+    start time: over a long test session an earlier driver may have had the same pid)."""
+    from megagrpo.runtime.watchdog import MARKER, start_time
 
+    started = start_time(pid)
     for marker in Path("/tmp/ray").glob(f"session_*/{MARKER}"):
-        if json.loads(marker.read_text())["pid"] == pid:
-            return marker.parent
+        owner = json.loads(marker.read_text())
+        if owner["pid"] == pid and owner.get("start_time") == started:
+            return marker.parent.resolve()  # not the session_latest link
     raise AssertionError(f"no Ray session marked as started by pid {pid}")
 
 

@@ -35,8 +35,8 @@ PARTIAL = [
 ]
 
 
-def test_partial_rollouts_survive_an_engine_and_the_driver_killed(undisturbed, tmp_path, capsys):
-    from _paced_engine import use_paced_engine
+def test_partial_rollouts_survive_an_engine_and_the_driver_killed(undisturbed, tmp_path, capsys, monkeypatch):
+    from _paced_engine import paced_spec
 
     from megagrpo.config import load_config
     from megagrpo.runtime.watchdog import session_processes
@@ -72,7 +72,9 @@ def test_partial_rollouts_survive_an_engine_and_the_driver_killed(undisturbed, t
     assert saved <= stopped < STEPS
 
     # 2. Resumed in this process from the latest checkpoint: its requests in flight are continued.
-    use_paced_engine()
+    from megagrpo.generation import engine
+
+    monkeypatch.setitem(engine.ENGINES, "vllm", paced_spec())  # this test's runs only
     cfg = load_config(None, [*overrides, "checkpoint.resume=true"])
     capsys.readouterr()
     train(cfg)
