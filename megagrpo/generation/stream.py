@@ -137,6 +137,27 @@ class StreamFailure:
     """vLLM's finish reason ("abort", "error", ...)."""
 
 
+def sampling_params(settings: SamplingSettings, seed: int | None, **overrides):
+    """vLLM's ``SamplingParams`` for ``settings`` (n, tokens, temperature, top-p/k, stops) seeded ``seed``:
+    token ids only (no detokenizing), with each sampled token's logprob; ``overrides`` replace fields."""
+    from vllm import SamplingParams
+
+    fields = {
+        "n": settings.n,
+        "max_tokens": settings.max_tokens,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "top_k": settings.top_k,
+        # vLLM's ignore_eos passes EOS only; the stop tokens (EOS among them) go too.
+        "stop_token_ids": [] if settings.ignore_eos else list(settings.stop_token_ids),
+        "ignore_eos": settings.ignore_eos,
+        "seed": seed,
+        "logprobs": 0,
+        "detokenize": False,
+    }
+    return SamplingParams(**(fields | overrides))
+
+
 def continuation_seed(seed: int | None, tokens_so_far: int) -> int | None:
     """The seed of a continuation of a seeded request that has ``tokens_so_far`` tokens: a fixed function of
     both, so the same snapshot continues the same way (vLLM's generator cannot skip ahead: module doc)."""
@@ -191,7 +212,6 @@ class RequestStream:
             self._add(request, (), (), ())
 
     def _add(self, request: StreamRequest, tokens: Sequence[int], logprobs, versions) -> None:
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         s = request.settings
@@ -214,17 +234,10 @@ class RequestStream:
             )
             return
         seed = request.seed if request.seed is not None else s.seed
-        params = SamplingParams(
+        params = sampling_params(
+            s,
+            continuation_seed(seed, len(tokens)) if tokens else seed,
             max_tokens=left,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            # As GenerationWorker.generate: ignore_eos lets the stop tokens pass too.
-            stop_token_ids=[] if s.ignore_eos else list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-            seed=continuation_seed(seed, len(tokens)) if tokens else seed,
-            logprobs=0,
-            detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
         prompt = {

@@ -28,7 +28,13 @@ from megagrpo.config import Config
 from megagrpo.envs.episodes import Turn, TurnEngine
 from megagrpo.generation.engine import SLEEP_TAGS
 from megagrpo.generation.routing import engine_routing
-from megagrpo.generation.stream import PartialRequest, RequestStream, StreamRequest, StreamSlice
+from megagrpo.generation.stream import (
+    PartialRequest,
+    RequestStream,
+    StreamRequest,
+    StreamSlice,
+    sampling_params,
+)
 from megagrpo.generation.vllm_layout import VLLM_LAYOUT, VLLMLayout
 from megagrpo.types import Completion, SamplingSettings
 from megagrpo.weight_sync.buckets import Bucket
@@ -198,26 +204,11 @@ class VLLMEngine:
         ``seeds`` (one per prompt) make each prompt's samples independent of how prompts are
         split across engines and batched, which keeps resumed runs on the same trajectory.
         """
-        from vllm import SamplingParams
-
         self._require_awake("generate")
-
-        def params(seed: int | None) -> SamplingParams:
-            return SamplingParams(
-                n=settings.n,
-                max_tokens=settings.max_tokens,
-                temperature=settings.temperature,
-                top_p=settings.top_p,
-                top_k=settings.top_k,
-                # vLLM's ignore_eos passes EOS only; the stop tokens (EOS among them) go too.
-                stop_token_ids=[] if settings.ignore_eos else list(settings.stop_token_ids),
-                ignore_eos=settings.ignore_eos,
-                seed=seed,
-                logprobs=0,
-                detokenize=False,
-            )
-
-        per_prompt = [params(s) for s in seeds] if seeds is not None else params(settings.seed)
+        if seeds is not None:
+            per_prompt = [sampling_params(settings, s) for s in seeds]
+        else:
+            per_prompt = sampling_params(settings, settings.seed)
         if self.routing is not None:
             self.routing.start(self.llm)
         outputs = self._run(prompts, per_prompt)
