@@ -176,6 +176,7 @@ def stage_measurements(rows: list[dict], s: dict) -> list[Measurement]:
 def step_requests(cfg, steps: list[int]):
     """Per step, (token-id prompts, seeds) as the driver draws them, and the sampling settings."""
     from megagrpo.data.prompts import build_source
+    from megagrpo.trainers.rollouts import group_seed
     from megagrpo.types import SamplingSettings
 
     if cfg.grpo.filter_zero_variance_groups:
@@ -184,7 +185,7 @@ def step_requests(cfg, steps: list[int]):
     requests = {}
     for step in steps:
         at = (step - 1) * per
-        seeds = [cfg.generation.seed * 1_000_003 + at + i for i in range(per)]
+        seeds = [group_seed(cfg, at + i) for i in range(per)]
         requests[step] = ([p.token_ids for p in source.batch(at, per)], seeds)
     g = cfg.grpo.num_generations
     return requests, SamplingSettings.from_config(cfg, stop_token_ids=source.stop_token_ids, n=g)

@@ -45,13 +45,8 @@ from megagrpo.trainers.group_buffer import (
     request_from,
     rollouts_of,
 )
-from megagrpo.trainers.rollouts import staleness_metrics
+from megagrpo.trainers.rollouts import group_seed, staleness_metrics
 from megagrpo.types import Completion, SamplingSettings
-
-
-def group_seed(cfg: Config, position: int) -> int:
-    """The seed of the group at data ``position`` (as the batch modes seed it: ``generate_groups``)."""
-    return cfg.generation.seed * 1_000_003 + position
 
 
 def score_group(
@@ -124,9 +119,9 @@ class EngineStreams:
         return self.actors[engine].resume_from.remote(partials)
 
 
-def sample_seed(group_seed: int, sample: int) -> int:
-    """The seed of sample ``sample`` of the group seeded ``group_seed`` (one request per sample)."""
-    return (group_seed * 1_000_003 + sample) % (2**63 - 1)
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of sample ``sample`` of the group seeded ``seed`` (one request per sample)."""
+    return (seed * 1_000_003 + sample) % (2**63 - 1)
 
 
 def request_key(request_id: str) -> tuple[int, int]:

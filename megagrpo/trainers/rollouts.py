@@ -112,6 +112,11 @@ def staleness_metrics(rollouts: Rollouts, version: int, *, trained_version: int)
     }
 
 
+def group_seed(cfg: Config, position: int) -> int:
+    """The sampling seed of the group (prompt) at data ``position``, in every rollout mode."""
+    return cfg.generation.seed * 1_000_003 + position
+
+
 def generate_groups(cfg: Config, generate: Generate, source: PromptSource, scorer, position: int):
     """``num_prompts_per_step`` groups of G scored completions; with dynamic sampling, groups whose
     rewards are all equal are replaced by fresh prompts (up to 3 extra rounds)."""
@@ -123,7 +128,7 @@ def generate_groups(cfg: Config, generate: Generate, source: PromptSource, score
     for _ in range(4 if cfg.grpo.filter_zero_variance_groups else 1):
         need = want - len(kept_prompts)
         prompts = source.batch(position, need)
-        seeds = [cfg.generation.seed * 1_000_003 + position + i for i in range(need)]
+        seeds = [group_seed(cfg, position + i) for i in range(need)]
         position += need
         comps = generate(prompts, settings, seeds)
         if comps and all(c.reward is not None for c in comps):  # episodes: their environments scored them
