@@ -121,8 +121,11 @@ $(TWIN)-data/val.jsonl:
 	$(PY) -m megagrpo.data.math_problems $(TWIN)-data/train.parquet 4000 --seed 1
 	$(PY) -m megagrpo.data.math_problems $(TWIN)-data/val.jsonl 64 --seed 2
 
+# The unit tier in two processes (pytest-xdist, a file per process at a time: a file's module fixtures are
+# made once); the multi-process dist and e2e tiers one test at a time, as their runs fill the cores.
 test: setup
-	$(PY) -m pytest -m "unit or dist or e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -m unit -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -m "dist or e2e" $(PYTEST_ARGS)
 	$(PY) -m ruff check .
 
 test-unit: setup
