@@ -350,12 +350,13 @@ def _check_grpo(cfg: Config) -> None:
             ("grpo.overlong_buffer_tokens", key),
             f"overlong_buffer_tokens {cfg.grpo.overlong_buffer_tokens} must be < {key.split('.')[1]} {new}",
         )
-    if cfg.grpo.async_mode == "partial":
-        # Not built yet for partial rollouts: episodes' turns and routed-expert rows across weight swaps.
-        replay = cfg.grpo.routing_replay != "none"
-        unsupported = {"env.environment": cfg.env.enabled, "grpo.routing_replay": replay}
-        for key, on in unsupported.items():
-            require(not on, ("grpo.async_mode", key), f"async_mode 'partial' does not support {key} yet")
+    # Not built yet for partial rollouts: episodes' turns across weight swaps (each episode's runner steps
+    # the engine itself, which a request stream must be alone to do).
+    require(
+        cfg.grpo.async_mode != "partial" or not cfg.env.enabled,
+        ("grpo.async_mode", "env.environment"),
+        "async_mode 'partial' does not support env.environment yet",
+    )
     require(
         cfg.logging.val_every == 0 or cfg.data.num_val_prompts > 0,
         ("logging.val_every", "data.num_val_prompts"),

@@ -209,10 +209,7 @@ class VLLMEngine:
             per_prompt = [sampling_params(settings, s) for s in seeds]
         else:
             per_prompt = sampling_params(settings, settings.seed)
-        if self.routing is not None:
-            self.routing.start(self.llm)
-        outputs = self._run(prompts, per_prompt)
-        routed = self.routing.collect(self.llm, outputs) if self.routing is not None else None
+        outputs, routed = self._run_routed(prompts, per_prompt, self.routing is not None)
         completions = []
         for index, out in enumerate(outputs):
             for c, comp in enumerate(out.outputs):
@@ -289,9 +286,7 @@ class VLLMEngine:
         if routed and self.routing is None:
             raise ValueError("routed experts were asked of an engine started without grpo.routing_replay")
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        if routed:
-            self.routing.start(self.llm)
-        outputs = self._run(sequences, params)
+        outputs, rows = self._run_routed(sequences, params, routed)
         result = []
         for seq, out in zip(sequences, outputs, strict=True):
             # Position 0 has no logprob (nothing precedes it).
@@ -299,7 +294,7 @@ class VLLMEngine:
         if not routed:
             return result
         # One sampled token: its prompt's positions are the rows (P + 1 - 1).
-        return result, [per[0] for per in self.routing.collect(self.llm, outputs)]
+        return result, [per[0] for per in rows]
 
     def sleep(self) -> None:
         """Colocated placement: give the GPU to the trainer, weights and KV cache both (vLLM's level 2:
@@ -407,9 +402,20 @@ class VLLMEngine:
             return self.stream.run_now(prompts, params)
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
+    def _run_routed(self, prompts: list[list[int]], params, routed: bool) -> tuple[list, list | None]:
+        """``_run``'s outputs and, if ``routed``, their routed experts (per output, per completion). Beside
+        a stream's requests the capture records on: it holds their rows too (``generation.stream``)."""
+        if not routed:
+            return self._run(prompts, params), None
+        beside = self.stream is not None and len(self.stream) > 0
+        if not beside:
+            self.routing.start(self.llm)
+        outputs = self._run(prompts, params)
+        return outputs, self.routing.collect(self.llm, outputs, running=beside)
+
     def _stream(self) -> RequestStream:
         if self.stream is None:
-            self.stream = RequestStream(self.llm, version=self.version)
+            self.stream = RequestStream(self.llm, version=self.version, routing=self.routing)
         return self.stream
 
     def submit(self, requests: Sequence[StreamRequest]) -> None:

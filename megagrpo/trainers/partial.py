@@ -131,14 +131,22 @@ def request_key(request_id: str) -> tuple[int, int]:
 
 
 def to_completion(done) -> Completion:
-    """A finished stream request (``StreamCompletion``) as the pipeline's record, its versions in runs."""
+    """A finished stream request (``StreamCompletion``) as the pipeline's record, its versions in runs
+    (and its routed experts under ``grpo.routing_replay``: the rows of every version, per position)."""
     runs: list[tuple[int, int]] = []
     for v in done.versions:
         if runs and runs[-1][0] == v:
             runs[-1] = (v, runs[-1][1] + 1)
         else:
             runs.append((v, 1))
-    return Completion(0, list(done.token_ids), list(done.logprobs), done.finish_reason, versions=runs)
+    return Completion(
+        0,
+        list(done.token_ids),
+        list(done.logprobs),
+        done.finish_reason,
+        routed_experts=done.routed_experts,
+        versions=runs,
+    )
 
 
 class ContinuousRollouts:
