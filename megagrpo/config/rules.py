@@ -350,12 +350,12 @@ def _check_grpo(cfg: Config) -> None:
             ("grpo.overlong_buffer_tokens", key),
             f"overlong_buffer_tokens {cfg.grpo.overlong_buffer_tokens} must be < {key.split('.')[1]} {new}",
         )
-    # Not built yet for partial rollouts: episodes' turns across weight swaps (each episode's runner steps
-    # the engine itself, which a request stream must be alone to do).
+    # Partial rollouts play episodes as they come (envs.stream_episodes): no turn-synchronous waves.
     require(
-        cfg.grpo.async_mode != "partial" or not cfg.env.enabled,
-        ("grpo.async_mode", "env.environment"),
-        "async_mode 'partial' does not support env.environment yet",
+        cfg.grpo.async_mode != "partial" or not cfg.env.enabled or cfg.env.schedule == "async",
+        ("grpo.async_mode", "env.schedule"),
+        "async_mode 'partial' runs episodes with env.schedule 'async' (the 'turns' baseline waits for "
+        "every episode's turn, which requests of other groups would hold up)",
     )
     require(
         cfg.logging.val_every == 0 or cfg.data.num_val_prompts > 0,

@@ -93,6 +93,9 @@ class StreamRequest:
     """This request's sampling seed; None: ``settings.seed``."""
     group_id: int | str | None = None
     """The group (prompt) the response belongs to."""
+    task: dict | None = None
+    """Multi-turn episodes (``env.environment``): the environment's task; the request is then an episode,
+    ``prompt_ids`` unused (``megagrpo.envs.stream_episodes``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +115,8 @@ class StreamCompletion:
     routed_experts: torch.Tensor | None = None
     """[P + N - 1, MoE layers, k] a stream with a routing capture: each position's experts, as its first
     forward routed them (``Completion.routed_experts``); None: none asked for."""
+    episode: Completion | None = None
+    """A multi-turn episode's whole record (opening, loss mask, reward, stats); None: a plain request."""
 
     def completion(self, prompt_index: int) -> Completion:
         """The record the rest of the pipeline takes (without the versions)."""
@@ -292,6 +297,10 @@ class RequestStream:
         """Requests in flight (queued or decoding)."""
         return len(self._live)
 
+    def busy(self) -> bool:
+        """Requests in flight, or finished ones the next ``advance`` returns."""
+        return bool(self._live or self._ready)
+
     # ------------------------------------------------------------------------------------- stepping
 
     def advance(
@@ -446,12 +455,18 @@ class RequestStream:
         outputs: list = [None] * len(prompts)
         left = len(ids)
         while left:
-            mine = []
-            for output in self._engine.step():
+            for output in self.step_beside():
                 index = ids.get(output.request_id)
-                if index is None:
-                    mine.append(output)
-                elif output.finished:
+                if index is not None and output.finished:
                     outputs[index], left = output, left - 1
-            self._ready.extend(self._finish(mine))
         return outputs
+
+    def step_beside(self) -> list:
+        """One engine step with requests of the caller's beside the stream's (added to the engine with
+        ids of their own): vLLM's outputs of the caller's requests. The stream's requests move on as in
+        ``advance``; those that finish are returned by the next ``advance``."""
+        ours, theirs = [], []
+        for output in self._engine.step():
+            (ours if output.request_id in self._live else theirs).append(output)
+        self._ready.extend(self._finish(ours))
+        return theirs
