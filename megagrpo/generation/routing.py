@@ -183,8 +183,8 @@ class EngineRouting:
     def take_chunks(self, llm, outputs: dict) -> dict[str, list[tuple[int, torch.Tensor]]]:
         """As :meth:`HookedRouting.take_chunks`; vLLM hands rows only with a finished request, for every
         position of the engine's request (a continuation's prompt holds the tokens so far: the stream
-        keeps their earlier rows, ``merge_rows``), so a ``"recompute"`` swap's rows replace the old ones
-        of a running request here. Not run here (no GPU)."""
+        keeps their earlier rows, ``merge_rows``; a snapshot taken here has no rows), so a running
+        request's positions get the rows of their last forward here. Not run here (no GPU)."""
         chunks: dict[str, list] = {}
         for rid, out in outputs.items():
             if out is None:
