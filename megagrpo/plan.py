@@ -15,6 +15,8 @@ sender puts on each link and each vLLM worker receives per sync, on the path the
 TP rank 0 of each stage broadcasts its stage). With colocated engines, the bytes on one GPU in
 each phase of a run (start, resume, step-0 sync, wake, sync, generation, train, save:
 :mod:`megagrpo.plan_colocated`) under ``policy.offload``, and which phase is the peak.
+Under ``grpo.async_mode: partial``, the group buffer's host memory and each engine's KV cache for the
+requests it holds in flight (:mod:`megagrpo.plan_partial`).
 A mixture-of-experts model's routed experts are counted by :mod:`megagrpo.plan_experts` (split over EP
 and ETP, their Adam states over the expert data-parallel group; the dispatcher's activations and
 all-to-all bytes; the engines' layouts of them) and added to each rank's numbers.
@@ -30,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megagrpo import plan_experts
+from megagrpo import plan_experts, plan_partial
 from megagrpo.config import rules
 from megagrpo.config.errors import ConfigError
 from megagrpo.config.resolution import packs_sequences
@@ -81,6 +83,9 @@ class Plan:
     errors: list[str] = field(default_factory=list)
     experts: plan_experts.ExpertPlan | None = None
     """A mixture-of-experts model: the experts' layout and their part of each rank's numbers."""
+    partial: dict[str, int] | None = None
+    """grpo.async_mode partial: the group buffer's host bytes and the engines' KV cache for the requests
+    in flight (:func:`megagrpo.plan_partial.partial_plan`)."""
     trainer: str = "grpo"
     """The command the plan is for (``--trainer``): sft and dpo start no engines (no engine or sync part)."""
     shape_from: str = ""
@@ -339,6 +344,8 @@ def make_plan(
         trainer=trainer,
         shape_from=where,
     )
+    if rollouts and cfg.grpo.async_mode == "partial":
+        plan.partial = plan_partial.partial_plan(cfg, shape, engine)
     plan.errors = errors
     errors += memory_errors(cfg, ranks, engine, gpu_memory_gib, colocated)
     return plan
@@ -389,6 +396,9 @@ def _engine_worker(cfg: Config, shape: GPTShape, non_expert: int, gpu_memory_gib
     kv_per_token = 2 * shape.num_layers * shape.num_query_groups * shape.head_dim * wb / etp
     per_engine = math.ceil(cfg.rollouts_per_step / gen.num_engines)
     concurrency = min(per_engine, VLLM_MAX_NUM_SEQS)
+    max_num_seqs = gen.max_num_seqs or VLLM_MAX_NUM_SEQS
+    if cfg.grpo.async_mode == "partial":  # the requests it holds in flight, as many as vLLM decodes at once
+        concurrency = min(plan_partial.requests_per_engine(cfg), max_num_seqs)
     weights = (
         plan_experts.engine_weights(shape, non_expert, etp, wb)
         if shape.is_moe
@@ -400,6 +410,8 @@ def _engine_worker(cfg: Config, shape: GPTShape, non_expert: int, gpu_memory_gib
         "kv_cache": int(kv_per_token * cfg.model.seq_length * concurrency),
         "concurrency": concurrency,
         "claimed": int(gen.gpu_memory_utilization * gpu_memory_gib * GIB),
+        "kv_per_token": kv_per_token,
+        "max_num_seqs": max_num_seqs,
     }
 
 
@@ -572,6 +584,14 @@ def _render_engines(con, plan: Plan, cfg: Config) -> None:
         f"vLLM workers, {_size(s['bytes_per_sender'])} per sender, {_size(s['bytes_per_worker'])} per "
         f"worker, ~{s['est_seconds']:.2f} s at {s['link_gbps']:g} Gb/s"
     )
+    if plan.partial is not None:
+        p = plan.partial
+        con.print(
+            f"partial rollouts: buffer of {p['groups']} groups ({p['responses']} responses) up to "
+            f"{_size(p['buffer_bytes'])} of host memory; {p['requests_per_engine']} requests in flight per "
+            f"engine, {p['running_per_engine']} decoding: KV {_size(p['kv_in_flight'])}, headroom "
+            f"{_size(p['kv_headroom'])}"
+        )
     if plan.colocated is not None:
         c = plan.colocated
         phases = ", ".join(f"{phase} {_size(c[phase])}" for phase in COLOCATED_PHASES)

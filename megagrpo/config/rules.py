@@ -350,12 +350,13 @@ def _check_grpo(cfg: Config) -> None:
             ("grpo.overlong_buffer_tokens", key),
             f"overlong_buffer_tokens {cfg.grpo.overlong_buffer_tokens} must be < {key.split('.')[1]} {new}",
         )
-    if cfg.grpo.async_mode == "partial":
-        # Not built yet for partial rollouts: episodes' turns and routed-expert rows across weight swaps.
-        replay = cfg.grpo.routing_replay != "none"
-        unsupported = {"env.environment": cfg.env.enabled, "grpo.routing_replay": replay}
-        for key, on in unsupported.items():
-            require(not on, ("grpo.async_mode", key), f"async_mode 'partial' does not support {key} yet")
+    # Partial rollouts play episodes as they come (envs.stream_episodes): no turn-synchronous waves.
+    require(
+        cfg.grpo.async_mode != "partial" or not cfg.env.enabled or cfg.env.schedule == "async",
+        ("grpo.async_mode", "env.schedule"),
+        "async_mode 'partial' runs episodes with env.schedule 'async' (the 'turns' baseline waits for "
+        "every episode's turn, which requests of other groups would hold up)",
+    )
     require(
         cfg.logging.val_every == 0 or cfg.data.num_val_prompts > 0,
         ("logging.val_every", "data.num_val_prompts"),

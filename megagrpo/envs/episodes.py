@@ -44,6 +44,9 @@ class Turn:
     token_ids: list[int]
     logprobs: list[float]
     routed_experts: Any = None
+    versions: list[int] | None = None
+    """The policy version that sampled each token (an engine whose weights change under running
+    requests: ``grpo.async_mode`` partial); None: one version for the whole call."""
 
 
 class TurnEngine(Protocol):
@@ -87,6 +90,9 @@ class _Episode:
     """Token-layer pairs a later turn forwarded again."""
     rerouted: int = 0
     """Of those, the pairs it routed to other experts."""
+    versions: list[int] | None = None
+    """Per token of ``tokens``, the policy version that sampled it (an observation's tokens: the version
+    of the turn before them), from turns that report versions; else None."""
 
     def completion(self, task: int) -> Completion:
         stats = {
@@ -109,6 +115,7 @@ class _Episode:
             reward=self.reward,
             stats=stats,
             routed_experts=self.routed,
+            versions=version_runs(self.versions) if self.versions is not None else None,
         )
 
     def add_routing(self, rows) -> None:
@@ -130,6 +137,17 @@ class _Episode:
         self.routed = torch.cat([self.routed, rows[kept:]])
 
 
+def version_runs(versions: Sequence[int]) -> list[tuple[int, int]]:
+    """Per-token versions as ``Completion.versions`` holds them: ``[(version, count), ...]`` runs."""
+    runs: list[tuple[int, int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1] = (v, runs[-1][1] + 1)
+        else:
+            runs.append((v, 1))
+    return runs
+
+
 class EpisodeRunner:
     """Runs episodes on one engine with a pool of environment workers (``DeadlinePool`` of
     ``megagrpo.envs.runner:env_call``).
@@ -145,6 +163,12 @@ class EpisodeRunner:
         self.errors_logged = 0
         self.spec = env_cfg.spec
         self.options = {"tool_format": env_cfg.tool_format, "allow_unsandboxed": env_cfg.allow_unsandboxed}
+        # Between ticks: episodes at an environment (by pool ticket) or at the engine (by request id),
+        # turns sampled and waiting for an environment, episodes waiting for the engine.
+        self._calls: dict[int, _Episode] = {}
+        self._requests: dict[str, _Episode] = {}
+        self._sampled: list[tuple[_Episode, Turn]] = []
+        self._observed: list[_Episode] = []
 
     def run(self, tasks: Sequence[dict], n: int, seeds: Sequence[int]) -> list[Completion]:
         """``n`` episodes per task (task-major order), episode j of task i seeded from ``seeds[i]`` and j
@@ -154,53 +178,84 @@ class EpisodeRunner:
             for i in range(len(tasks))
             for j in range(n)
         ]
-        calls: dict[int, _Episode] = {}  # pool ticket -> episode
-        requests: dict[str, _Episode] = {}  # engine request id -> episode
-        for ep in episodes:
-            reset = (self.spec, self.cfg.args, "reset", dict(tasks[ep.index // n]), self.options)
-            calls[self.pool.submit(reset)] = ep
-        sampled: list[tuple[_Episode, Turn]] = []  # turns waiting to go to an environment
-        observed: list[_Episode] = []  # episodes waiting for their next engine request
-        synchronous = self.cfg.schedule == "turns"
+        self.open([(ep, tasks[ep.index // n]) for ep in episodes])
         while any(ep.finish is None for ep in episodes):
-            assert calls or requests or sampled or observed, "an unfinished episode is nowhere"
-            if self.engine.busy():
-                for turn in self.engine.step():
-                    sampled.append((requests.pop(turn.request_id), turn))
-                outcomes = self.pool.poll(0)
-            else:
-                outcomes = self.pool.poll(None if self.pool.pending and not sampled else 0)
-            for ticket, outcome in outcomes:
-                ep = calls.pop(ticket)
-                if self._observed(ep, outcome):
-                    observed.append(ep)
-            # The turn-synchronous baseline moves a whole wave at once: turns to the environments once the
-            # engine has sampled every one, requests to the engine once every environment has answered.
-            if sampled and not (synchronous and self.engine.busy()):
-                for ep, turn in sampled:
-                    if self._sampled(ep, turn):
-                        calls[
-                            self.pool.submit((self.spec, self.cfg.args, "step", (ep.env, self._text(turn))))
-                        ] = ep
-                sampled = []
-            if observed and not (synchronous and self.pool.pending):
-                for ep in observed:
-                    request = f"ep{ep.index}-t{ep.turns}-{ep.seed}"
-                    requests[request] = ep
-                    max_tokens = min(self.cfg.max_new_tokens, ep.budget)
-                    self.engine.add(request, ep.prompt + ep.tokens, max_tokens, ep.seed + ep.turns)
-                observed = []
+            self.tick(wait=None)
         return [ep.completion(ep.index // n) for ep in episodes]
+
+    def open(self, episodes: Sequence[tuple[_Episode, dict]]) -> None:
+        """Start ``(episode, task)`` pairs: each environment's reset goes to a worker."""
+        for ep, task in episodes:
+            reset = (self.spec, self.cfg.args, "reset", dict(task), self.options)
+            self._calls[self.pool.submit(reset)] = ep
+
+    def tick(self, *, wait: float | None) -> None:
+        """One engine step (if the engine has requests) and the environments' answers so far, each
+        episode moved on; with the engine idle, waits up to ``wait`` seconds for an environment to answer
+        (None: until one does)."""
+        calls, requests = self._calls, self._requests
+        assert calls or requests or self._sampled or self._observed, "an unfinished episode is nowhere"
+        if self.engine.busy():
+            for turn in self.engine.step():
+                ep = requests.pop(turn.request_id, None)
+                if ep is not None:  # else dropped meanwhile
+                    self._sampled.append((ep, turn))
+            outcomes = self.pool.poll(0)
+        else:
+            idle = self.pool.pending and not self._sampled
+            outcomes = self.pool.poll(wait if idle else 0)
+        for ticket, outcome in outcomes:
+            ep = calls.pop(ticket)
+            if ep.finish is None and self._observed_outcome(ep, outcome):
+                self._observed.append(ep)
+        # The turn-synchronous baseline moves a whole wave at once: turns to the environments once the
+        # engine has sampled every one, requests to the engine once every environment has answered.
+        synchronous = self.cfg.schedule == "turns"
+        if self._sampled and not (synchronous and self.engine.busy()):
+            for ep, turn in self._sampled:
+                if self._add_turn(ep, turn):
+                    step = (self.spec, self.cfg.args, "step", (ep.env, self._text(turn)))
+                    calls[self.pool.submit(step)] = ep
+            self._sampled = []
+        if self._observed and not (synchronous and self.pool.pending):
+            for ep in self._observed:
+                request = f"ep{ep.index}-t{ep.turns}-{ep.seed}"
+                requests[request] = ep
+                max_tokens = min(self.cfg.max_new_tokens, ep.budget)
+                self.engine.add(request, ep.prompt + ep.tokens, max_tokens, ep.seed + ep.turns)
+            self._observed = []
+
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """The engine ended the turn request ``request_id`` without a sample: its episode ends
+        (``finish_reason`` ``reason``)."""
+        ep = self._requests.pop(request_id, None)
+        if ep is not None:
+            ep.finish = reason
+
+    def drop(self, episodes: Sequence[_Episode]) -> list[str]:
+        """Forget ``episodes`` (each ends "dropped"; an environment call of theirs still running is
+        ignored when it answers); returns the engine requests of theirs to abort."""
+        gone = {id(ep) for ep in episodes}
+        for ep in episodes:
+            ep.finish = "dropped"
+        self._sampled = [(ep, turn) for ep, turn in self._sampled if id(ep) not in gone]
+        self._observed = [ep for ep in self._observed if id(ep) not in gone]
+        dropped = [rid for rid, ep in self._requests.items() if id(ep) in gone]
+        for rid in dropped:
+            del self._requests[rid]
+        return dropped
 
     def _text(self, turn: Turn) -> str:
         return self.renderer.turn_text(turn.token_ids)
 
-    def _sampled(self, ep: _Episode, turn: Turn) -> bool:
+    def _add_turn(self, ep: _Episode, turn: Turn) -> bool:
         """Add a sampled turn to its episode; True when an environment step should follow."""
         ep.tokens += turn.token_ids
         ep.mask += [True] * len(turn.token_ids)
         ep.logprobs += turn.logprobs
         ep.greedy |= bool(turn.token_ids) and not turn.logprobs
+        if turn.versions is not None:
+            ep.versions = (ep.versions or []) + list(turn.versions)
         if turn.routed_experts is not None:
             ep.add_routing(turn.routed_experts)
         ep.turns += 1
@@ -210,7 +265,7 @@ class EpisodeRunner:
             return False
         return True
 
-    def _observed(self, ep: _Episode, outcome: Any) -> bool:
+    def _observed_outcome(self, ep: _Episode, outcome: Any) -> bool:
         """Apply an environment call's outcome; True when the episode's next turn should be sampled."""
         if not outcome.ok:
             if self.errors_logged < 3:  # the first few, not one line per failed episode
@@ -243,5 +298,7 @@ class EpisodeRunner:
         ep.tokens += observation
         ep.mask += [False] * len(observation)
         ep.logprobs += [0.0] * len(observation)
+        if ep.versions:  # not sampled: no older than the turn they answer
+            ep.versions += [ep.versions[-1]] * len(observation)
         ep.budget -= len(observation)
         return True

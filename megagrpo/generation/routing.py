@@ -64,6 +64,29 @@ def place_rows(chunks: Sequence[tuple[int, torch.Tensor]], length: int, what: st
     return out
 
 
+def merge_rows(
+    known: torch.Tensor | None, chunks: Sequence[tuple[int, torch.Tensor]], what: str
+) -> torch.Tensor:
+    """A request stream's rows so far (``generation.stream``): ``known`` (positions ``0..len(known)``, or
+    None) then ``chunks`` ``(first position, rows)`` in the order they were forwarded, each position
+    keeping its *first* row: the forward that sampled the next token, under the weights that sampled it
+    (a ``"recompute"`` swap or a continuation forwards the positions so far again, with newer weights; a
+    preemption again, with the same). Positions must be covered from 0 without a gap."""
+    parts = [known] if known is not None and known.shape[0] else []
+    end = parts[0].shape[0] if parts else 0
+    for first, rows in chunks:
+        if first > end:
+            raise RuntimeError(
+                f"routed experts of {what}: rows from position {first}, none for {end}..{first}"
+            )
+        if first + rows.shape[0] > end:
+            parts.append(rows[end - first :])
+            end = first + rows.shape[0]
+    if not parts:
+        raise RuntimeError(f"routed experts of {what}: no rows were recorded")
+    return torch.cat(parts)
+
+
 class HookedRouting:
     """vLLM's CPU build: megagrpo's capture hook on every MoE router (``compat.vllm_routed_experts``)."""
 
@@ -103,6 +126,18 @@ class HookedRouting:
                 per.append(place_rows(chunks[out.request_id, comp.index], length, what))
             result.append(per)
         return result
+
+    def take_chunks(self, llm, outputs: dict) -> dict[str, list[tuple[int, torch.Tensor]]]:
+        """A request stream's requests named by ``outputs`` (our request id -> its finished
+        ``RequestOutput``, or None for one still running): the rows recorded for each since the last
+        call, ``[(first position, rows)]`` in step order (recording goes on for the others)."""
+        recorded: dict = {}
+        for worker in llm.collective_rpc(vllm_routed_experts.take, args=(list(outputs),)):
+            recorded.update(worker)
+        chunks: dict[str, list] = {rid: [] for rid in outputs}
+        for req_id, got in recorded.items():
+            chunks[vllm_routed_experts.request_key(req_id)[0]].extend(got)
+        return chunks
 
 
 class EngineRouting:
@@ -144,6 +179,23 @@ class EngineRouting:
                 per.append(torch.from_numpy(moe).to(self.dtype))
             result.append(per)
         return result
+
+    def take_chunks(self, llm, outputs: dict) -> dict[str, list[tuple[int, torch.Tensor]]]:
+        """As :meth:`HookedRouting.take_chunks`; vLLM hands rows only with a finished request, for every
+        position of the engine's request (a continuation's prompt holds the tokens so far: the stream
+        keeps their earlier rows, ``merge_rows``; a snapshot taken here has no rows), so a running
+        request's positions get the rows of their last forward here. Not run here (no GPU)."""
+        chunks: dict[str, list] = {}
+        for rid, out in outputs.items():
+            if out is None:
+                chunks[rid] = []
+                continue
+            routed = out.outputs[0].routed_experts  # the stream checks the count (its outputs are deltas)
+            if routed is None:
+                raise RuntimeError(f"vLLM returned no routed experts for request {rid}")
+            moe = routed[:, self.moe_layers].astype("int32")
+            chunks[rid] = [(0, torch.from_numpy(moe).to(self.dtype))]
+        return chunks
 
 
 def routing_capture(num_experts: int, *, on_cpu: bool) -> HookedRouting | EngineRouting:

@@ -42,6 +42,14 @@ Design (verified against vLLM 0.32, engine core in-process: ``VLLM_ENABLE_V1_MUL
   settings, seed, group) and its tokens, sampling logprobs and versions so far: what a checkpoint
   stores. :meth:`RequestStream.resume_from` submits each as a continuation, prompt + tokens so far with
   ``max_tokens`` less the tokens it has, and returns it finished with the parts joined.
+- **Routed experts** (``grpo.routing_replay``, a stream given a ``routing`` capture:
+  ``generation.routing``). Each request's rows are kept per position, each position with the row of its
+  *first* forward: the one that sampled the next token, under the weights that sampled it
+  (``routing.merge_rows``). So a response whose tokens several versions sampled keeps the rows of every
+  version, a ``"recompute"`` swap's second forward of the positions so far included: those rows are the
+  new weights', but the tokens already sampled were the old weights'. Rows are taken from the capture
+  when a request finishes, is aborted or fails (dropped), or a snapshot is taken (kept in it, and carried
+  by its continuation, whose own prefill's rows for those positions are dropped).
 - **Reproducibility.** vLLM seeds a generator per request (``torch.Generator.manual_seed``) when the
   request first reaches the model runner and keeps it while the request lives, preemption included:
   a ``"recompute"`` swap continues each request's random stream. A CPU generator cannot be rewound or
@@ -58,6 +66,9 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
+import torch
+
+from megagrpo.generation.routing import merge_rows
 from megagrpo.types import Completion, SamplingSettings
 
 KvMode = Literal["keep", "recompute"]
@@ -82,6 +93,9 @@ class StreamRequest:
     """This request's sampling seed; None: ``settings.seed``."""
     group_id: int | str | None = None
     """The group (prompt) the response belongs to."""
+    task: dict | None = None
+    """Multi-turn episodes (``env.environment``): the environment's task; the request is then an episode,
+    ``prompt_ids`` unused (``megagrpo.envs.stream_episodes``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +112,21 @@ class StreamCompletion:
     """[N] the policy version whose weights sampled each token."""
     finish_reason: str
     """"stop" or "length"."""
+    routed_experts: torch.Tensor | None = None
+    """[P + N - 1, MoE layers, k] a stream with a routing capture: each position's experts, as its first
+    forward routed them (``Completion.routed_experts``); None: none asked for."""
+    episode: Completion | None = None
+    """A multi-turn episode's whole record (opening, loss mask, reward, stats); None: a plain request."""
 
     def completion(self, prompt_index: int) -> Completion:
         """The record the rest of the pipeline takes (without the versions)."""
-        return Completion(prompt_index, list(self.token_ids), list(self.logprobs), self.finish_reason)
+        return Completion(
+            prompt_index,
+            list(self.token_ids),
+            list(self.logprobs),
+            self.finish_reason,
+            routed_experts=self.routed_experts,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +151,9 @@ class PartialRequest:
     """[N] their sampling logprobs (as ``StreamCompletion.logprobs``)."""
     versions: list[int]
     """[N] the policy version that sampled each."""
+    routed_experts: torch.Tensor | None = None
+    """[F, MoE layers, k] with a routing capture: the rows of the F positions forwarded so far (F <= P +
+    N - 1), as their first forward routed them; None: none asked for."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +205,8 @@ class _Live:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    rows: torch.Tensor | None = None
+    """With a routing capture: the rows taken so far (``merge_rows``)."""
 
 
 class RequestStream:
@@ -187,7 +217,9 @@ class RequestStream:
     ``set_version``. While it holds requests, nothing else may step the engine (``LLM.generate``).
     """
 
-    def __init__(self, llm, *, version: int = 0):
+    def __init__(self, llm, *, version: int = 0, routing=None):
+        """``routing``: an installed routed-experts capture (``generation.routing``): each finished
+        request then carries its rows; None: none."""
         config = llm.llm_engine.vllm_config
         if config.max_concurrent_batches != 1:
             raise ValueError(
@@ -197,7 +229,7 @@ class RequestStream:
                 f"{config.parallel_config.pipeline_parallel_size}); start vLLM with async_scheduling=False "
                 "and no pipeline parallelism"
             )
-        self._engine = llm.llm_engine
+        self._llm, self._engine, self._routing = llm, llm.llm_engine, routing
         self._live: dict[str, _Live] = {}  # by request id
         self._ready: list[StreamCompletion] = []  # finished, for the next advance (run_now's, continuations')
         self._failed: list[StreamFailure] = []
@@ -211,7 +243,7 @@ class RequestStream:
         for request in requests:
             self._add(request, (), (), ())
 
-    def _add(self, request: StreamRequest, tokens: Sequence[int], logprobs, versions) -> None:
+    def _add(self, request: StreamRequest, tokens: Sequence[int], logprobs, versions, rows=None) -> None:
         from vllm.sampling_params import RequestOutputKind
 
         s = request.settings
@@ -230,9 +262,11 @@ class RequestStream:
             )
         if left == 0:  # a snapshot taken after its last token: finished, with nothing to sample
             self._ready.append(
-                StreamCompletion(request, list(tokens), list(logprobs), list(versions), "length")
+                StreamCompletion(request, list(tokens), list(logprobs), list(versions), "length", rows)
             )
             return
+        if self._routing is not None and not self._live:
+            self._routing.start(self._llm)  # recording on (a batch-mode generate may have stopped it)
         seed = request.seed if request.seed is not None else s.seed
         params = sampling_params(
             s,
@@ -246,7 +280,7 @@ class RequestStream:
         }
         engine_id = self._engine.add_request(request.request_id, prompt, params)
         self._live[request.request_id] = _Live(
-            request, engine_id, len(tokens), list(tokens), list(logprobs), list(versions)
+            request, engine_id, len(tokens), list(tokens), list(logprobs), list(versions), rows
         )
 
     def abort(self, request_ids: Iterable[str]) -> list[StreamRequest]:
@@ -255,11 +289,17 @@ class RequestStream:
         dropped = [self._live.pop(rid) for rid in request_ids if rid in self._live]
         if dropped:
             self._engine.abort_request([live.engine_id for live in dropped], internal=True)
+            if self._routing is not None:  # their rows so far, never to be used
+                self._routing.take_chunks(self._llm, {live.request.request_id: None for live in dropped})
         return [live.request for live in dropped]
 
     def __len__(self) -> int:
         """Requests in flight (queued or decoding)."""
         return len(self._live)
+
+    def busy(self) -> bool:
+        """Requests in flight, or finished ones the next ``advance`` returns."""
+        return bool(self._live or self._ready)
 
     # ------------------------------------------------------------------------------------- stepping
 
@@ -274,10 +314,7 @@ class RequestStream:
         finished, self._ready = self._ready, []
         start, steps = time.monotonic(), 0
         while self._live and self._engine.has_unfinished_requests():
-            for output in self._engine.step():
-                done = self._take(output)
-                if done is not None:
-                    finished.append(done)
+            finished.extend(self._finish(self._engine.step()))
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 break
@@ -285,8 +322,43 @@ class RequestStream:
                 break
         return finished
 
-    def _take(self, output) -> StreamCompletion | None:
-        """Record one request's delta; the finished record when it ended with a sample."""
+    def _finish(self, outputs) -> list[StreamCompletion]:
+        """One engine step's outputs of the stream's requests recorded; the requests that ended with a
+        sample, with their routed experts when the stream captures them."""
+        ended = [(output, live) for output in outputs if (live := self._take(output)) is not None]
+        if self._routing is not None and ended:
+            chunks = self._routing.take_chunks(self._llm, {live.request.request_id: o for o, live in ended})
+        done = []
+        for output, live in ended:
+            out = output.outputs[0]
+            if out.finish_reason not in SAMPLE_FINISH_REASONS:
+                self._failed.append(StreamFailure(live.request, str(out.finish_reason)))
+                continue
+            self._check_versions(live, out.weight_versions)
+            rows = None
+            if self._routing is not None:
+                rows = self._final_rows(live, chunks[live.request.request_id])
+            done.append(
+                StreamCompletion(
+                    live.request, live.token_ids, live.logprobs, live.versions, out.finish_reason, rows
+                )
+            )
+        return done
+
+    @staticmethod
+    def _final_rows(live: _Live, chunks) -> torch.Tensor:
+        """A finished request's rows: every position of prompt + response but the last token's."""
+        what = f"stream request {live.request.request_id!r}"
+        rows = merge_rows(live.rows, chunks, what)
+        length = len(live.request.prompt_ids) + len(live.token_ids) - 1
+        if rows.shape[0] < length:
+            raise RuntimeError(
+                f"routed experts of {what}: {rows.shape[0]} positions routed, expected {length}"
+            )
+        return rows[:length]
+
+    def _take(self, output) -> _Live | None:
+        """Record one request's delta; the request, out of the stream, when it ended."""
         # vLLM reports our id (its internal id less the suffix it added); it drops an aborted request's.
         live = self._live.get(output.request_id)
         if live is None:
@@ -300,11 +372,7 @@ class RequestStream:
         if not output.finished:
             return None
         del self._live[output.request_id]
-        if out.finish_reason not in SAMPLE_FINISH_REASONS:
-            self._failed.append(StreamFailure(live.request, str(out.finish_reason)))
-            return None
-        self._check_versions(live, out.weight_versions)
-        return StreamCompletion(live.request, live.token_ids, live.logprobs, live.versions, out.finish_reason)
+        return live
 
     @staticmethod
     def _check_versions(live: _Live, spans) -> None:
@@ -337,11 +405,22 @@ class RequestStream:
     # ------------------------------------------------------------------------------ checkpointing
 
     def in_flight(self) -> list[PartialRequest]:
-        """Every request in flight with its tokens, logprobs and versions so far (queued ones: none yet)."""
+        """Every request in flight with its tokens, logprobs and versions so far (queued ones: none yet),
+        and with a routing capture the rows of the positions forwarded so far."""
+        if self._routing is not None and self._live:
+            chunks = self._routing.take_chunks(self._llm, dict.fromkeys(self._live))
+            for rid, live in self._live.items():
+                if live.rows is not None or chunks[rid]:
+                    live.rows = merge_rows(live.rows, chunks[rid], f"stream request {rid!r}")
         return [
-            PartialRequest(live.request, list(live.token_ids), list(live.logprobs), list(live.versions))
+            PartialRequest(
+                live.request, list(live.token_ids), list(live.logprobs), list(live.versions), live.rows
+            )
             for live in self._live.values()
-        ] + [PartialRequest(c.request, c.token_ids, c.logprobs, c.versions) for c in self._ready]
+        ] + [
+            PartialRequest(c.request, c.token_ids, c.logprobs, c.versions, c.routed_experts)
+            for c in self._ready
+        ]
 
     def resume_from(self, partials: Iterable[PartialRequest]) -> None:
         """Queue each partial request's continuation (prompt + tokens so far, the tokens left of its
@@ -353,7 +432,7 @@ class RequestStream:
                     f"partial request {p.request.request_id!r}: {len(p.token_ids)} tokens, {len(p.logprobs)} "
                     f"logprobs and {len(p.versions)} versions do not line up"
                 )
-            self._add(p.request, p.token_ids, p.logprobs, p.versions)
+            self._add(p.request, p.token_ids, p.logprobs, p.versions, p.routed_experts)
 
     # ------------------------------------------------------------------------- other requests
 
@@ -376,12 +455,18 @@ class RequestStream:
         outputs: list = [None] * len(prompts)
         left = len(ids)
         while left:
-            for output in self._engine.step():
+            for output in self.step_beside():
                 index = ids.get(output.request_id)
-                if index is None:
-                    done = self._take(output)
-                    if done is not None:
-                        self._ready.append(done)
-                elif output.finished:
+                if index is not None and output.finished:
                     outputs[index], left = output, left - 1
         return outputs
+
+    def step_beside(self) -> list:
+        """One engine step with requests of the caller's beside the stream's (added to the engine with
+        ids of their own): vLLM's outputs of the caller's requests. The stream's requests move on as in
+        ``advance``; those that finish are returned by the next ``advance``."""
+        ours, theirs = [], []
+        for output in self._engine.step():
+            (ours if output.request_id in self._live else theirs).append(output)
+        self._ready.extend(self._finish(ours))
+        return theirs

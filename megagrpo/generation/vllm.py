@@ -26,6 +26,7 @@ from megagrpo.compat.torch_store import stores_listen_on_their_host
 from megagrpo.compat.vllm_eager_cpu import eager_cpu_engine_env
 from megagrpo.config import Config
 from megagrpo.envs.episodes import Turn, TurnEngine
+from megagrpo.envs.stream_episodes import EpisodeStream
 from megagrpo.generation.engine import SLEEP_TAGS
 from megagrpo.generation.routing import engine_routing
 from megagrpo.generation.stream import (
@@ -131,7 +132,8 @@ class VLLMEngine:
         self.engine_index = engine_index
         self._episodes = None  # the episode runner's renderer and environment pool, made on first use
         self.asleep: set[str] = set()  # the SLEEP_TAGS given back (colocated placement)
-        self.stream: RequestStream | None = None  # grpo.async_mode partial: made by the first submit
+        # grpo.async_mode partial: made by the first submit
+        self.stream: RequestStream | EpisodeStream | None = None
         self.version = 0  # the policy version of the weights held (set_version)
         # Routed experts with every completion (grpo.routing_replay), else None.
         self.routing = engine_routing(cfg, model_dir)
@@ -209,10 +211,7 @@ class VLLMEngine:
             per_prompt = [sampling_params(settings, s) for s in seeds]
         else:
             per_prompt = sampling_params(settings, settings.seed)
-        if self.routing is not None:
-            self.routing.start(self.llm)
-        outputs = self._run(prompts, per_prompt)
-        routed = self.routing.collect(self.llm, outputs) if self.routing is not None else None
+        outputs, routed = self._run_routed(prompts, per_prompt, self.routing is not None)
         completions = []
         for index, out in enumerate(outputs):
             for c, comp in enumerate(out.outputs):
@@ -239,9 +238,14 @@ class VLLMEngine:
 
         self._require_awake("run_episodes")
         renderer, pool = self.episode_parts()
-        engine = vllm_turn_engine(self.llm, settings, renderer.stop_token_ids, self.routing)
+        # Beside a stream's requests (validation under grpo.async_mode partial): the engine is stepped
+        # through the stream, and the routing capture records on (it holds their rows too).
+        inner = self.stream.stream if isinstance(self.stream, EpisodeStream) else self.stream
+        beside = inner if inner is not None and len(inner) else None
+        stops = renderer.stop_token_ids
+        engine = vllm_turn_engine(self.llm, settings, stops, self.routing, beside=beside)
         runner = EpisodeRunner(engine, renderer, pool, self.cfg.env, max_context=self.cfg.model.seq_length)
-        if self.routing is None:
+        if self.routing is None or beside is not None:
             return runner.run(tasks, settings.n, seeds)
         self.routing.start(self.llm)
         try:
@@ -255,26 +259,32 @@ class VLLMEngine:
             from transformers import AutoTokenizer
 
             from megagrpo.envs.chat import ChatRenderer
-            from megagrpo.rewards.pool import DeadlinePool
 
             renderer = ChatRenderer(AutoTokenizer.from_pretrained(self.model_dir))
-            env = self.cfg.env
-            pool = DeadlinePool(
-                "megagrpo.envs.runner:env_call",
-                env.num_workers,
-                env.step_timeout_s,
-                numeric=False,
-                what="environment",
-                preload=["megagrpo.envs.runner"],
-            )
-            self._episodes = renderer, pool
+            self._episodes = renderer, self._env_pool()
         return self._episodes
+
+    def _env_pool(self):
+        """Environment worker processes (``env.num_workers``)."""
+        from megagrpo.rewards.pool import DeadlinePool
+
+        env = self.cfg.env
+        return DeadlinePool(
+            "megagrpo.envs.runner:env_call",
+            env.num_workers,
+            env.step_timeout_s,
+            numeric=False,
+            what="environment",
+            preload=["megagrpo.envs.runner"],
+        )
 
     def close_episodes(self) -> None:
         """Stop the environment worker processes (a later run_episodes starts new ones)."""
         if self._episodes is not None:
             self._episodes[1].close()
             self._episodes = None
+        if isinstance(self.stream, EpisodeStream):
+            self.stream.runner.pool.close()
 
     def prompt_logprobs(self, sequences: list[list[int]], *, routed: bool = False):
         """Logprob of every token after the first, given its prefix (the probe), at temperature 1.
@@ -289,9 +299,7 @@ class VLLMEngine:
         if routed and self.routing is None:
             raise ValueError("routed experts were asked of an engine started without grpo.routing_replay")
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        if routed:
-            self.routing.start(self.llm)
-        outputs = self._run(sequences, params)
+        outputs, rows = self._run_routed(sequences, params, routed)
         result = []
         for seq, out in zip(sequences, outputs, strict=True):
             # Position 0 has no logprob (nothing precedes it).
@@ -299,7 +307,7 @@ class VLLMEngine:
         if not routed:
             return result
         # One sampled token: its prompt's positions are the rows (P + 1 - 1).
-        return result, [per[0] for per in self.routing.collect(self.llm, outputs)]
+        return result, [per[0] for per in rows]
 
     def sleep(self) -> None:
         """Colocated placement: give the GPU to the trainer, weights and KV cache both (vLLM's level 2:
@@ -407,9 +415,29 @@ class VLLMEngine:
             return self.stream.run_now(prompts, params)
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
-    def _stream(self) -> RequestStream:
+    def _run_routed(self, prompts: list[list[int]], params, routed: bool) -> tuple[list, list | None]:
+        """``_run``'s outputs and, if ``routed``, their routed experts (per output, per completion). Beside
+        a stream's requests the capture records on: it holds their rows too (``generation.stream``)."""
+        if not routed:
+            return self._run(prompts, params), None
+        beside = self.stream is not None and len(self.stream) > 0
+        if not beside:
+            self.routing.start(self.llm)
+        outputs = self._run(prompts, params)
+        return outputs, self.routing.collect(self.llm, outputs, running=beside)
+
+    def _stream(self) -> RequestStream | EpisodeStream:
+        """The engine's request stream; with ``env.environment`` its requests are episodes, whose turns
+        are requests of the stream underneath (``envs.stream_episodes``)."""
         if self.stream is None:
-            self.stream = RequestStream(self.llm, version=self.version)
+            stream = RequestStream(self.llm, version=self.version, routing=self.routing)
+            if self.cfg.env.enabled:
+                # Workers of their own: run_episodes (validation) may run beside, polling its pool.
+                renderer, pool = self.episode_parts()[0], self._env_pool()
+                stream = EpisodeStream(
+                    stream, renderer, pool, self.cfg.env, max_context=self.cfg.model.seq_length
+                )
+            self.stream = stream
         return self.stream
 
     def submit(self, requests: Sequence[StreamRequest]) -> None:
@@ -438,15 +466,17 @@ class VLLMEngine:
 
 
 def vllm_turn_engine(
-    llm, settings: SamplingSettings, stop_token_ids: Sequence[int], routing=None
+    llm, settings: SamplingSettings, stop_token_ids: Sequence[int], routing=None, beside=None
 ) -> TurnEngine:
     """``llm``'s engine (vLLM's ``LLM``, in process) as a :class:`TurnEngine` sampling with ``settings``;
-    with ``routing`` (``megagrpo.generation.routing``, started), each turn carries its routed experts."""
+    with ``routing`` (``megagrpo.generation.routing``, started), each turn carries its routed experts;
+    ``beside``: a ``RequestStream`` holding requests, through which the engine is stepped."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
     stops = sorted({*stop_token_ids, *settings.stop_token_ids})
+    own: set[str] = set()  # this engine's requests in flight
 
     class _Engine:
         def add(self, request_id: str, prompt: list[int], max_tokens: int, seed: int) -> None:
@@ -463,12 +493,15 @@ def vllm_turn_engine(
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            own.add(request_id)
 
         def busy(self) -> bool:
-            return engine.has_unfinished_requests()
+            return bool(own) if beside is not None else engine.has_unfinished_requests()
 
         def step(self) -> list[Turn]:
-            finished = [out for out in engine.step() if out.finished]
+            outputs = beside.step_beside() if beside is not None else engine.step()
+            finished = [out for out in outputs if out.finished]
+            own.difference_update(out.request_id for out in finished)
             routed = routing.collect(llm, finished, running=True) if routing and finished else None
             turns = []
             for i, out in enumerate(finished):

@@ -52,7 +52,11 @@ from megagrpo.types import Completion, SamplingSettings
 def score_group(
     cfg: Config, source: PromptSource, scorer, request: GroupRequest, completions: Sequence[Completion]
 ) -> FinishedGroup:
-    """A finished group's rewards (the reward function on its decoded responses)."""
+    """A finished group's rewards (the reward function on its decoded responses; episodes: the rewards
+    their environments gave)."""
+    if completions and all(c.reward is not None for c in completions):
+        rewards = torch.tensor([c.reward for c in completions], dtype=torch.float32)
+        return FinishedGroup(request, list(completions), rewards)
     texts = [source.decode(c.token_ids) for c in completions]
     scored = scorer.score(texts, [request.prompt.answer] * len(texts))
     rewards = torch.tensor(scored.scores, dtype=torch.float32)
@@ -95,7 +99,12 @@ class EngineStreams:
         prompt = tuple(group.prompt.token_ids)
         return [
             StreamRequest(
-                f"{group.position}:{k}", prompt, self.settings, sample_seed(group.seed, k), group.position
+                f"{group.position}:{k}",
+                prompt,
+                self.settings,
+                sample_seed(group.seed, k),
+                group.position,
+                group.prompt.task,  # episodes: the environment's task (envs.stream_episodes)
             )
             for k in range(self.num_generations)
         ]
@@ -131,14 +140,24 @@ def request_key(request_id: str) -> tuple[int, int]:
 
 
 def to_completion(done) -> Completion:
-    """A finished stream request (``StreamCompletion``) as the pipeline's record, its versions in runs."""
+    """A finished stream request (``StreamCompletion``) as the pipeline's record, its versions in runs
+    (and its routed experts under ``grpo.routing_replay``: the rows of every version, per position)."""
     runs: list[tuple[int, int]] = []
     for v in done.versions:
         if runs and runs[-1][0] == v:
             runs[-1] = (v, runs[-1][1] + 1)
         else:
             runs.append((v, 1))
-    return Completion(0, list(done.token_ids), list(done.logprobs), done.finish_reason, versions=runs)
+    if done.episode is not None:  # an episode's record: opening, loss mask, reward, stats
+        return dataclasses.replace(done.episode, prompt_index=0, versions=runs)
+    return Completion(
+        0,
+        list(done.token_ids),
+        list(done.logprobs),
+        done.finish_reason,
+        routed_experts=done.routed_experts,
+        versions=runs,
+    )
 
 
 class ContinuousRollouts:

@@ -160,3 +160,104 @@ def test_bad_requests_are_refused_with_the_request_named(results):
     assert "'e2'" in got["misaligned"] and "do not line up" in got["misaligned"]
     assert "max_steps" in got["steps"]
     assert got["left"] == 0
+
+
+# ------------------------------------------------------------------------------- routed experts (MoE)
+
+ROUTED_TOKENS, SWAP_AT, NORM_SCALE = 10, 4, 1.5  # as _stream_routing.py
+MIN_ROUTER_GAP = 1e-5  # as test_vllm_moe.py: far above the ~1e-7 by which vLLM's kernels and torch's differ
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory) -> tuple[dict, object, object]:
+    """(``_stream_routing.py``'s results, the tiny MoE model in transformers, the same with the weights the
+    engine was swapped to)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    work = tmp_path_factory.mktemp("stream_routing")
+    model_dir = make_tiny_hf("qwen3_moe", work / "qwen3_moe", initializer_range=0.1)
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TORCH_COMPILE_DISABLE": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
+    old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    helper = Path(__file__).with_name("_stream_routing.py")
+    proc = subprocess.run(
+        [sys.executable, str(helper), str(model_dir), str(old.config.num_experts), str(work / "out.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"routing helper failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        new.model.layers[0].input_layernorm.weight.mul_(NORM_SCALE)
+    return json.loads((work / "out.json").read_text()), old, new
+
+
+def _routing(model, tokens):
+    """transformers' top-k experts of every position of ``tokens``, sorted within a row."""
+    from hf_models import router_topk
+
+    want, gap = router_topk(model, tokens)
+    assert gap > MIN_ROUTER_GAP, f"a near-tie in the reference routing of {tokens}"
+    return want.sort(-1).values
+
+
+def _sorted_rows(rows):
+    import torch
+
+    return torch.tensor(rows).long().sort(-1).values
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute", "resumed"])
+def test_routed_experts_keep_the_rows_of_every_version_per_token(routed, mode):
+    """Each position keeps the row of its first forward: the old weights' for the positions forwarded
+    before the swap (also after a "recompute" swap or a continuation forwarded them again with the new
+    weights), the new weights' after it; a snapshot carries its rows into the continuation."""
+    import torch
+
+    results, old, new = routed
+    got = results[mode]
+    assert got["early"] == 0 and got["left"] == 0 and len(got["requests"]) == 3
+    changed = 0
+    for rid, record in got["requests"].items():
+        prompt, tokens = record["prompt"], record["tokens"]
+        before = len(prompt) + SWAP_AT - 1  # positions forwarded before the swap
+        assert len(tokens) == ROUTED_TOKENS
+        assert record["versions"] == [0] * SWAP_AT + [1] * (ROUTED_TOKENS - SWAP_AT)
+        rows = _sorted_rows(record["rows"])
+        sequence = prompt + tokens
+        assert rows.shape[0] == len(sequence) - 1  # the last token is never forwarded
+        want_old = _routing(old, sequence)[:-1]
+        assert torch.equal(rows[:before], want_old[:before]), rid
+        if mode == "resumed":
+            assert torch.equal(_sorted_rows(got["partial_rows"][rid]), rows[:before]), rid
+        if mode != "keep":  # the positions after the swap: forwarded over a prefix the new weights computed
+            want_new = _routing(new, sequence)[:-1]
+            assert torch.equal(rows[before:], want_new[before:]), rid
+            changed += not torch.equal(want_new[:before], want_old[:before])
+    if mode != "keep":
+        # The swap changed the routing of the positions so far: keeping their first rows was a choice.
+        assert changed > 0
+
+
+def test_a_probe_beside_the_stream_gets_its_rows_and_leaves_the_streams(routed):
+    import torch
+    from _stream_routing import PROBE
+
+    results, old, _ = routed
+    got = results["probe"]
+    assert torch.equal(_sorted_rows(got["probe_rows"]), _routing(old, PROBE))
+    assert len(got["requests"]) == 3
+    for rid, record in got["requests"].items():
+        sequence = record["prompt"] + record["tokens"]
+        rows = _sorted_rows(record["rows"])
+        before = len(record["prompt"]) + SWAP_AT - 1
+        assert rows.shape[0] == len(sequence) - 1
+        assert torch.equal(rows[:before], _routing(old, sequence)[:before]), rid

@@ -139,11 +139,6 @@ def test_state_lists_in_flight_and_finished_groups():
             ("grpo.async_mode", "generation.placement"),
             "colocated engines sleep while the trainer runs",
         ),
-        (
-            ["grpo.async_mode=partial", "grpo.max_staleness=1", "env.environment=guess_number"],
-            ("grpo.async_mode", "env.environment"),
-            "does not support env.environment yet",
-        ),
         (["generation.stream_slice_s=0"], ("generation.stream_slice_s",), "> 0 and <= timeout_s"),
     ],
 )
