@@ -83,6 +83,8 @@ class SyncStats:
 
     link_bytes: tuple[int, ...]
     """Bytes each link's sender sent, by plan source (delta mode: headers and encodings)."""
+    delta: bool = False
+    """Whether the sync ran in delta mode (``generation.sync_mode``)."""
     delta_buckets: int = 0
     """Delta mode: buckets sent as their changed elements (the others went whole)."""
     changed_fraction: float = math.nan
@@ -94,7 +96,7 @@ class SyncStats:
         """For the run's metrics: ``sync/bytes`` (all links), ``sync/link_bytes_max``; in delta mode also
         ``sync/delta_buckets`` and ``sync/changed_fraction``."""
         out = {"sync/bytes": float(sum(self.link_bytes)), "sync/link_bytes_max": float(max(self.link_bytes))}
-        if self.delta_buckets or not math.isnan(self.changed_fraction):
+        if self.delta:
             out |= {"sync/delta_buckets": self.delta_buckets, "sync/changed_fraction": self.changed_fraction}
         return out
 
@@ -116,7 +118,7 @@ def sync_stats(plan: tuple[Bucket, ...], sent: list) -> SyncStats:
         deltas += count != FULL
         words += n_words
         changed = math.nan if n_changed < 0 else changed + n_changed
-    return SyncStats(tuple(per_link), deltas, changed / words if words else math.nan)
+    return SyncStats(tuple(per_link), True, deltas, changed / words if words else math.nan)
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,7 @@ class WeightSync:
         self.delta = gen.sync_mode == "delta"
         fraction = gen.sync_delta_max_fraction if self.delta else None
         self.stats: SyncStats | None = None  # the last sync's
+        self._unsure = False  # delta mode: a sync failed, so the next one goes whole
         # Both sides block in the rendezvous until everyone has joined: start them together.
         engine_refs = [
             e.init_weight_sync.remote(
@@ -325,6 +328,17 @@ class WeightSync:
         """
         start = time.perf_counter()
         self.verified_buckets = 0
+        if self._unsure:  # delta mode: after a failed sync the engines' bytes are not known
+            self.policy.call_all(WeightSyncEndpoints.forget_sent_weights)
+            self._unsure = False
+        try:
+            self._sync(with_checksums)
+        except BaseException:
+            self._unsure = self.delta
+            raise
+        return time.perf_counter() - start
+
+    def _sync(self, with_checksums: bool) -> None:
         engine_refs = [e.receive_weights.remote(self.plan, checksums=with_checksums) for e in self.engines]
         trainer_refs = self.policy.submit_all(WeightSyncEndpoints.send_weights, self.plan, with_checksums)
         sent = self._wait(engine_refs, trainer_refs, "weight sync")
@@ -334,7 +348,6 @@ class WeightSync:
             for e, workers in enumerate(ray.get(engine_refs)):
                 for w, got in enumerate(workers):
                     self.verified_buckets += self._check_digests(want, got, f"engine {e} worker {w}", w)
-        return time.perf_counter() - start
 
     def _check_digests(self, want: dict[int, str], got: dict[int, str], where: str, worker: int) -> int:
         """Compare one vLLM worker's digests with the senders'; returns how many matched."""

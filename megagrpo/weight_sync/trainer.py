@@ -430,6 +430,12 @@ class WeightSyncEndpoints:
         """Collective: every rank calls it; senders broadcast, TP peers of the gathered path help gather."""
         return self._sender().send(plan, with_checksums=with_checksums)
 
+    def forget_sent_weights(self) -> None:
+        """Delta mode: drop the bytes last sent, so that the next sync sends every bucket whole (the
+        controller calls it after a sync that failed, a digest mismatch included)."""
+        if self.sender is not None and self.sender.copies is not None:
+            self.sender.copies.clear()
+
     def close_weight_sync(self) -> None:
         if self.sender is not None:
             self.sender.close()
