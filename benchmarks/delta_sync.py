@@ -6,8 +6,10 @@ changed fraction per step; and the delta encoding's GB/s on one device.
 
 Runs (``--encode`` off): for each model, two real ``megagrpo train`` runs at ``model.dtype`` bfloat16 with
 the same config and seeds, ``generation.sync_mode`` full and delta (``weight_sync.delta``); the models are
-``probe_bf16``'s (``tiny``: the demo's model from its bf16 warm-up, ``m25``: ``step``'s ~25M model from
-random weights, whose rewards are mostly 0 so that its weights move little), TP 1, one engine: one link.
+``probe_bf16``'s (``tiny``: the demo's model from its bf16 warm-up, at the demo's ``policy.lr`` 3e-4; ``m25``:
+``step``'s ~25M model from random weights, whose rewards are mostly 0 so that its weights move little), and
+``tiny_lr1e-6``: the demo's model at ``policy.lr`` 1e-6 (the default of real configs); TP 1, one engine: one
+link.
 Per step, from each run's metrics.jsonl: the bytes the link carried (``sync/link_bytes_max``; delta mode:
 headers and encodings), the sync's seconds without the probe (``timing/sync_s - timing/probe_s``; vLLM
 reloads every bucket either way), and in delta mode the fraction of the elements whose bf16 bytes changed
@@ -28,8 +30,14 @@ import time
 from .common import TMP, importable_by_workers, record
 from .common.record import Measurement
 from .common.runs import metrics_rows, per_family, train_run
-from .probe_bf16 import MODELS
+from .probe_bf16 import MODELS as PROBE_MODELS
 
+MODELS = {
+    **PROBE_MODELS,
+    # The demo's model at the default policy.lr of real configs (the demo's 3e-4 suits its size): bf16
+    # rounding then leaves most elements where they were.
+    "tiny_lr1e-6": [*PROBE_MODELS["tiny"], "policy.lr=1e-6"],
+}
 QUICK = {"models": ["tiny"], "steps": ["tiny=3"], "size_mb": 16.0}
 MODES = ("full", "delta")
 BF16 = ["model.dtype=bfloat16"]
@@ -38,7 +46,12 @@ BF16 = ["model.dtype=bfloat16"]
 def parse_args(argv=None) -> argparse.Namespace:
     p = record.parser("delta_sync", __doc__, repeat=5)
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "m25"], help="the runs")
-    p.add_argument("--steps", nargs="+", default=["tiny=8", "m25=3"], help="GRPO steps per model (MODEL=N)")
+    p.add_argument(
+        "--steps",
+        nargs="+",
+        default=["tiny=8", "m25=3", "tiny_lr1e-6=8"],
+        help="GRPO steps per model (MODEL=N)",
+    )
     p.add_argument("--encode", action="store_true", help="the encoding's GB/s instead of the runs")
     p.add_argument("--device", default="cpu", help="--encode: cpu or cuda")
     p.add_argument("--size-mb", type=float, default=256.0, help="--encode: the bucket's size")
@@ -89,7 +102,7 @@ def model_runs(args, model: str, steps: int) -> list[Measurement]:
             "x",
             s,
             target="< 1",
-            headline=model == "tiny",
+            headline=model == "tiny_lr1e-6",
         ),
         Measurement(
             "sync time without the probe, delta / full",
