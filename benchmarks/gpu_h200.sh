@@ -56,5 +56,8 @@ export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=
   "$PYTHON" -c "import torch, megatron.core as m; assert torch.cuda.is_available(), 'torch sees no CUDA device'
 print('torch', torch.__version__, 'megatron-core', m.__version__, torch.cuda.get_device_name(0))"
   "$PYTHON" -m benchmarks run --suite gpu "${QUICK[@]}" "$@" --out "$OUT_DIR"
+  # The delta weight sync's encoding and application, GB/s on one GPU (torch only; smoke-tested on CPU,
+  # never run on a GPU yet).
+  "$PYTHON" -m benchmarks.delta_sync --encode --device cuda "${QUICK[@]}" --out "$OUT_DIR/delta_encode.json"
 } 2>&1 | tee "$OUT_DIR/gpu_h200.log"
 exit "${PIPESTATUS[0]}"

@@ -280,6 +280,11 @@ def _sync_traffic(cfg: Config, shape: GPTShape, itemsize: int, link_gbps: float)
         "total_bytes": sum(per_worker),  # what one engine receives, all its workers together
         "link_gbps": link_gbps,
         "est_seconds": worst * 8 / (link_gbps * 1e9),
+        "sync_mode": gen.sync_mode,
+        # Delta mode: each sender keeps the bytes it last sent, each worker those it last received, in host
+        # memory (weight_sync.delta); the first sync and any after an engine restart go whole.
+        "host_bytes_per_sender": per_sender if gen.sync_mode == "delta" else 0,
+        "host_bytes_per_worker": max(per_worker) if gen.sync_mode == "delta" else 0,
     }
 
 
@@ -584,6 +589,12 @@ def _render_engines(con, plan: Plan, cfg: Config) -> None:
         f"vLLM workers, {_size(s['bytes_per_sender'])} per sender, {_size(s['bytes_per_worker'])} per "
         f"worker, ~{s['est_seconds']:.2f} s at {s['link_gbps']:g} Gb/s"
     )
+    if s["sync_mode"] == "delta":
+        con.print(
+            f"delta sync: host memory {_size(s['host_bytes_per_sender'])} per sender and "
+            f"{_size(s['host_bytes_per_worker'])} per vLLM worker (the last bytes sent and received); "
+            "later syncs send the changed elements, 6 bytes each in bf16, the times above bound the first"
+        )
     if plan.partial is not None:
         p = plan.partial
         con.print(

@@ -65,6 +65,13 @@ class GenerationConfig:
     """Size of the buckets weights are sent to the engines in, in MiB."""
     weight_sync_path: Literal["auto", "gathered"] = "auto"
     """auto: shard-wise where the TP layouts allow it (weight_sync.shards), else gathered; gathered: always"""
+    sync_mode: Literal["full", "delta"] = "full"
+    """full: every sync sends every bucket whole; delta: after a first full sync, each bucket goes as the
+    elements whose bytes changed (int32 index + value, weight_sync.delta), senders and engines keeping the
+    last bytes in host memory; digests still prove the engines' bytes equal the trainer's."""
+    sync_delta_max_fraction: float = 0.25
+    """sync_mode delta: a bucket with more than this fraction of its elements changed is sent whole
+    (a bf16 delta costs 6 bytes per changed element: 0.25 changed is 75% of the whole bucket), in (0, 1]."""
     probe_max_error: float | None = None
     """Largest mean exp|logprob delta| between trainer and engines the post-sync probe tolerates (>= 1).
     null: by model.dtype: float32 1.001 (kernels agree to ~1e-7: measured 1.0000002 on CPU);
@@ -109,6 +116,7 @@ class GenerationConfig:
             self, "probe_max_error", self.probe_max_error is None or self.probe_max_error >= 1, ">= 1 or null"
         )
         check(self, "sync_timeout_s", self.sync_timeout_s > 0, "> 0")
+        check(self, "sync_delta_max_fraction", 0 < self.sync_delta_max_fraction <= 1, "in (0, 1]")
         check(self, "timeout_s", self.timeout_s > 0, "> 0")
         check(self, "stream_slice_s", 0 < self.stream_slice_s <= self.timeout_s, "> 0 and <= timeout_s")
         check(self, "max_engine_restarts", self.max_engine_restarts >= 0, ">= 0")

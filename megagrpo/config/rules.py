@@ -14,6 +14,7 @@ Nothing here probes the machine: the layer implementation checked is the config'
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from megagrpo.config.errors import ConfigError, require
@@ -66,6 +67,7 @@ def validate(cfg: Config, trainer: Trainer = "grpo") -> None:
         _check_grpo(cfg)
         _check_generation_lengths(cfg)
         _check_engine(cfg, trainer=True)
+        _check_sync_mode(cfg)
         _check_cluster(cfg, trainer=True)
         _check_reward(cfg)
         _check_env(cfg)
@@ -438,6 +440,20 @@ def _check_engine(cfg: Config, *, trainer: bool) -> None:
         ("generation.engine", *(key for keys in missing.values() for key in keys)),
         f"engine {engine!r} cannot " + "; nor ".join(CAPABILITIES[c] for c in missing),
     )
+
+
+def _check_sync_mode(cfg: Config) -> None:
+    """Delta sync with fp32 weights: warned, not refused. An fp32 step moves almost every element by more
+    than its rounding, so nearly every bucket goes whole (and is also compared and copied on both sides);
+    bf16's rounding is what leaves most elements unchanged."""
+    if cfg.generation.sync_mode == "delta" and cfg.model.dtype == "float32":
+        warnings.warn(
+            "generation.sync_mode: delta with model.dtype float32 buys little: an fp32 step changes nearly "
+            "every element, so buckets go whole after being compared with their last bytes; it pays with "
+            "bfloat16 weights, whose rounding leaves most elements unchanged",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def check_engine_share(cfg: Config) -> None:

@@ -108,10 +108,18 @@ class RolloutEngine(Protocol):
         ...
 
     def init_weight_sync(
-        self, groups: Sequence[GroupAddress], *, engine_index: int, backend: str, timeout_s: float
+        self,
+        groups: Sequence[GroupAddress],
+        *,
+        engine_index: int,
+        backend: str,
+        timeout_s: float,
+        delta: bool = False,
     ) -> None:
         """Join the senders' groups (``groups[i]`` serves plan source ``i``; each worker of the engine joins
-        those of its TP rank), as engine ``engine_index`` of the sync; blocks until the senders joined."""
+        those of its TP rank), as engine ``engine_index`` of the sync; blocks until the senders joined.
+        ``delta``: every bucket comes with a header, whole or as the elements that changed since the
+        last sync (``weight_sync.delta``): the engine keeps each bucket's bytes to patch."""
         ...
 
     def receive_weights(self, plan: Sequence[Bucket], *, checksums: bool = False) -> list[dict[int, str]]:

@@ -350,13 +350,20 @@ class VLLMEngine:
     # --------------------------------------------------------------------------------- weight sync
 
     def init_weight_sync(
-        self, groups: Sequence[GroupAddress], *, engine_index: int, backend: str, timeout_s: float
+        self,
+        groups: Sequence[GroupAddress],
+        *,
+        engine_index: int,
+        backend: str,
+        timeout_s: float,
+        delta: bool = False,
     ) -> None:
         """Join the senders' broadcast groups (blocks until the trainer's senders have joined too).
 
         ``groups``: one address per link, indexed by ``Bucket.source``; each worker joins those of its
         engine TP rank (``GroupAddress.engine_rank``, or all when it is None). ``engine_index``: this
         engine's place among the sync's engines (which fixes its workers' ranks in every group).
+        ``delta``: the senders send deltas (``weight_sync.delta``).
         """
         # vLLM hands this dict to the worker's transfer engine as ``MegagrpoInitInfo(**init_info)``.
         init_info = {
@@ -364,6 +371,7 @@ class VLLMEngine:
             "engine_index": engine_index,
             "backend": backend,
             "timeout_s": timeout_s,
+            "delta": delta,
         }
         self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
 

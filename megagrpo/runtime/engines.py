@@ -32,7 +32,7 @@ from megagrpo.generation.engine import engine_spec
 from megagrpo.runtime.colocated import GpuTurns
 from megagrpo.runtime.faults import EngineFailure, RankFailure, first_line
 from megagrpo.runtime.groups import COLOCATED_SHARE, NODE_LABEL_AMOUNT, RankGroup
-from megagrpo.weight_sync.sync import ProbeResult, WeightSync, WeightSyncError
+from megagrpo.weight_sync.sync import ProbeResult, SyncStats, WeightSync, WeightSyncError
 
 if TYPE_CHECKING:
     from megagrpo.generation.engine import RolloutEngine
@@ -141,6 +141,13 @@ class SyncOutcome:
     """Time the probe took (scored by every engine and the trainer; part of the sync's time)."""
     offloaded: int = 0
     """Colocated: the device bytes the trainer parked around the sync (the most of any rank)."""
+    stats: SyncStats | None = None
+    """What the sync put on the links (bytes; delta mode: the changed fraction)."""
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The sync's ``sync/...`` metrics of bytes (``SyncStats.metrics``); none without stats."""
+        return {} if self.stats is None else self.stats.metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,7 +322,7 @@ class EnginePool:
             after_load()
         if self.turns:
             offloaded += self.turns.after_sync(self.actors, step)
-        return dataclasses.replace(self._probe(weights), offloaded=offloaded)
+        return dataclasses.replace(self._probe(weights), offloaded=offloaded, stats=weights.stats)
 
     def replace(
         self,

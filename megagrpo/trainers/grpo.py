@@ -185,6 +185,7 @@ class GRPOSteps:
         metrics = step_metrics(cfg, current.rollouts, batch, train_metrics, probe_error, current.filtered)
         if not math.isnan(probe_error):
             metrics["sync/verified_buckets"] = synced.probe.verified_buckets
+            metrics |= synced.metrics
             if colocated:
                 metrics["memory/offloaded_gib"] = synced.offloaded / 2**30  # the largest of any rank
         metrics |= distill_metrics
@@ -220,6 +221,7 @@ class GRPOSteps:
         self._trained = Trained(step, self.partial.buffer.next_position)
         metrics = step_metrics(cfg, rollouts, batch, train_metrics, synced.probe.error, taken.counts.filtered)
         metrics["sync/verified_buckets"] = synced.probe.verified_buckets
+        metrics |= synced.metrics
         metrics |= distill_metrics | partial_metrics(taken, trained_version=step - 1) | self.source.counts
         if due.validate:
             with timed(timings, "validation_s"):

@@ -75,6 +75,10 @@ class SentBuckets:
 
     digests: tuple[tuple[int, str], ...] | None
     """(index in the plan, :func:`checksum` as sent) of every bucket it sent (checksum mode); else None."""
+    encoded: tuple[tuple[int, int, int, int, int], ...] = ()
+    """Delta mode (``weight_sync.delta``): (index in the plan, words sent as a delta or FULL, payload
+    bytes, the bucket's words, its changed words or -1 when not known) of every bucket it sent; empty in
+    full mode."""
 
 
 def plan_buckets(tensors: Iterable[tuple | Slot], bucket_bytes: int, source: int) -> list[Bucket]:

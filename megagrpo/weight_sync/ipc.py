@@ -234,12 +234,14 @@ class IpcSender:
             self.store.take(f"ack/{index}", f"the engine's receipt of bucket {index}")
         return self.slots[n % 2]
 
-    def post(self, n: int, index: int) -> None:
-        """Bucket ``index`` of the plan is packed in slot ``n % 2``: tell the engine."""
+    def post(self, n: int, index: int, header: tuple[int, int] | None = None) -> None:
+        """Bucket ``index`` of the plan is packed in slot ``n % 2``: tell the engine. ``header``: delta
+        mode's (count, payload bytes) of what the slot holds (``weight_sync.delta``)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the packing is done before it reads
         self._pending[n % 2] = index
-        self.store.put(f"ready/{index}", str(n % 2))
+        message = str(n % 2) if header is None else f"{n % 2} {header[0]} {header[1]}"
+        self.store.put(f"ready/{index}", message)
 
     def finish(self) -> None:
         """Wait for the engine's receipt of the sync's last buckets."""
@@ -287,6 +289,18 @@ class IpcReceiver:
             torch.cuda.current_stream(self.device).synchronize()
         self.store.put(f"ack/{index}", "1")
         return out
+
+    def receive_encoded(self, index: int, out: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Delta mode: (count, payload) of bucket ``index``, its payload copied into the start of ``out``
+        (``IpcSender.post``'s header says how much); the slot is then released."""
+        message = self.store.take(f"ready/{index}", f"bucket {index} from the sender")
+        slot, count, nbytes = map(int, message.split())
+        payload = out[:nbytes]
+        payload.copy_(self.slots[slot][:nbytes])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.store.put(f"ack/{index}", "1")
+        return count, payload
 
     def close(self) -> None:
         self.slots = []

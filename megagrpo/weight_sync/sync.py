@@ -37,6 +37,7 @@ from megagrpo.parallel.backends import weight_sync_backend
 from megagrpo.types import TrainBatch
 from megagrpo.weight_sync.buckets import Bucket, interleave
 from megagrpo.weight_sync.coverage import check_engine_plan, worker_blocks
+from megagrpo.weight_sync.delta import FULL, HEADER_WORDS, differing_tensor
 from megagrpo.weight_sync.ipc import IpcAddress
 from megagrpo.weight_sync.probe import PROBE_BOUNDS, probe_sequences
 from megagrpo.weight_sync.shards import SyncPath
@@ -74,6 +75,50 @@ class ProbeResult:
     """(bucket, vLLM worker) pairs whose digests matched in the sync before it (0: not checked)."""
     replayed: bool = False
     """Whether the trainer replayed the first engine's routing of the probe (rollout routing replay)."""
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What the last sync put on the links (``WeightSync.stats``)."""
+
+    link_bytes: tuple[int, ...]
+    """Bytes each link's sender sent, by plan source (delta mode: headers and encodings)."""
+    delta: bool = False
+    """Whether the sync ran in delta mode (``generation.sync_mode``)."""
+    delta_buckets: int = 0
+    """Delta mode: buckets sent as their changed elements (the others went whole)."""
+    changed_fraction: float = math.nan
+    """Delta mode: changed elements / elements over every bucket; NaN in full mode and when some bucket
+    had no earlier bytes (the first sync after the links were opened)."""
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """For the run's metrics: ``sync/bytes`` (all links), ``sync/link_bytes_max``; in delta mode also
+        ``sync/delta_buckets`` and ``sync/changed_fraction``."""
+        out = {"sync/bytes": float(sum(self.link_bytes)), "sync/link_bytes_max": float(max(self.link_bytes))}
+        if self.delta:
+            out |= {"sync/delta_buckets": self.delta_buckets, "sync/changed_fraction": self.changed_fraction}
+        return out
+
+
+def sync_stats(plan: tuple[Bucket, ...], sent: list) -> SyncStats:
+    """The links' bytes of a sync from the plan (full mode) or from the senders' encodings (delta mode:
+    ``SentBuckets.encoded``)."""
+    links = 1 + max(b.source for b in plan)
+    encoded = [e for r in sent if r is not None for e in r.encoded]
+    if not encoded:
+        per_link = [0] * links
+        for b in plan:
+            per_link[b.source] += b.nbytes
+        return SyncStats(tuple(per_link))
+    per_link = [0] * links
+    changed = words = deltas = 0
+    for index, count, nbytes, n_words, n_changed in encoded:
+        per_link[plan[index].source] += HEADER_WORDS * 8 + nbytes
+        deltas += count != FULL
+        words += n_words
+        changed = math.nan if n_changed < 0 else changed + n_changed
+    return SyncStats(tuple(per_link), True, deltas, changed / words if words else math.nan)
 
 
 @dataclass(frozen=True)
@@ -184,13 +229,20 @@ class WeightSync:
             links, len(engines), etp, shard_wise=self.path.kind == "shard", colocated=colocated
         )
         self.transport = describe_transport(groups, backend, cfg.resolved.backend)
+        # Delta mode: new groups, so every sender starts with no bytes known to the engines.
+        self.delta = gen.sync_mode == "delta"
+        fraction = gen.sync_delta_max_fraction if self.delta else None
+        self.stats: SyncStats | None = None  # the last sync's
+        self._unsure = False  # delta mode: a sync failed, so the next one goes whole
         # Both sides block in the rendezvous until everyone has joined: start them together.
         engine_refs = [
-            e.init_weight_sync.remote(groups, engine_index=i, backend=backend, timeout_s=self.timeout_s)
+            e.init_weight_sync.remote(
+                groups, engine_index=i, backend=backend, timeout_s=self.timeout_s, delta=self.delta
+            )
             for i, e in enumerate(engines)
         ]
         trainer_refs = policy.submit_all(
-            WeightSyncEndpoints.open_weight_sync, groups, self.keys, backend, self.timeout_s
+            WeightSyncEndpoints.open_weight_sync, groups, self.keys, backend, self.timeout_s, fraction
         )
         self._wait(engine_refs, trainer_refs, "opening the weight-sync groups")
         self.probe_batch = TrainBatch.from_sequences(probe_sequences(vocab_size), [1] * 4)
@@ -276,15 +328,26 @@ class WeightSync:
         """
         start = time.perf_counter()
         self.verified_buckets = 0
+        if self._unsure:  # delta mode: after a failed sync the engines' bytes are not known
+            self.policy.call_all(WeightSyncEndpoints.forget_sent_weights)
+            self._unsure = False
+        try:
+            self._sync(with_checksums)
+        except BaseException:
+            self._unsure = self.delta
+            raise
+        return time.perf_counter() - start
+
+    def _sync(self, with_checksums: bool) -> None:
         engine_refs = [e.receive_weights.remote(self.plan, checksums=with_checksums) for e in self.engines]
         trainer_refs = self.policy.submit_all(WeightSyncEndpoints.send_weights, self.plan, with_checksums)
         sent = self._wait(engine_refs, trainer_refs, "weight sync")
+        self.stats = sync_stats(self.plan, sent)
         if with_checksums:
             want = dict(d for r in sent if r is not None for d in r.digests)
             for e, workers in enumerate(ray.get(engine_refs)):
                 for w, got in enumerate(workers):
                     self.verified_buckets += self._check_digests(want, got, f"engine {e} worker {w}", w)
-        return time.perf_counter() - start
 
     def _check_digests(self, want: dict[int, str], got: dict[int, str], where: str, worker: int) -> int:
         """Compare one vLLM worker's digests with the senders'; returns how many matched."""
@@ -295,6 +358,13 @@ class WeightSync:
             )
         for i in sorted(expected):
             if got[i] != want[i]:
+                tensor = differing_tensor(self.plan[i], got[i], want[i])
+                if tensor is not None:  # delta mode: a digest per tensor
+                    raise WeightSyncError(
+                        f"weight sync bucket {i}: tensor {tensor} differs on {where} after a delta sync: "
+                        "the engine's bytes are not the trainer's (a delta applied to bytes other than "
+                        "those last sent, or damaged on the way)"
+                    )
                 names = [slot.name for slot in self.plan[i].slots]
                 shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
                 raise WeightSyncError(

@@ -47,6 +47,7 @@ from megagrpo.models.mapping import hf_tensor_shapes, to_hf
 from megagrpo.parallel.local import free_port, node_ip
 from megagrpo.weight_sync.buckets import Bucket, SentBuckets, Slot, checksum, dtype_name, pack, plan_buckets
 from megagrpo.weight_sync.coverage import check_sender_plan, sender_shares, sent_ranges
+from megagrpo.weight_sync.delta import FULL, SentCopies, slot_digests
 from megagrpo.weight_sync.ipc import IpcSender
 from megagrpo.weight_sync.shards import SyncPath, choose_path, local_hf_tensors, piece_tensor, rank_pieces
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress, Link, LinkKey
@@ -69,7 +70,8 @@ class WeightSender:
         self.sources: list[int] = []  # the plan sources (links) this rank sends
         self._mine: dict[LinkKey, Link] = {}  # this rank's links, as offered
         self._keys: list[LinkKey] = []  # every link of the sync, in plan-source order
-        self._buffers: list[torch.Tensor] | None = None  # the two packing buffers (senders only)
+        self._buffers: list[torch.Tensor] | None = None  # the packing buffers (senders only)
+        self.copies: SentCopies | None = None  # delta mode: the bytes last sent (weight_sync.delta)
         names = stage_param_names(module, ctx, model_info.shape.num_layers)
         params = dict(module.named_parameters())
         # Every parameter has its rule and its shard's size, before anything is planned.
@@ -180,11 +182,19 @@ class WeightSender:
         return link
 
     def open(
-        self, groups: Sequence[GroupAddress], keys: Sequence[LinkKey], *, backend: str, timeout_s: float
+        self,
+        groups: Sequence[GroupAddress],
+        keys: Sequence[LinkKey],
+        *,
+        backend: str,
+        timeout_s: float,
+        delta_max_fraction: float | None = None,
     ):
         """Become rank 0 of each of this rank's groups and the sender of its handoffs, in plan order
-        (blocks until every receiver joined)."""
+        (blocks until every receiver joined). ``delta_max_fraction``: delta mode (``weight_sync.delta``),
+        starting with no bytes known to the engines; None: full mode."""
         self.close()
+        self.copies = None if delta_max_fraction is None else SentCopies(delta_max_fraction)
         self._keys = list(keys)
         for index, key in enumerate(keys):
             if key not in self._mine:
@@ -261,61 +271,97 @@ class WeightSender:
 
     def _broadcast(self, plan: Sequence[Bucket], streams: dict, with_checksums: bool) -> SentBuckets:
         """Pack the buckets of ``plan`` this rank sends, tensors from ``streams`` (by plan source), and
-        broadcast them on its groups / hand them to the engine on its device; two buckets in flight."""
+        broadcast them on its groups / hand them to the engine on its device; two buckets in flight. In
+        delta mode each goes as its header and its encoding against the bytes last sent
+        (``weight_sync.delta``)."""
         if not self.sources:
             raise RuntimeError("weight sync: send() before open()")
         mine = [(i, b) for i, b in enumerate(plan) if b.source in self.sources]
         ipc = next(iter(self.ipc.values()), None)  # at most one link: then the slots are the buffers
-        if ipc is None:
-            size = max((b.nbytes for _, b in mine), default=0)
-            if self._buffers is None or self._buffers[0].numel() < size:
-                self._buffers = [
-                    torch.empty(size, dtype=torch.uint8, device=self.ctx.device) for _ in range(2)
-                ]
-            buffers = [b[:size] for b in self._buffers]
-            if self.ctx.device.type != "cpu":
-                # On CPU they are kept (fresh multi-MB buffers cost a page fault per 4 KiB on every
-                # sync); a GPU's caching allocator reuses the memory, which colocated engines may need.
-                self._buffers = None
-        in_flight, digests = [None, None], []  # per buffer: (group, work, plan index) of its broadcast
+        delta = self.copies is not None
+        # Full mode packs into the handoff's slots where there are some; delta mode packs apart and puts
+        # the encoding into the slots, or (no handoff) into two buffers more.
+        count = (0 if ipc is not None else 2) if not delta else (2 if ipc is not None else 4)
+        buffers = self._packing_buffers(mine, count)
+        in_flight, digests, encoded = [None, None], [], []  # per buffer: (group, works, plan index, header)
 
         def done(flight) -> None:
             if flight is not None:
-                group, work, index = flight
-                group.wait(work, f"the broadcast of bucket {index}")
+                group, works, index, _ = flight
+                for work in works:
+                    group.wait(work, f"the broadcast of bucket {index}")
 
-        for n, (index, bucket) in enumerate(mine):
-            slot = n % 2
-            done(in_flight[slot])  # this buffer's previous broadcast must be done before reuse
-            # A slot is free once its previous bucket's broadcast is done and the engine took it.
-            buffer = ipc.slot(n) if ipc is not None else buffers[slot]
-            tensors = []
-            for expected in bucket.slots:
-                name, tensor = next(streams[bucket.source])
-                if name != expected.name:
-                    raise RuntimeError(
-                        f"weight sync plan expected {expected.name}, the model produced {name}"
-                    )
-                tensors.append(tensor)
-            buf = pack(bucket, tensors, buffer)
-            if with_checksums:
-                digests.append((index, checksum(buf)))
+        try:
+            for n, (index, bucket) in enumerate(mine):
+                slot = n % 2
+                done(in_flight[slot])  # this buffer's previous broadcast must be done before reuse
+                # A slot is free once its previous bucket's broadcast is done and the engine took it.
+                buffer = ipc.slot(n) if ipc is not None and not delta else buffers[slot]
+                buf = pack(bucket, self._next_tensors(bucket, streams), buffer)
+                if with_checksums:
+                    digests.append((index, slot_digests(bucket, buf) if delta else checksum(buf)))
+                header, sent = None, None
+                if delta:
+                    wire = ipc.slot(n) if ipc is not None else buffers[2 + slot]
+                    sent = self.copies.encode(index, bucket, buf, wire)
+                    encoded.append((index, sent.count, sent.nbytes, sent.words, sent.changed))
+                    if sent.count == FULL and ipc is None:
+                        wire = buf
+                    elif sent.count == FULL:
+                        wire[: buf.numel()].copy_(buf)
+                    buf, header = wire[: sent.nbytes], sent.header(self.ctx.device)
+                if ipc is not None:
+                    ipc.post(n, index, None if sent is None else (sent.count, sent.nbytes))
+                group = self.groups.get(bucket.source)
+                if group is None:
+                    in_flight[slot] = None
+                    continue
+                works = [] if header is None else [group.broadcast(header, root=0)]
+                if buf.numel():  # an unchanged bucket's delta is its header alone
+                    works.append(group.broadcast(buf, root=0))
+                in_flight[slot] = (group, works, index, header)
+            for flight in in_flight:
+                done(flight)
             if ipc is not None:
-                ipc.post(n, index)
-            group = self.groups.get(bucket.source)
-            in_flight[slot] = None if group is None else (group, group.broadcast(buf, root=0), index)
-        for flight in in_flight:
-            done(flight)
-        if ipc is not None:
-            ipc.finish()
+                ipc.finish()
+        except BaseException:
+            if delta:  # which receivers got which bucket is not known: the next sync goes whole
+                self.copies.clear()
+            raise
         for stream in streams.values():
             leftover = next(stream, None)
             if leftover is not None:
                 raise RuntimeError(f"weight sync plan is missing {leftover[0]}")
-        return SentBuckets(tuple(digests) if with_checksums else None)
+        return SentBuckets(tuple(digests) if with_checksums else None, tuple(encoded))
+
+    def _packing_buffers(self, mine: list[tuple[int, Bucket]], count: int) -> list[torch.Tensor]:
+        """``count`` buffers as large as this rank's largest bucket."""
+        if not count:
+            return []
+        size = max((b.nbytes for _, b in mine), default=0)
+        if self._buffers is None or len(self._buffers) != count or self._buffers[0].numel() < size:
+            device = self.ctx.device
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+        buffers = [b[:size] for b in self._buffers]
+        if self.ctx.device.type != "cpu":
+            # On CPU they are kept (fresh multi-MB buffers cost a page fault per 4 KiB on every
+            # sync); a GPU's caching allocator reuses the memory, which colocated engines may need.
+            self._buffers = None
+        return buffers
+
+    @staticmethod
+    def _next_tensors(bucket: Bucket, streams: dict) -> list[torch.Tensor]:
+        """The tensors of ``bucket``'s slots, from its link's stream."""
+        tensors = []
+        for expected in bucket.slots:
+            name, tensor = next(streams[bucket.source])
+            if name != expected.name:
+                raise RuntimeError(f"weight sync plan expected {expected.name}, the model produced {name}")
+            tensors.append(tensor)
+        return tensors
 
     def close(self) -> None:
-        self._buffers = None
+        self._buffers = self.copies = None
         for channel in [*self.groups.values(), *self.ipc.values()]:
             channel.close()
         self.groups, self.ipc, self.sources = {}, {}, []
@@ -367,14 +413,28 @@ class WeightSyncEndpoints:
         return self._sender().info.shape
 
     def open_weight_sync(
-        self, groups: Sequence[GroupAddress], keys: Sequence[LinkKey], backend: str, timeout_s: float
+        self,
+        groups: Sequence[GroupAddress],
+        keys: Sequence[LinkKey],
+        backend: str,
+        timeout_s: float,
+        delta_max_fraction: float | None = None,
     ) -> None:
-        """Host this rank's broadcast groups (``groups[i]`` is link ``keys[i]``)."""
-        self._sender().open(groups, keys, backend=backend, timeout_s=timeout_s)
+        """Host this rank's broadcast groups (``groups[i]`` is link ``keys[i]``); ``delta_max_fraction``:
+        delta mode (``generation.sync_delta_max_fraction``), None: full."""
+        self._sender().open(
+            groups, keys, backend=backend, timeout_s=timeout_s, delta_max_fraction=delta_max_fraction
+        )
 
     def send_weights(self, plan: Sequence[Bucket], with_checksums: bool = False) -> SentBuckets | None:
         """Collective: every rank calls it; senders broadcast, TP peers of the gathered path help gather."""
         return self._sender().send(plan, with_checksums=with_checksums)
+
+    def forget_sent_weights(self) -> None:
+        """Delta mode: drop the bytes last sent, so that the next sync sends every bucket whole (the
+        controller calls it after a sync that failed, a digest mismatch included)."""
+        if self.sender is not None and self.sender.copies is not None:
+            self.sender.copies.clear()
 
     def close_weight_sync(self) -> None:
         if self.sender is not None:

@@ -31,28 +31,34 @@ from vllm.distributed.weight_transfer.base import (
 
 from megagrpo.compat.vllm_moe_reload import forget_cpu_moe_kernels, restore_moe_kernels
 from megagrpo.weight_sync.buckets import Bucket, Slot, checksum, unpack
+from megagrpo.weight_sync.delta import FULL, HEADER_WORDS, ReceivedCopies, slot_digests
 from megagrpo.weight_sync.ipc import IpcReceiver
 from megagrpo.weight_sync.transport import BroadcastGroup, GroupAddress
 
 
 class _Received:
-    """A posted broadcast: ``wait()`` blocks until it is done, within the group's timeout."""
+    """A posted broadcast: ``wait()`` blocks until it is done, within the group's timeout, and gives
+    (count, payload): ``FULL`` and the bucket, or a delta's count and encoding (``weight_sync.delta``)."""
 
-    def __init__(self, group: BroadcastGroup, work, index: int):
-        self.group, self.work, self.index = group, work, index
+    def __init__(self, group: BroadcastGroup, work, index: int, out: torch.Tensor, count: int = FULL):
+        self.group, self.work, self.index, self.out, self.count = group, work, index, out, count
 
-    def wait(self) -> None:
-        self.group.wait(self.work, f"receiving bucket {self.index}")
+    def wait(self) -> tuple[int, torch.Tensor]:
+        if self.work is not None:
+            self.group.wait(self.work, f"receiving bucket {self.index}")
+        return self.count, self.out
 
 
 class _Handoff:
     """A bucket taken from a shared slot, shaped like a broadcast's work handle: ``wait()`` receives."""
 
-    def __init__(self, receiver: IpcReceiver, index: int, out: torch.Tensor):
-        self.receiver, self.index, self.out = receiver, index, out
+    def __init__(self, receiver: IpcReceiver, index: int, out: torch.Tensor, delta: bool = False):
+        self.receiver, self.index, self.out, self.delta = receiver, index, out, delta
 
-    def wait(self) -> None:
-        self.receiver.receive(self.index, self.out)
+    def wait(self) -> tuple[int, torch.Tensor]:
+        if self.delta:
+            return self.receiver.receive_encoded(self.index, self.out)
+        return FULL, self.receiver.receive(self.index, self.out)
 
 
 # vLLM builds these from the dicts ``VLLMEngine`` passes to ``collective_rpc`` (``cls(**info)``);
@@ -65,6 +71,8 @@ class MegagrpoInitInfo(WeightTransferInitInfo):
     """This engine's place among the sync's engines: its workers' ranks in the groups follow from it."""
     backend: str = "gloo"
     timeout_s: float = 120.0
+    delta: bool = False
+    """Delta mode (``generation.sync_mode``): every bucket comes with a header, whole or as a delta."""
 
 
 @dataclass
@@ -89,9 +97,11 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         self._kept: list[torch.Tensor] = []  # the two receive buffers, kept between syncs (CPU)
         self.buffer_bytes = 0  # the receive buffers' bytes in the last sync
         self._moe_kernels: list = []  # MoE kernels dropped for the reload (compat.vllm_moe_reload)
+        self.copies: ReceivedCopies | None = None  # delta mode: each bucket's bytes as last rebuilt
 
     def init_transfer_engine(self, init_info: MegagrpoInitInfo) -> None:
         self.shutdown()
+        self.copies = ReceivedCopies() if init_info.delta else None  # new senders: nothing is known yet
         par, engine = self.parallel_config, init_info.engine_index
         for index, address in enumerate(init_info.groups):  # in plan-source order, as the senders open them
             rank = address.broadcast_rank(engine, par.rank, par.world_size)
@@ -181,22 +191,46 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         self._kept = kept if torch.device(self.device).type == "cpu" else []
         self.buffer_bytes = sum(k.numel() for k in kept)
 
-        def post(i: int):
-            source, buf = buckets[i].source, kept[i % 2][: buckets[i].nbytes]
-            if source in self.ipc:  # taken from the slot when waited for
-                return buf, _Handoff(self.ipc[source], indices[i], buf)
-            group = self.groups[source]
-            return buf, _Received(group, group.broadcast(buf, root=0), indices[i])
-
         self.last_digests = {}
-        pending = post(0)
+        try:
+            self._receive(buckets, indices, kept, update_info.checksums)
+        except BaseException:
+            if self.copies is not None:  # which buckets were patched is not known: start over whole
+                self.copies.clear()
+            raise
+
+    def _post(self, bucket: Bucket, index: int, buf: torch.Tensor):
+        """Start receiving bucket ``index`` into ``buf``; its handle's ``wait()`` gives (count, payload). In
+        delta mode a broadcast link first sends the bucket's header (``weight_sync.delta``)."""
+        delta = self.copies is not None
+        if bucket.source in self.ipc:  # taken from the slot when waited for
+            return _Handoff(self.ipc[bucket.source], index, buf if delta else buf[: bucket.nbytes], delta)
+        group = self.groups[bucket.source]
+        if not delta:
+            whole = buf[: bucket.nbytes]
+            return _Received(group, group.broadcast(whole, root=0), index, whole)
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        group.wait(group.broadcast(header, root=0), f"receiving the header of bucket {index}")
+        count, nbytes = header.tolist()
+        self.received_bytes += header.numel() * header.element_size() + nbytes - bucket.nbytes
+        work = group.broadcast(buf[:nbytes], root=0) if nbytes else None  # unchanged: the header alone
+        return _Received(group, work, index, buf[:nbytes], count)
+
+    def _receive(self, buckets: list[Bucket], indices: list[int], kept: list, checksums: bool) -> None:
+        """Receive ``buckets`` (plan ``indices``) into the two buffers ``kept`` and load them: bucket k + 1
+        arrives while bucket k loads. In delta mode each bucket's bytes are rebuilt from the last ones."""
+        pending = self._post(buckets[0], indices[0], kept[0])
         for i, bucket in enumerate(buckets):
-            buf, work = pending
-            work.wait()
+            count, buf = pending.wait()
             if i + 1 < len(buckets):
-                pending = post(i + 1)
-            if update_info.checksums:
-                self.last_digests[indices[i]] = checksum(buf)
+                pending = self._post(buckets[i + 1], indices[i + 1], kept[(i + 1) % 2])
+            if self.copies is not None:
+                if bucket.source in self.ipc:
+                    self.received_bytes += buf.numel() - bucket.nbytes
+                buf = self.copies.restore(indices[i], bucket, count, buf)
+            if checksums:
+                digest = slot_digests(bucket, buf) if self.copies is not None else checksum(buf)
+                self.last_digests[indices[i]] = digest
             if bucket.slots[0].into is None:
                 self.model.load_weights([(name, tensor.clone()) for name, tensor in unpack(bucket, buf)])
             else:

@@ -2,8 +2,10 @@
 from shared slots (the CUDA IPC protocol over /dev/shm), rank 1's by broadcast, and the trainer parks
 its optimizer, gradients and weights in host memory while the engine runs (``policy.offload: all``),
 handing the GPU over in the order of ``megagrpo.runtime.colocated``.
-The run repeats the disaggregated reference run step for step, with every bucket's digest checked on
-every sync."""
+The run syncs in delta mode (``generation.sync_mode: delta``: each bucket's changed elements, the
+engine rebuilding its bytes from the last ones, also after its sleep discarded the weights) and repeats
+the disaggregated, full-sync reference run step for step, with every tensor's digest checked on every
+sync."""
 
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ def test_a_colocated_run_repeats_the_disaggregated_one(undisturbed, tmp_path, ca
 
     root = undisturbed.root
     reuse_warmup(root, "colocated")
-    overrides = run_overrides(
-        root, "colocated", tmp_path / "ckpt", extra=["generation.placement=colocated", "policy.offload=all"]
-    )
-    run_dir = train(load_config(None, overrides))
+    extra = ["generation.placement=colocated", "policy.offload=all", "generation.sync_mode=delta"]
+    overrides = run_overrides(root, "colocated", tmp_path / "ckpt", extra=extra)
+    with pytest.warns(UserWarning, match="buys little"):  # the tiny demo is fp32
+        cfg = load_config(None, overrides)
+    run_dir = train(cfg)
     said = capsys.readouterr().out
     assert (
         "weight sync transport: colocated: engine(s) 0 take the buckets of the trainer rank on their device"
@@ -39,6 +42,9 @@ def test_a_colocated_run_repeats_the_disaggregated_one(undisturbed, tmp_path, ca
         # Both links' buckets (rank 0's by handoff, rank 1's by broadcast), digested on arrival.
         assert got[step]["sync/verified_buckets"] >= 2
         assert got[step]["memory/offloaded_gib"] > 0 and got[step]["timing/reload_s"] >= 0
+        # Delta sync: the engines' bytes were known from the sync before (the wake-up syncs after a
+        # checkpoint sent headers alone); the steps repeat the full-sync reference exactly (below).
+        assert 0 < got[step]["sync/changed_fraction"] <= 1 and got[step]["sync/bytes"] > 0
     assert_same_steps(got, undisturbed.metrics, (1, 2, 3, 4))
     # The GPUs' hand-overs, as the controller made them (runtime.colocated): the engines wake their
     # weights, the sync, the trainer parks, the engines wake their KV cache, then generate; they sleep

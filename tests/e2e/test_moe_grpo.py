@@ -9,7 +9,8 @@ CPU engine generating, the weights synced into the engine after every step:
 - at TP 2 x EP 2 (4 ranks: sequence parallel, the torch layers) without replay, on the gathered path (two
   expert senders, each gathering its experts over its TP pair): the probe passes after every sync;
 - at TP 2 x EP 2 folded onto 2 ranks (ETP 1: each rank holds half the experts whole and sends them
-  itself) with replay (each TP rank replays its sequence-parallel slice), shard-wise, and gathered over
+  itself) with replay (each TP rank replays its sequence-parallel slice), shard-wise (in delta sync mode),
+  and gathered over
   multi-turn episodes (an environment's observations between the engine's turns; each episode's routing
   put together from its turns' requests): the probe passes and the trainer's logprobs are the engine's.
 """
@@ -105,7 +106,13 @@ FOLDED = [
 
 
 def test_grpo_at_tp2_ep2_folded_with_routing_replay(root):
-    _assert_replayed(_train(root, "moe-tp2-ep2-etp1", *FOLDED))
+    """With ``generation.sync_mode: delta``: each step's sync sends the experts' changed elements."""
+    with pytest.warns(UserWarning, match="buys little"):  # the tiny MoE is fp32
+        run = _train(root, "moe-tp2-ep2-etp1", *FOLDED, "generation.sync_mode=delta")
+    _assert_replayed(run)
+    for step in (1, 2):  # every sync's digests matched (a mismatch stops the run)
+        assert 0 < run[step]["sync/changed_fraction"] <= 1, run[step]["sync/changed_fraction"]
+        assert run[step]["sync/bytes"] > 0
 
 
 def test_grpo_folded_gathered_with_routing_replay_over_multi_turn_episodes(root):

@@ -151,6 +151,60 @@ def test_engines_match_trainer_after_real_updates(layout, stack, policy_group):
         assert _sampled_logprob_error(sync, group, targets, cfg) <= 1.001
 
 
+def test_delta_sync_rebuilds_every_engine_exactly(stack, policy_group):
+    """``generation.sync_mode: delta`` at PP 2 (the group the last layout left), into both engines:
+    shard-wise with engine 0 colocated (stage 0's buckets through shared slots, stage 1's by broadcast),
+    then gathered by broadcast. A first sync goes whole, an unchanged one as headers alone, one after a
+    real optimizer step as deltas where few enough elements changed (fp32: few buckets); each is checked
+    by per-tensor digests and the probe. A damaged payload is named by its tensor, and the sync after it
+    goes whole again and repairs the engine."""
+    from megagrpo.weight_sync.sync import WeightSync, WeightSyncError
+
+    hf_dir, engines = stack
+    for path, colocated in (("auto", True), ("gathered", False)):
+        extra = [
+            "generation.sync_timeout_s=60",
+            "generation.sync_bucket_mb=0.25",
+            "generation.sync_mode=delta",
+            f"generation.weight_sync_path={path}",
+            f"generation.placement={'colocated' if colocated else 'disaggregated'}",
+        ]
+        with pytest.warns(UserWarning, match="buys little"):  # these models are fp32
+            cfg = policy_config(hf_dir, pp=2, extra=extra)
+        group = policy_group(cfg)
+        sync = WeightSync(cfg, group, engines, vocab_size=300)
+        assert sync.transport.startswith("colocated: engine(s) 0") == colocated, sync.transport
+        buckets = len(sync.plan)
+        sync.sync()  # nothing known yet: every bucket whole
+        assert sync.stats.delta_buckets == 0 and math.isnan(sync.stats.changed_fraction)
+        assert sum(sync.stats.link_bytes) == sync.total_bytes + 16 * buckets
+        verified = sync.verified_buckets
+        assert verified >= 2 * buckets and sync.probe().error <= 1.001
+        sync.sync()  # nothing changed: headers alone
+        assert (sync.stats.delta_buckets, sync.stats.changed_fraction) == (buckets, 0.0)
+        assert sum(sync.stats.link_bytes) == 16 * buckets and sync.verified_buckets == verified
+        assert sync.probe().error <= 1.001
+        batch = policy_batch(seed=7)
+        metrics = group.call_first(
+            PolicyWorker.train, batch.replace(old_logprobs=group.call_first(PolicyWorker.logprobs, batch))
+        )
+        assert metrics[0].update_applied == 1.0
+        sync.sync()
+        assert 0 < sync.stats.changed_fraction <= 1 and sync.verified_buckets == verified
+        probe = sync.probe()
+        assert probe.error <= 1.001 and probe.max_abs_delta < 1e-4
+    # The senders forget what they sent (as after a failed sync): the next sync goes whole, and its
+    # broadcast 1, bucket 0's payload after its header, arrives damaged on engine 1.
+    group.call_all(PolicyWorker.forget_sent_weights)
+    ray.get(engines[1].damage_next_sync.remote(1))
+    with pytest.raises(
+        WeightSyncError, match=r"bucket 0: tensor model\.\S+ differs on engine 1 worker 0 after a"
+    ):
+        sync.sync()
+    sync.sync()  # after a failed sync every bucket goes whole: the engine is repaired
+    assert sync.stats.delta_buckets == 0 and sync.probe().error <= 1.001
+
+
 def _model_rules(hf_dir: str):
     from megagrpo.models.registry import load_hf_config, shape_from_hf_config
 

@@ -42,6 +42,8 @@ class Policy:
 
 
 class Sync:
+    stats = None  # what the sync put on the links (WeightSync.stats)
+
     def __init__(self, log):
         self.log = log
 

@@ -278,6 +278,8 @@ class FakeEngine:
 
 
 class FakeSync:
+    stats = None  # what the sync put on the links (WeightSync.stats)
+
     def __init__(self, actors, log):
         self.actors, self.log = actors, log
         log.append(("connect", [(a.index, a.generation) for a in actors]))

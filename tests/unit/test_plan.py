@@ -124,6 +124,13 @@ def test_llama_3_70b_on_128_nodes_of_8_gpus_fits(tmp_path):
     )
     assert plan.sync["total_bytes"] >= gathered["total_bytes"]
     assert plan.sync["est_seconds"] < gathered["est_seconds"] / 4
+    # Delta sync: each sender keeps what it sends, each worker what it receives, in host memory.
+    assert plan.sync["sync_mode"] == "full" and plan.sync["host_bytes_per_sender"] == 0
+    delta = plan_of(
+        [*LLAMA_70B_ON_1024, f"model.hf_dir={model}", "generation.sync_mode=delta"], gpu_memory_gib=80
+    ).sync
+    assert delta["host_bytes_per_sender"] == plan.sync["bytes_per_sender"] > 0
+    assert delta["host_bytes_per_worker"] == plan.sync["bytes_per_worker"]
 
 
 def test_an_infeasible_layout_names_the_stage_and_the_overflow(tmp_path):
