@@ -216,3 +216,35 @@ def engine_weights(s: GPTShape, non_expert: int, t: int, wb: int) -> int:
     routers = s.num_layers * router_layer_params(s)
     experts = s.num_layers * s.num_experts * 3 * s.hidden_size * -(-s.moe_ffn_hidden_size // t)
     return int(((non_expert - routers) / t + routers + experts) * wb)
+
+
+def render(con, x: ExpertPlan, cfg: Config, _size) -> None:
+    """The experts' layout and their part of each trainer rank's bytes (in the trainer table too), for
+    ``megagrpo plan``; ``_size`` formats a byte count."""
+    from rich.table import Table
+
+    con.print(
+        f"experts        {x.num_experts} per layer, top-{x.router_topk}, expert MLP "
+        f"{x.expert_ffn_hidden_size}; EP {x.ep} x ETP {x.etp}: {x.local_experts} per rank, expert DP "
+        f"{x.expert_dp} (TP x DP x CP / EP x ETP)"
+    )
+    t = Table(
+        title=f"Routed experts, in the totals above (bytes per rank; optimizer over expert DP {x.expert_dp})"
+    )
+    for col in ("stage", "params", "weights", "grads", "optimizer", "optim. w/o dist.", "activations"):
+        t.add_column(col, justify="right")
+    for col in ("a2a/layer fwd", "a2a/step"):
+        t.add_column(col, justify="right")
+    for r in x.ranks:
+        g = (r.weights, r.grads, r.optimizer, r.optimizer_without_distributed, r.activations)
+        a2a = (r.all_to_all_layer_forward, r.all_to_all_step)
+        t.add_row(str(r.stage), f"{r.params / 1e6:.1f}M", *map(_size, (*g, *a2a)))
+    con.print(t)
+    passes = ["forward", "backward"] + ["full recompute"] * (cfg.policy.recompute == "full")
+    passes += ["old log-probs"] * (cfg.mini_batches_per_step > 1) + ["reference"] * (cfg.grpo.kl_coef > 0)
+    con.print(
+        f"               activations: the router's and the top-{x.router_topk} copies' (permuted hidden "
+        "states, expert MLPs), routing balanced"
+    )
+    con.print("               a2a: all-to-all bytes a rank sends to the other EP ranks (dispatch + combine)")
+    con.print(f"               a2a/step, at most: {', '.join(passes)}")

@@ -95,7 +95,7 @@ class StreamRequest:
     """The group (prompt) the response belongs to."""
     task: dict | None = None
     """Multi-turn episodes (``env.environment``): the environment's task; the request is then an episode,
-    ``prompt_ids`` unused (``megagrpo.envs.stream_episodes``)."""
+    ``prompt_ids`` unused (``megagrpo.generation.stream_episodes``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,6 @@ from megagrpo.compat.torch_store import stores_listen_on_their_host
 from megagrpo.compat.vllm_eager_cpu import eager_cpu_engine_env
 from megagrpo.config import Config
 from megagrpo.envs.episodes import Turn, TurnEngine
-from megagrpo.envs.stream_episodes import EpisodeStream
 from megagrpo.generation.engine import SLEEP_TAGS
 from megagrpo.generation.routing import engine_routing
 from megagrpo.generation.stream import (
@@ -36,6 +35,7 @@ from megagrpo.generation.stream import (
     StreamSlice,
     sampling_params,
 )
+from megagrpo.generation.stream_episodes import EpisodeStream
 from megagrpo.generation.vllm_layout import VLLM_LAYOUT, VLLMLayout
 from megagrpo.types import Completion, SamplingSettings
 from megagrpo.weight_sync.buckets import Bucket
@@ -436,7 +436,7 @@ class VLLMEngine:
 
     def _stream(self) -> RequestStream | EpisodeStream:
         """The engine's request stream; with ``env.environment`` its requests are episodes, whose turns
-        are requests of the stream underneath (``envs.stream_episodes``)."""
+        are requests of the stream underneath (``generation.stream_episodes``)."""
         if self.stream is None:
             stream = RequestStream(self.llm, version=self.version, routing=self.routing)
             if self.cfg.env.enabled:

@@ -104,7 +104,7 @@ class EngineStreams:
                 self.settings,
                 sample_seed(group.seed, k),
                 group.position,
-                group.prompt.task,  # episodes: the environment's task (envs.stream_episodes)
+                group.prompt.task,  # episodes: the environment's task (generation.stream_episodes)
             )
             for k in range(self.num_generations)
         ]

@@ -1,10 +1,11 @@
-"""Multi-turn episodes as requests of a request stream (``megagrpo.envs.stream_episodes``, ``grpo.async_mode:
-partial`` with ``env.environment``), with real environment workers and a real chat template, and a scripted
-stream in place of the vLLM one (the stream itself is tested on vLLM in tests/e2e/test_stream.py): each
-episode's turns are stream requests whose prompts are the episode so far; a version change between two
-slices lands inside a running turn and every token keeps the version that sampled it; an environment that
-fails makes its episode a failed request (never a sample); an aborted episode never finishes; a snapshot
-holds each unfinished episode's request, and a resume plays it again from its opening.
+"""Multi-turn episodes as requests of a request stream (``megagrpo.generation.stream_episodes``,
+``grpo.async_mode: partial`` with ``env.environment``), with real environment workers and a real chat
+template, and a scripted stream in place of the vLLM one (the stream itself is tested on vLLM in
+tests/e2e/test_stream.py): each episode's turns are stream requests whose prompts are the episode so far;
+a version change between two slices lands inside a running turn and every token keeps the version that
+sampled it; an environment that fails makes its episode a failed request (never a sample); an aborted
+episode never finishes; a snapshot holds each unfinished episode's request, and a resume plays it again
+from its opening.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from megagrpo.config import EnvConfig, load_config
 from megagrpo.data.arithmetic import EOS_ID
 from megagrpo.data.tokenizer import char_tokenizer
 from megagrpo.envs.chat import ChatRenderer
-from megagrpo.envs.stream_episodes import EpisodeStream
 from megagrpo.generation.stream import StreamCompletion, StreamRequest
+from megagrpo.generation.stream_episodes import EpisodeStream
 from megagrpo.rewards.pool import DeadlinePool
 from megagrpo.trainers.partial import score_group, to_completion
 from megagrpo.types import SamplingSettings
