@@ -1,6 +1,7 @@
 """Long-tailed response lengths: partial rollouts against one-step-off and synchronous GRPO, same samples.
 
-    python -m benchmarks.long_tail [--modes sync one_step_off partial] [--steps 6] [--repeat 1] [--quick]
+    python -m benchmarks.long_tail [--modes sync one_step_off partial] [--partial-staleness 1 4] [--steps 6]
+        [--repeat 1] [--quick]
 
 Each mode is a real ``megagrpo train`` run (Ray, two vLLM CPU engines, Megatron at TP 1) of the tiny
 demo model, the same config but for the mode, for the same number of GRPO steps (so the same number of
@@ -10,8 +11,10 @@ trained samples: ``--prompts`` x ``--generations`` a step):
   node's cores shared by the engines while they generate);
 - ``one_step_off``: ``batch`` with ``max_staleness`` 1 (the next batch generated while the trainer
   trains; ``cluster.cpu_threads`` 1, as the step benchmark's overlapped run);
-- ``partial``: ``grpo.async_mode: partial``, ``max_staleness`` ``--partial-staleness`` (engines never
-  stop; weights swapped into requests in flight; a step takes the first finished groups).
+- ``partial``: ``grpo.async_mode: partial`` (engines never stop; weights swapped into requests in
+  flight; a step takes the first finished groups), a run at each ``--partial-staleness``: at 1, the
+  bound of one-step-off; a long response spans several steps, and a group older than the bound is
+  dropped whole, so a larger bound keeps the long groups.
 
 The workload (``common.long_tail_engine``): one prompt in 10 (by a hash of its token ids) asks for
 ``--max-new-tokens`` tokens, the others for 1/8 of that, every response exactly that long
@@ -62,7 +65,13 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128, help="the long prompts' response length")
     p.add_argument("--prompts", type=int, default=16, help="grpo.num_prompts_per_step")
     p.add_argument("--generations", type=int, default=4, help="grpo.num_generations")
-    p.add_argument("--partial-staleness", type=int, default=1, help="partial's grpo.max_staleness")
+    p.add_argument(
+        "--partial-staleness",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="partial's grpo.max_staleness, a run each",
+    )
     p.add_argument("--extra", nargs="*", default=[], help="more config overrides for every run")
     return record.parse(p, argv, QUICK)
 
@@ -85,9 +94,17 @@ def workload(args) -> list[str]:
     ]
 
 
-def mode_overrides(mode: str, args) -> list[str]:
-    extra = [f"grpo.max_staleness={args.partial_staleness}"] if mode == "partial" else []
-    return [*workload(args), *MODES[mode], *extra]  # the later of two overrides of a key wins
+def setups(args) -> dict[str, tuple[dict, list[str]]]:
+    """Each run of a round: its name, its settings and its overrides (partial: one per staleness bound)."""
+    out = {}
+    for mode in args.modes:
+        if mode != "partial":
+            out[mode] = ({"mode": mode}, [*workload(args), *MODES[mode]])
+            continue
+        for k in args.partial_staleness:  # the later of two overrides of a key wins
+            bound = [*workload(args), *MODES[mode], f"grpo.max_staleness={k}"]
+            out[f"partial_s{k}"] = ({"mode": mode, "max_staleness": k}, bound)
+    return out
 
 
 def busy_seconds(run_dir: Path, start: float, end: float) -> tuple[float, int]:
@@ -110,8 +127,9 @@ def run_measurements(mode: str, run_dir: Path, args) -> dict[str, float]:
     busy, engines = busy_seconds(run_dir, start, end)
     short = -(-args.max_new_tokens // LONG_FACTOR)
     length = statistics.mean(r["response/length_mean"] for r in measured)
-    out = {
+    out: dict[str, float] = {
         "samples/s": args.steps * args.prompts * args.generations / (end - start),
+        "response tokens/s": args.steps * args.prompts * args.generations * length / (end - start),
         "engine busy fraction": busy / (engines * (end - start)),
         "step": statistics.mean(r["timing/step_s"] for r in measured),
         "long responses among the trained samples": (length - short) / (args.max_new_tokens - short),
@@ -130,6 +148,7 @@ def run_measurements(mode: str, run_dir: Path, args) -> dict[str, float]:
 
 UNITS = {
     "samples/s": "samples/s",
+    "response tokens/s": "tokens/s",
     "step": "s",
     "weight sync (partial: into the requests in flight)": "s",
     "pause to a token boundary": "s",
@@ -142,35 +161,33 @@ def main(argv=None) -> dict:
     root = TMP / "long_tail"
     shutil.rmtree(root, ignore_errors=True)
     importable_by_workers()  # the engines' Ray workers import the long-tail engine's module
-    results: dict[str, list[dict]] = {m: [] for m in args.modes}
+    runs = setups(args)
+    results: dict[str, list[dict]] = {name: [] for name in runs}
     warmup = None
     for r in range(args.repeat):
-        for mode in args.modes if r % 2 == 0 else reversed(args.modes):  # A, B, C, then C, B, A
-            name = f"{mode}_r{r}"
+        for name in runs if r % 2 == 0 else reversed(runs):  # A, B, C, then C, B, A
+            settings, overrides = runs[name]
             run_dir = train_run(
-                root, name, SKIP + args.steps, mode_overrides(mode, args), warmup, shared=False, entry=MODULE
+                root, f"{name}_r{r}", SKIP + args.steps, overrides, warmup, shared=False, entry=MODULE
             )
             warmup = warmup or run_dir / "warmup"  # every later run starts from the first run's warm-up
-            results[mode].append(run_measurements(mode, run_dir, args))
+            results[name].append(run_measurements(settings["mode"], run_dir, args))
     out = []
-    for mode, runs in results.items():
-        s = {"mode": mode}
-        for key in runs[0]:
+    for name, got in results.items():
+        s = runs[name][0]
+        for key in got[0]:
             unit = UNITS.get(key, "fraction")
-            out.append(Measurement(key, [x[key] for x in runs], unit, s, headline=key == "samples/s"))
-    rate = {m: [x["samples/s"] for x in runs] for m, runs in results.items()}
-    if "partial" in rate and "one_step_off" in rate:
-        out.append(
-            ratio(
-                "partial / one-step-off, samples/s",
-                rate["partial"],
-                rate["one_step_off"],
-                target=TARGET,
-                headline=True,
+            out.append(Measurement(key, [x[key] for x in got], unit, s, headline=key == "samples/s"))
+    rate = {name: [x["samples/s"] for x in got] for name, got in results.items()}
+    for name in (n for n in runs if n.startswith("partial")):
+        s = runs[name][0]
+        if "one_step_off" in rate:
+            label = "partial / one-step-off, samples/s"
+            out.append(
+                ratio(label, rate[name], rate["one_step_off"], settings=s, target=TARGET, headline=True)
             )
-        )
-    if "partial" in rate and "sync" in rate:
-        out.append(ratio("partial / sync, samples/s", rate["partial"], rate["sync"]))
+        if "sync" in rate:
+            out.append(ratio("partial / sync, samples/s", rate[name], rate["sync"], settings=s))
     what = "samples/s and engine busy fraction: partial rollouts, one-step-off, sync; long-tailed lengths"
     notes = [
         f"{args.steps} measured steps per run after {SKIP} start-up steps; {args.prompts} prompts x "
