@@ -177,7 +177,7 @@ def main(argv=None) -> dict:
         s = runs[name][0]
         for key in got[0]:
             unit = UNITS.get(key, "fraction")
-            out.append(Measurement(key, [x[key] for x in got], unit, s, headline=key == "samples/s"))
+            out.append(Measurement(key, [x[key] for x in got], unit, s))
     rate = {name: [x["samples/s"] for x in got] for name, got in results.items()}
     for name in (n for n in runs if n.startswith("partial")):
         s = runs[name][0]
