@@ -183,9 +183,7 @@ def main(argv=None) -> dict:
         s = runs[name][0]
         if "one_step_off" in rate:
             label = "partial / one-step-off, samples/s"
-            out.append(
-                ratio(label, rate[name], rate["one_step_off"], settings=s, target=TARGET, headline=True)
-            )
+            out.append(ratio(label, rate[name], rate["one_step_off"], settings=s, target=TARGET))
         if "sync" in rate:
             out.append(ratio("partial / sync, samples/s", rate[name], rate["sync"], settings=s))
     what = "samples/s and engine busy fraction: partial rollouts, one-step-off, sync; long-tailed lengths"
