@@ -14,7 +14,8 @@ trained samples: ``--prompts`` x ``--generations`` a step):
 - ``partial``: ``grpo.async_mode: partial`` (engines never stop; weights swapped into requests in
   flight; a step takes the first finished groups), a run at each ``--partial-staleness``: at 1, the
   bound of one-step-off; a long response spans several steps, and a group older than the bound is
-  dropped whole, so a larger bound keeps the long groups.
+  dropped whole (counted); a larger bound lets more groups in flight and drops fewer of them only if
+  the steps do not come faster meanwhile.
 
 The workload (``common.long_tail_engine``): one prompt in 10 (by a hash of its token ids) asks for
 ``--max-new-tokens`` tokens, the others for 1/8 of that, every response exactly that long
