@@ -8,6 +8,10 @@
 # transformers on the same weights over 20 syncs; moe: the MoE train step at EP 1 on 4 layers of Qwen3-30B-A3B,
 # tokens/s, peak memory). train and logprob_memory ran on an H200 before (results/suite_gpu/); --offload,
 # train_torch's 4K, ipc_handoff, probe_bf16 and moe have not run on a GPU yet: run --quick first.
+# Not here: the timing of grpo.async_mode partial's weight swap into requests in flight (pause, load,
+# resume). The device has no vLLM, and the load is vLLM's layerwise reload around our block copies
+# (weight_sync/vllm_engine.py): a torch-only stand-in would time none of it. The CPU suite's long_tail
+# measures the pause and the sync.
 #
 #   bash benchmarks/gpu_h200.sh            # on the device; results under $OUT/suite_gpu/ (copy them to
 #                                          # benchmarks/results/suite_gpu/), else benchmarks/results/suite_gpu/

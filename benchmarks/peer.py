@@ -15,9 +15,11 @@ optimizer settings, run alternately on the same machine (the ``bench`` extra ins
 
 Each round (``--repeat`` per size) runs megagrpo, then TRL in each ``--trl`` mode (``generate``:
 transformers' generate; ``paged``: its continuous batching; ``vllm``: vLLM colocated in TRL's
-process), then megagrpo at any further ``--tp``; every run starts from the first run's warm-up. A
-run's step time is its median after the first ``SKIP`` steps. The speed-up is per round, against
-TRL's fastest mode at that size: megagrpo is faster only when it is in every round.
+process), then megagrpo in any further ``--modes`` (``long_tail.MODES``: ``sync``, the sequential
+loop; ``one_step_off``, ``grpo.max_staleness`` 1; ``partial``, ``grpo.async_mode: partial``) and at any
+further ``--tp``; every run starts from the first run's warm-up. A run's step time is its median after
+the first ``SKIP`` steps. The speed-up is per round, against TRL's fastest mode at that size: megagrpo
+is faster only when it is in every round; the headline is megagrpo's fastest setup (by median).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 from .common import TMP, record
 from .common.record import Measurement, ratio
 from .common.runs import export_warmup, metrics_rows, per_family, train_run
+from .long_tail import MODES
 from .step import setup_overrides
 
 SKIP = {"tiny": 3, "m25": 1}
@@ -53,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--tp", type=int, nargs="+", default=[1], help="megagrpo's trainer TP sizes (the first leads)"
     )
+    p.add_argument(
+        "--modes", nargs="+", default=["sync"], choices=MODES, help="megagrpo's modes at the first --tp"
+    )
     p.add_argument("--warmup-steps", type=int, help="the tiny model's warm-up steps (default: the demo's)")
     args = record.parse(p, argv, QUICK)
     args.rounds = {"tiny": 3, "m25": 1} | per_family(args.repeat, SKIP)
@@ -60,12 +66,17 @@ def parse_args(argv=None):
     return args
 
 
-def ours_overrides(size: str, tp: int, steps: int, warmup_steps: int | None = None) -> list[str]:
+def ours_overrides(
+    size: str, tp: int, steps: int, warmup_steps: int | None = None, mode: str = "sync"
+) -> list[str]:
     """megagrpo's run at ``size``: at tiny, the demo's config with TRL's advantage, one micro-batch per
-    optimizer step, two engines at TP 1 and validation before and after; at m25, step's setup."""
+    optimizer step, two engines at TP 1 and validation before and after; at m25, step's setup; in
+    ``mode`` (``long_tail.MODES``; sync adds nothing: the run a suite shares with ``step``)."""
+    modal = [] if mode == "sync" else MODES[mode]
     if size == "m25":
-        return setup_overrides(f"m25_tp{tp}")
+        return [*setup_overrides(f"m25_tp{tp}"), *modal]
     return [
+        *modal,
         *("policy.micro_batch_max_tokens=8192", "grpo.baseline=mean"),
         *(["generation.num_engines=2"] if tp == 1 else []),
         *([f"warmup.steps={warmup_steps}"] if warmup_steps is not None else []),
@@ -74,9 +85,12 @@ def ours_overrides(size: str, tp: int, steps: int, warmup_steps: int | None = No
     ]
 
 
-def ours(root: Path, size: str, tp: int, steps: int, rnd: int, warmup: Path | None, args) -> dict:
-    overrides = ours_overrides(size, tp, steps, args.warmup_steps)
-    run_dir = train_run(root, f"{size}_tp{tp}_r{rnd}", steps, overrides, warmup, shared=rnd == 0)
+def ours(
+    root: Path, size: str, tp: int, steps: int, rnd: int, warmup: Path | None, args, mode: str = "sync"
+) -> dict:
+    overrides = ours_overrides(size, tp, steps, args.warmup_steps, mode)
+    name = f"{size}_tp{tp}_r{rnd}" + ("" if mode == "sync" else f"_{mode}")
+    run_dir = train_run(root, name, steps, overrides, warmup, shared=rnd == 0)
     rows = metrics_rows(run_dir)
     val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
     timed = [r for r in rows if r["step"] > SKIP[size]]
@@ -111,14 +125,17 @@ def main(argv=None) -> dict:
         runs: dict[str, list[dict]] = {}
         warmup = model = None
         for rnd in range(args.rounds[size]):
-            lead = ours(root, size, args.tp[0], steps, rnd, warmup, args)
-            runs.setdefault(f"megagrpo TP{args.tp[0]}", []).append(lead)
+            lead = ours(root, size, args.tp[0], steps, rnd, warmup, args, args.modes[0])
+            runs.setdefault(setup_name(args.tp[0], args.modes[0]), []).append(lead)
             if warmup is None:
                 warmup = root / f"warmup_{size}"
                 shutil.copytree(lead["run_dir"] / "warmup", warmup)
                 model = export_warmup(lead["run_dir"], root / f"{size}_hf")
             for mode in args.trl:
                 runs.setdefault(f"TRL {mode}", []).append(trl(root, size, model, steps, mode, rnd))
+            for mode in args.modes[1:]:
+                run = ours(root, size, args.tp[0], steps, rnd, warmup, args, mode)
+                runs.setdefault(setup_name(args.tp[0], mode), []).append(run)
             for tp in args.tp[1:]:
                 runs.setdefault(f"megagrpo TP{tp}", []).append(ours(root, size, tp, steps, rnd, warmup, args))
         out += measurements(size, steps, runs)
@@ -127,6 +144,10 @@ def main(argv=None) -> dict:
     return record.write(
         args, "peer", what, out, packages=("torch", "vllm", "trl", "transformers"), notes=notes
     )
+
+
+def setup_name(tp: int, mode: str) -> str:
+    return f"megagrpo TP{tp}" + ("" if mode == "sync" else f" {mode}")
 
 
 def measurements(size: str, steps: int, runs: dict[str, list[dict]]) -> list[Measurement]:
@@ -143,12 +164,14 @@ def measurements(size: str, steps: int, runs: dict[str, list[dict]]) -> list[Mea
             )
     trl_modes = {k: v for k, v in runs.items() if k.startswith("TRL")}
     fastest = min(trl_modes, key=lambda k: statistics.median(r["step_s"] for r in trl_modes[k]))
-    for setup, rs in runs.items():
-        if setup.startswith("megagrpo"):
-            s = {"size": size, "setup": setup, "against": fastest}
-            theirs, mine = [r["step_s"] for r in trl_modes[fastest]], [r["step_s"] for r in rs]
-            name = "speed-up over TRL's fastest mode, per round"
-            out.append(ratio(name, theirs, mine, settings=s, target=TARGETS[size], headline=True))
+    ours_setups = {k: v for k, v in runs.items() if k.startswith("megagrpo")}
+    ours_fastest = min(ours_setups, key=lambda k: statistics.median(r["step_s"] for r in ours_setups[k]))
+    for setup, rs in ours_setups.items():
+        s = {"size": size, "setup": setup, "against": fastest}
+        theirs, mine = [r["step_s"] for r in trl_modes[fastest]], [r["step_s"] for r in rs]
+        name = "speed-up over TRL's fastest mode, per round"
+        head = setup == ours_fastest
+        out.append(ratio(name, theirs, mine, settings=s, target=TARGETS[size], headline=head))
     if size == "tiny":
         before = next(iter(runs.values()))[0]["val"][0]
         out.append(

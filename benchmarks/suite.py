@@ -114,6 +114,8 @@ BENCHMARKS: tuple[Bench, ...] = (
     Bench("faults", ("cpu",)),
     Bench("rollout", ("cpu",)),
     Bench("step", ("cpu",)),
+    # Long-tailed response lengths: partial rollouts against one-step-off and sync, same samples.
+    Bench("long_tail", ("cpu",)),
     Bench("sync", ("cpu",)),
     Bench("shard_sync", ("cpu",)),
     # The colocated handoff: on cpu through /dev/shm, on the lent GPU through CUDA IPC handles. Without

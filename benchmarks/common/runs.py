@@ -75,6 +75,7 @@ def train_run(
     warmup: Path | None = None,
     shared: bool = True,
     command: str = "train",
+    entry: str = "megagrpo.cli",
 ) -> Path:
     """Run ``name`` under ``root/runs`` for ``steps`` GRPO steps with ``overrides`` (no TensorBoard,
     progress bar, checkpoints or export), starting from the copy of ``warmup`` when given, else from
@@ -82,7 +83,8 @@ def train_run(
     it); returns its run directory. In a suite, a run of the same config and steps that another
     benchmark made is not made again: its directory is copied (hard links) to ``name``'s;
     ``shared=False`` makes a run of its own (another round of the same config); ``command`` is the
-    trainer (``train``, ``distill``). A failed run stops the benchmark with the run's output."""
+    trainer (``train``, ``distill``), ``entry`` the module run as ``python -m`` (one that patches an engine
+    into the registry, then runs megagrpo's CLI). A failed run stops the benchmark with the run's output."""
     run_dir = root / "runs" / name
     args = [
         f"logging.dir={root / 'runs'}",
@@ -108,9 +110,7 @@ def train_run(
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.copytree(warmup, run_dir / "warmup")
     start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "megagrpo.cli", command, *args], capture_output=True, text=True
-    )
+    done = subprocess.run([sys.executable, "-m", entry, command, *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     print(f"[runs] {name}: {time.perf_counter() - start:.0f}s", flush=True)

@@ -342,7 +342,7 @@ def restore(policy: RankGroup, checkpoint: Path | None) -> tuple[int, int, Pendi
     pending, in_flight = Pending.load(checkpoint), load_in_flight(checkpoint)
     ahead = f", with the rollouts of step {state.step + 1} generated ahead" if pending else ""
     if in_flight is not None:
-        ahead = f", with {len(in_flight['partials'])} partial group(s) to continue"
+        ahead = f", with {len(in_flight['partials'])} partial request(s) to continue"
     print(f"resume: continuing after step {state.step} from {checkpoint}{ahead}")
     return state.step, state.data_position, pending, in_flight
 

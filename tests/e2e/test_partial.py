@@ -79,8 +79,8 @@ def test_partial_rollouts_survive_an_engine_and_the_driver_killed(undisturbed, t
     capsys.readouterr()
     train(cfg)
     out = capsys.readouterr().out
-    assert " partial group(s) to continue" in out, out[-3000:]
-    continued = int(out.split(" partial group(s) to continue")[0].rsplit("with ", 1)[1])
+    assert " partial request(s) to continue" in out, out[-3000:]
+    continued = int(out.split(" partial request(s) to continue")[0].rsplit("with ", 1)[1])
     assert continued >= 1
     got = metrics(run_dir)
     assert set(range(1, STEPS + 1)) <= set(got)

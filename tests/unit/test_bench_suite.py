@@ -276,3 +276,31 @@ def test_only_replaces_its_entries_of_an_earlier_suite(tmp_path):
         == {}
     )
     assert suite.earlier_entries(suite.parse_args(["--suite", "cpu", "--out", str(tmp_path)])) == {}
+
+
+# ------------------------------------------------------------------------------- long-tail workload
+
+
+def test_long_tail_budget_one_prompt_in_ten_asks_for_eight_times_the_tokens():
+    from benchmarks.common.long_tail_engine import LONG_EVERY, budget, is_long
+    from megagrpo.config import load_config
+    from megagrpo.data.prompts import build_source
+
+    prompts = [p.token_ids for p in build_source(load_config(None, [])).batch(0, 2000)]
+    long = [p for p in prompts if is_long(p)]
+    assert 0.08 <= len(long) / len(prompts) <= 0.12  # a hash: about 1 in LONG_EVERY
+    assert LONG_EVERY == 10
+    short = next(p for p in prompts if not is_long(p))
+    assert budget(long[0], 128) == 128 and budget(short, 128) == 16 and budget(short, 100) == 13
+    assert budget(short, 1) == budget(long[0], 1) == 1  # the probe's single token
+    assert all(is_long(p) == is_long(list(p)) for p in prompts[:50])  # tuples (stream requests) alike
+
+
+def test_long_tail_busy_seconds_are_clipped_to_the_window(tmp_path):
+    from benchmarks.long_tail import busy_seconds
+
+    calls = {0: [(0.0, 2.0), (3.0, 4.0)], 1: [(5.0, 12.0)]}
+    for engine, spans in calls.items():
+        lines = [json.dumps({"call": "generate", "start": a, "end": b}) for a, b in spans]
+        (tmp_path / f"engine_busy_{engine}.jsonl").write_text("\n".join(lines) + "\n")
+    assert busy_seconds(tmp_path, 1.0, 10.0) == (1.0 + 1.0 + 5.0, 2)
