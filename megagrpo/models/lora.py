@@ -238,7 +238,7 @@ def adapter_state_dict(model: torch.nn.Module, global_names: dict[str, str], ctx
             tensors, f"{linear}.{ADAPTER_MODULE}.", axis, tp_group=ctx.pgs.tp, dp_cp_group=ctx.pgs.dp_cp
         )
         b_key = f"{linear}.{ADAPTER_MODULE}.weight_b"
-        if adapter.gated and adapter.group.size() > 1:
+        if adapter.gated:  # at every TP size, as Megatron stores linear_fc1: reloadable at any other
             sharded[b_key] = apply_swiglu_sharded_factory(sharded[b_key], ())
         out.update(sharded)
     return out
