@@ -36,6 +36,7 @@ from megagrpo.models.lora import (
 )
 from megagrpo.models.mapping import hf_tensor_shapes, to_hf
 from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
+from megagrpo.parallel.local import run_in_this_process, run_local_ranks
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -59,7 +60,6 @@ def _spec(meta: dict) -> LoraSpec:
 def _with_adapted_stage(ckpt: Path, fn, *, with_base: bool):
     """``fn(model, global names, source, meta)`` on a one-rank stage holding the checkpoint's adapters (and,
     ``with_base``, the base weights they adapt)."""
-    check_exportable(ckpt)
     meta = read_lora_meta(ckpt)
     source = read_model(ckpt)
     base = meta["base"]
@@ -84,32 +84,68 @@ def _with_adapted_stage(ckpt: Path, fn, *, with_base: bool):
         destroy_parallel()
 
 
-def export_peft(ckpt: str | Path, out: str | Path) -> Path:
-    """A PEFT LoRA adapter directory at ``out`` from the LoRA checkpoint ``ckpt`` (written aside, then
-    renamed)."""
-    from safetensors.torch import save_file
+def _peft_rank(rank: int, world_size: int, ckpt: str) -> tuple[dict, list[str]]:
+    """The one rank of :func:`export_peft`: (PEFT tensors by key, HF module names adapted)."""
 
-    ckpt, out = Path(ckpt), Path(out)
-
-    def write(model, names, source, meta):
+    def collect(model, names, source, meta):
         rules = {r.megatron: r for r in source.arch.rules(source.shape)}
         tensors, modules = {}, set()
         found = adapter_tensors(model, names)
-        for key in sorted(found):
-            if not key.endswith(".weight_a"):
-                continue
+        for key in sorted(k for k in found if k.endswith(".weight_a")):
             linear = key.removesuffix(".lora.weight_a")
             rule = rules[f"{linear}.weight"]
             a, b = found[key], found[f"{linear}.lora.weight_b"]
             for hf_name, b_hf in zip(rule.hf, to_hf(rule, b, source.shape), strict=True):
                 module = hf_name.removesuffix(".weight")
                 modules.add(module.rsplit(".", 1)[-1])
+                # copies: safetensors refuses tensors that share memory (the q/k/v adapters share A)
                 tensors[f"{_PEFT_PREFIX}{module}.lora_A.weight"] = a.to(source.dtype, copy=True)
                 tensors[f"{_PEFT_PREFIX}{module}.lora_B.weight"] = b_hf.to(source.dtype, copy=True)
         return tensors, sorted(modules)
 
-    tensors, modules = _with_adapted_stage(ckpt, write, with_base=False)
+    return _with_adapted_stage(Path(ckpt), collect, with_base=False)
+
+
+def _merged_rank(rank: int, world_size: int, ckpt: str, out: str, max_shard_bytes: int) -> int:
+    """The one rank of :func:`export_merged`: the merged HF tensors into ``out`` (an existing directory)."""
+
+    def write(model, names, source, meta):
+        rules = source.arch.rules(source.shape)
+        shapes = hf_tensor_shapes(source.shape)
+        with merged(model):
+            params = dict(model.named_parameters())
+            full = {names[local]: params[local].detach() for local in names}
+            specs = [
+                (name, shapes[name], source.dtype)
+                for rule in rules
+                if rule.export and rule.megatron in full
+                for name in rule.hf
+            ]
+            tensors = ((n, t.to(source.dtype)) for n, t in hf_tensors_from_full(full, source.shape, rules))
+            write_sharded(Path(out), specs, tensors, max_shard_bytes)
+        return sum(math.prod(s) * d.itemsize for _, s, d in specs)
+
+    return _with_adapted_stage(Path(ckpt), write, with_base=True)
+
+
+def _one_rank(fn, in_process: bool, *args):
+    """``fn`` as the only rank: here (a command-line tool, which exits next) or in a spawned process (a
+    trainer's driver, whose own process groups must not be touched)."""
+    if in_process:
+        return run_in_this_process(fn, *args)
+    (result,) = run_local_ranks(fn, 1, *args, timeout_s=24 * 3600)
+    return result
+
+
+def export_peft(ckpt: str | Path, out: str | Path, *, in_process: bool = False) -> Path:
+    """A PEFT LoRA adapter directory at ``out`` from the LoRA checkpoint ``ckpt`` (written aside, then
+    renamed)."""
+    from safetensors.torch import save_file
+
+    ckpt, out = Path(ckpt), Path(out)
+    check_exportable(ckpt)
     meta = read_lora_meta(ckpt)
+    tensors, modules = _one_rank(_peft_rank, in_process, str(ckpt))
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -129,28 +165,16 @@ def export_peft(ckpt: str | Path, out: str | Path) -> Path:
     return out
 
 
-def export_merged(ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = 5 << 30) -> Path:
+def export_merged(
+    ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = 5 << 30, in_process: bool = False
+) -> Path:
     """An HF directory at ``out`` of the base with the checkpoint's adapters merged in."""
     ckpt, out = Path(ckpt), Path(out)
-
-    def write(model, names, source, meta):
-        rules = source.arch.rules(source.shape)
-        shapes = hf_tensor_shapes(source.shape)
-        with atomic_output_dir(out) as tmp, merged(model):
-            params = dict(model.named_parameters())
-            full = {names[local]: params[local].detach() for local in names}
-            specs = [
-                (name, shapes[name], source.dtype)
-                for rule in rules
-                if rule.export and rule.megatron in full
-                for name in rule.hf
-            ]
-            tensors = ((n, t.to(source.dtype)) for n, t in hf_tensors_from_full(full, source.shape, rules))
-            write_sharded(tmp, specs, tensors, max_shard_bytes)
-            copy_aux_files(source.hf_dir, tmp)
-        return sum(math.prod(s) * d.itemsize for _, s, d in specs)
-
-    _with_adapted_stage(ckpt, write, with_base=True)
+    check_exportable(ckpt)
+    source = read_model(ckpt)
+    with atomic_output_dir(out) as tmp:
+        _one_rank(_merged_rank, in_process, str(ckpt), str(tmp), max_shard_bytes)
+        copy_aux_files(source.hf_dir, tmp)
     return out
 
 

@@ -96,7 +96,7 @@ def one_rank(hf_dir, dirs) -> list[dict]:
     cases = {
         "base": (_base_logprobs, hf_dir),
         "train": (_train, _lora_config(hf_dir), str(dirs["ckpt"])),
-        "exports": (_exports, str(dirs["ckpt"]), str(dirs["export"])),
+        "exports": (_exports, str(dirs["ckpt"]), str(dirs["export"])),  # last: it ends the world
     }
     return run_cases(1, cases)
 
