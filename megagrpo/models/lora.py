@@ -261,3 +261,24 @@ def base_state_keys(model: torch.nn.Module) -> set[str] | None:
     if not has_adapters(model):
         return None
     return {key for key in model.state_dict() if f".{ADAPTER_MODULE}." not in key}
+
+
+def adapter_params_per_rank(shape, targets: tuple[str, ...], rank: int, tp: int) -> int:
+    """Adapter elements one TP rank holds per transformer layer (``megagrpo plan``): a column-parallel
+    target's ``A`` whole and ``1/tp`` of ``B``, a row-parallel one's ``1/tp`` of ``A`` and ``B`` whole."""
+    h, d = shape.hidden_size, shape.head_dim
+    q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
+    dims = {  # (in, out) of each layer
+        "linear_qkv": (h, q + 2 * kv),
+        "linear_proj": (q, h),
+        "linear_fc1": (h, 2 * shape.ffn_hidden_size),
+        "linear_fc2": (shape.ffn_hidden_size, h),
+    }
+    total = 0
+    for target in targets:
+        fan_in, fan_out = dims[target]
+        if TARGET_KINDS[target] == "column":
+            total += rank * fan_in + fan_out // tp * rank
+        else:
+            total += rank * fan_in // tp + fan_out * rank
+    return total

@@ -54,12 +54,23 @@ def _train(cfg, save_to: str | None = None) -> dict:
         "after": worker.logprobs(batch, 1.0),
         "ref_after": worker.reference_logprobs(batch),
         "trainable": sorted(n for n, p in module.named_parameters() if p.requires_grad),
+        "adapter_numel": sum(p.numel() for p in module.parameters() if p.requires_grad),
+        "planned_numel": _planned(cfg, worker),
         "ddp_holds_adapters_only": {id(p) for p in held}
         == {id(p) for p in module.parameters() if p.requires_grad},
     }
     if save_to is not None:
         worker.save(save_to)
     return out
+
+
+def _planned(cfg, worker) -> int:
+    """What ``megagrpo plan`` counts as this rank's adapter elements."""
+    from megagrpo.models.lora import adapter_params_per_rank
+
+    lora, shape = cfg.policy.lora, worker.model_info.shape
+    per_layer = adapter_params_per_rank(shape, lora.targets, lora.rank, worker.ctx.sizes.tp)
+    return shape.num_layers // worker.ctx.sizes.pp * per_layer
 
 
 def _load(cfg, path: str) -> dict:
@@ -125,6 +136,7 @@ def test_only_the_adapters_train_and_the_reference_is_the_base(one_rank):
     # 2 layers x (qkv, proj, fc1, fc2) x (A, B)
     assert len(res["trainable"]) == 16
     assert res["ddp_holds_adapters_only"]
+    assert res["adapter_numel"] == res["planned_numel"]
     first, second = res["metrics"]
     assert first.update_applied == second.update_applied == 1.0
     assert torch.equal(res["ref_after"], base)  # adapters off: the base, untouched by training
@@ -138,6 +150,7 @@ def test_loss_and_grad_norm_do_not_depend_on_layout(layout, one_rank, two_ranks)
     mask = policy_batch().response_mask()
     for res in case(two_ranks, f"train/{layout}"):
         assert res["ddp_holds_adapters_only"]
+        assert res["adapter_numel"] == res["planned_numel"]  # megagrpo plan's count is this rank's
         for got, ref in zip(res["metrics"], want["metrics"], strict=True):
             assert _rel(got.loss, ref.loss) <= 1e-5, (got.loss, ref.loss)
             assert _rel(got.grad_norm, ref.grad_norm) <= 1e-5, (got.grad_norm, ref.grad_norm)

@@ -85,3 +85,16 @@ def test_the_base_reference_follows_the_base_files(tmp_path):
     assert base_reference(info, cfg.model, seed=0)["digest"] != first["digest"]
     tiny = describe_model(cfg)
     assert base_reference(tiny, cfg.model, seed=0) != base_reference(tiny, cfg.model, seed=1)
+
+
+def test_plan_counts_gradients_and_adam_states_of_the_adapters_only():
+    from megagrpo.plan import make_plan, read_shape
+
+    def first_rank(overrides):
+        cfg = load_config(None, overrides)
+        shape, where = read_shape(cfg, None)
+        return make_plan(cfg, shape, where).ranks[0]
+
+    full, lora = first_rank([]), first_rank(["policy.lora.rank=8"])
+    assert lora.params > full.params  # the base and the adapters
+    assert 0 < lora.grads < full.grads / 10 and 0 < lora.optimizer < full.optimizer / 10
