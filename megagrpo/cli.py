@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, help="HF output directory (must not exist)")
     p.add_argument(
+        "--peft",
+        action="store_true",
+        help="write the PEFT adapter directory of a policy.lora run's checkpoint (adapter_config.json + "
+        "adapter_model.safetensors) instead of the merged HF model",
+    )
+    p.add_argument(
         "--max-shard-size",
         default="5GB",
         type=_parse_size,
@@ -303,6 +309,7 @@ def _export(args: argparse.Namespace) -> int:
 
     from megagrpo.ckpt import manifest
     from megagrpo.ckpt.convert import megatron_to_hf
+    from megagrpo.ckpt.lora_export import export_merged, export_peft, is_lora_checkpoint
 
     try:
         ckpt = Path(args.ckpt)
@@ -310,11 +317,16 @@ def _export(args: argparse.Namespace) -> int:
             # A run checkpoint (step_N/) is exported only once every file matches its manifest.
             nbytes = manifest.verify(ckpt)
             print(f"verified {ckpt}: {nbytes / 1e6:.1f} MB match {manifest.MANIFEST_NAME}")
-        out = megatron_to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, in_process=True)
+        if args.peft:
+            out = export_peft(ckpt, args.out, in_process=True)
+        elif is_lora_checkpoint(ckpt):  # adapters only: merged into the base they refer to
+            out = export_merged(ckpt, args.out, max_shard_bytes=args.max_shard_size, in_process=True)
+        else:
+            out = megatron_to_hf(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, in_process=True)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"megagrpo export: error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote HF checkpoint {out}")
+    print(f"wrote {'PEFT adapter' if args.peft else 'HF checkpoint'} {out}")
     return 0
 
 

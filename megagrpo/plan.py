@@ -36,6 +36,7 @@ from megagrpo import plan_experts, plan_partial
 from megagrpo.config import rules
 from megagrpo.config.errors import ConfigError
 from megagrpo.config.resolution import packs_sequences
+from megagrpo.models.lora import adapter_params_per_rank
 from megagrpo.parallel import backends
 from megagrpo.plan_colocated import COLOCATED_PHASES, colocated_phases, largest_engine_tensor
 
@@ -367,6 +368,10 @@ def _rank_memory(
     opt_per_param = 8 + (4 if wb < 4 else 0)  # Adam m, v (+ fp32 master weights)
     n = math.ceil(_stage_params(shape, pp, stage) / tp)
     trained = n - plan_experts.frozen_params(cfg, shape, shape.num_layers // pp)
+    lora = cfg.policy.lora
+    if lora.enabled:  # the base is frozen: only the adapters have gradients and Adam states
+        trained = shape.num_layers // pp * adapter_params_per_rank(shape, lora.targets, lora.rank, tp)
+        n += trained
     full_opt = trained * opt_per_param
     rank = RankMemory(
         stage=stage,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from megagrpo.config import rules_user
 from megagrpo.config.errors import ConfigError, require
 from megagrpo.config.rollout import CAPABILITIES, ENGINE_CAPABILITIES
+from megagrpo.config.rules_lora import check_lora
 from megagrpo.parallel import backends
 
 if TYPE_CHECKING:
@@ -189,6 +190,7 @@ def check_shape(cfg: Config, shape: Any, where: str, *, engines: bool = True) ->
             )
     else:
         _check_dense(cfg, where)
+    check_lora(cfg, shape, where)
     if where == "model.tiny":
         return  # model.tiny's max_position_embeddings is checked with the model section (schema).
     require(

@@ -3,7 +3,7 @@ and ``warmup``.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from megagrpo.config.errors import check, positive, require
@@ -12,10 +12,47 @@ __all__ = [
     "DPOConfig",
     "DistillConfig",
     "GRPOConfig",
+    "LoraConfig",
     "PolicyConfig",
     "SFTConfig",
     "WarmupConfig",
 ]
+
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA): only they train; the base weights stay frozen and are the KL reference."""
+
+    rank: int | None = 0
+    """Adapter rank r; 0 or null: no adapters, every weight trains."""
+    alpha: float = 16.0
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training, in [0, 1)."""
+    target_modules: str = ",".join(LORA_TARGETS)
+    """Comma-separated Megatron layers that get an adapter: linear_qkv (fused Q/K/V), linear_proj
+    (attention out), linear_fc1 (gate/up), linear_fc2 (down)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.rank)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.target_modules.split(",") if t.strip())
+
+    def __post_init__(self) -> None:
+        check(self, "rank", self.rank is None or self.rank >= 0, ">= 0 (0 or null: off)")
+        check(self, "alpha", self.alpha > 0, "> 0")
+        check(self, "dropout", 0 <= self.dropout < 1, "in [0, 1)")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        check(
+            self, "target_modules", not unknown and bool(self.targets), f"a list of {', '.join(LORA_TARGETS)}"
+        )
+        require(len(set(self.targets)) == len(self.targets), "target_modules", "names a layer twice")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -69,6 +106,8 @@ class PolicyConfig:
     leaves it out."""
     freeze_router: bool = False
     """Mixture-of-experts models: keep the routers' weights as loaded (no gradient, no update)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (``policy.lora.rank`` > 0): train them only, on the frozen base."""
 
     def __post_init__(self) -> None:
         check(self, "lr", self.lr > 0, "> 0")

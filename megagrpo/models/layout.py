@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megagrpo.models.lora import is_adapter_param
 from megagrpo.models.mapping import LEGACY_GROUPED_RE, Rule, canonical_name, hf_tensor_shapes, megatron_numel
 from megagrpo.models.shape import GPTShape, padded_vocab_size
 
@@ -48,8 +49,11 @@ def stage_param_names(model: torch.nn.Module, ctx: ParallelContext, num_layers: 
     """This stage's parameter names -> canonical global names: the layer index offset by the stage's,
     a routed expert's local index on this expert-parallel rank turned into its global one.
 
-    Weight sync and the converters address a stage's parameters by these names."""
-    return stage_global_names([name for name, _ in model.named_parameters()], ctx, num_layers)
+    Weight sync and the converters address a stage's parameters by these names. LoRA adapters are not
+    the model's weights (``models.lora``): they are left out."""
+    return stage_global_names(
+        [name for name, _ in model.named_parameters() if not is_adapter_param(name)], ctx, num_layers
+    )
 
 
 def stage_global_names(local_names: list[str], ctx: ParallelContext, num_layers: int) -> dict[str, str]:
@@ -258,5 +262,5 @@ def check_stage(
 
 
 def param_numels(model) -> dict[str, int]:
-    """{name: numel} of a module's parameters (what :func:`check_stage` compares)."""
-    return {name: math.prod(p.shape) for name, p in model.named_parameters()}
+    """{name: numel} of a module's parameters, LoRA adapters left out (what :func:`check_stage` compares)."""
+    return {name: math.prod(p.shape) for name, p in model.named_parameters() if not is_adapter_param(name)}

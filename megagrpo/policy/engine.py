@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from megagrpo.models.builder import build_gpt_model, transformer_config
+from megagrpo.models.layout import stage_param_names
+from megagrpo.models.lora import LoraSpec
+from megagrpo.models.lora import attach as attach_lora
 from megagrpo.models.shape import GPTShape
 from megagrpo.parallel import ParallelContext
 from megagrpo.parallel.backends import resolve_transformer_impl
@@ -79,11 +82,13 @@ def build_engine(
     recompute_num_layers: int = 1,
     trainable: bool = True,
     moe: MoESettings | None = None,
+    lora: LoraSpec | None = None,
 ) -> TrainEngine:
     """``initialize=False`` skips random initialisation when weights are loaded right after;
     ``recompute`` is ``policy.recompute``. ``trainable=False`` builds a frozen model for forward passes
     only (a distillation teacher): no DDP gradient buffers, no optimizer, no parameter needing grad.
-    ``moe``: a mixture-of-experts model's training options."""
+    ``moe``: a mixture-of-experts model's training options. ``lora``: freeze the model and train adapters
+    on it (``models.lora``): DDP's buffers and the optimizer then hold the adapters only."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -128,6 +133,8 @@ def build_engine(
         return TrainEngine(ctx, shape, config, [module], None, transformer_impl)
     if moe and moe.freeze_router:
         _freeze_routers(module)
+    if lora is not None:
+        attach_lora(module, lora, stage_param_names(module, ctx, shape.num_layers))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,

@@ -24,11 +24,15 @@ from megagrpo.ckpt.dist_files import check_entry_kinds, trusted_metadata_only
 from megagrpo.ckpt.durable import atomic_write
 from megagrpo.ckpt.hf_files import HFCheckpoint
 from megagrpo.ckpt.hf_weights import load_hf_into_stage
+from megagrpo.ckpt.lora import ADAPTERS_DIR, base_reference, check_lora_meta, load_adapters, write_lora_meta
 from megagrpo.ckpt.manifest import DigestCollector, FileDigest
 from megagrpo.ckpt.megatron import load_megatron, save_dist_checkpoint, save_megatron, write_checkpoint_meta
 from megagrpo.compat.megatron_optimizer import adam_step_kept_on_load, untie_adam_steps
 from megagrpo.config import Config
 from megagrpo.models.description import describe_model
+from megagrpo.models.layout import stage_param_names
+from megagrpo.models.lora import LoraSpec, adapter_state_dict, base_state_keys
+from megagrpo.models.lora import disabled as lora_disabled
 from megagrpo.models.shape import padded_vocab_size
 from megagrpo.parallel import ParallelSizes, init_parallel
 from megagrpo.policy.engine import (
@@ -119,6 +123,13 @@ class MegatronRank:
             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         )
         loads_weights = cfg.model.tiny is None
+        lora = pol.lora
+        # Adapters on a frozen base (policy.lora): only they train; the base is the reference policy.
+        self.lora = (
+            LoraSpec(lora.rank, lora.alpha, lora.dropout, lora.targets, seed=seed)
+            if lora.enabled and trainable
+            else None
+        )
         self.engine = build_engine(
             self.ctx,
             self.model_info.shape,
@@ -137,6 +148,7 @@ class MegatronRank:
             )
             if self.model_info.shape.is_moe
             else None,
+            lora=self.lora,
         )
         self.scheduler = (
             None
@@ -153,8 +165,8 @@ class MegatronRank:
         )
         if loads_weights:
             self._load_initial_weights()
-        # The reference policy is the initial weights, parked in host memory.
-        self.reference = HostWeights(self.engine.module) if keep_reference else None
+        # The reference policy is the initial weights, parked in host memory (with adapters: the base).
+        self.reference = HostWeights(self.engine.module) if keep_reference and self.lora is None else None
         self.steps_done = 0
         self.offloader = Offloader(self.ctx.device)
 
@@ -193,7 +205,9 @@ class MegatronRank:
     def _load_initial_weights(self) -> None:
         info = self.model_info
         if info.megatron_ckpt is not None:
-            load_megatron(self.engine.module, info.megatron_ckpt / "megatron")
+            load_megatron(
+                self.engine.module, info.megatron_ckpt / "megatron", keys=base_state_keys(self.engine.module)
+            )
         else:
             hf = HFCheckpoint(info.hf_dir)
             load_hf_into_stage(self.engine.module, self.ctx, hf, info.shape, info.arch.rules(info.shape))
@@ -428,6 +442,9 @@ class MegatronRank:
         """Context manager: the frozen initial weights are the model's inside it."""
         from contextlib import contextmanager
 
+        if self.lora is not None:
+            self._on_device()
+            return lora_disabled(self.engine.module)
         if self.reference is None:
             raise RuntimeError("no reference policy is kept (GRPO keeps one when grpo.kl_coef > 0)")
 
@@ -469,10 +486,15 @@ class MegatronRank:
         """
         self._on_device("weights", "optimizer")  # parked gradient buffers stay so: not saved
         path = Path(path)
-        model_sd = self.engine.module.sharded_state_dict()
+        model_sd = self._model_state()
         with DigestCollector() as digests:
             # Megatron's saves agree on a writer failure across ranks (they all raise).
-            save_megatron(self.engine.module, path / "megatron", digests=digests)
+            if self.lora is None:
+                save_megatron(self.engine.module, path / "megatron", digests=digests)
+            else:  # the adapters only; the base is referred to (lora.json)
+                (path / ADAPTERS_DIR).mkdir(parents=True, exist_ok=True)
+                # Megatron's save rewrites the state dict it is given: the optimizer maps a fresh one.
+                save_dist_checkpoint(self._model_state(), path / ADAPTERS_DIR, digests=digests)
             (path / "optimizer").mkdir(parents=True, exist_ok=True)
             opt_sd = self.engine.optimizer.sharded_state_dict(model_sd, metadata=_OPTIMIZER_CKPT_FORMAT)
             save_dist_checkpoint(opt_sd, path / "optimizer", digests=digests)
@@ -491,6 +513,8 @@ class MegatronRank:
                     pp=self.ctx.sizes.pp,
                     hf_files=info.hf_dir,
                 )
+                if self.lora is not None:
+                    write_lora_meta(path, self.lora, self.base_reference())
             except OSError as err:
                 failure = err
         # Doubles as the barrier that ends the save: every rank learns whether rank 0's part failed.
@@ -508,9 +532,13 @@ class MegatronRank:
 
         self._on_device()
         path = Path(path)
-        load_megatron(self.engine.module, path / "megatron")
+        if self.lora is None:
+            load_megatron(self.engine.module, path / "megatron")
+        else:
+            check_lora_meta(path, self.lora, self.base_reference())
+            load_adapters(self.engine.module, self._model_state(), path / ADAPTERS_DIR)
         self._materialize_optimizer_state()
-        model_sd = self.engine.module.sharded_state_dict()
+        model_sd = self._model_state()
         opt_sd = self.engine.optimizer.sharded_state_dict(
             model_sd, is_loading=True, metadata=_OPTIMIZER_CKPT_FORMAT
         )
@@ -521,6 +549,20 @@ class MegatronRank:
         state = json.loads((path / "trainer_state.json").read_text())
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps_done = state["steps_done"]
+
+    def _model_state(self) -> dict:
+        """The model's sharded state dict as checkpoints hold it: the whole stage, or its adapters only."""
+        module = self.engine.module
+        if self.lora is None:
+            return module.sharded_state_dict()
+        names = stage_param_names(module, self.ctx, self.model_info.shape.num_layers)
+        return adapter_state_dict(module, names, self.ctx)
+
+    def base_reference(self) -> dict:
+        """What the adapters were trained on (``ckpt.lora.base_reference``), computed once."""
+        if getattr(self, "_base_reference", None) is None:
+            self._base_reference = base_reference(self.model_info, self.cfg.model, seed=self.lora.seed)
+        return self._base_reference
 
     def _materialize_optimizer_state(self) -> None:
         """Give a fresh optimizer the Adam state tensors a checkpoint is loaded into, in place.

@@ -17,12 +17,15 @@ ranks), so neither packing nor DP size changes the result.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from megagrpo.algorithms.grpo import METRIC_REDUCTIONS, LossConfig, combine_metrics, grpo_loss, reduce_metrics
 from megagrpo.config import Config
 from megagrpo.models.description import ModelDescription
+from megagrpo.models.lora import merged as lora_merged
 from megagrpo.parallel import ParallelContext
 from megagrpo.policy.engine import forward_backward, optimizer_step
 from megagrpo.policy.rank import HostWeights, MegatronRank
@@ -145,8 +148,11 @@ class PolicyWorker(MegatronRank, WeightSyncEndpoints):
     def send_weights(self, plan, with_checksums: bool = False):
         """As ``WeightSyncEndpoints.send_weights``, with the weights borrowed back if
         ``policy.offload: all`` parked them (an engine replaced during generation is re-synced):
-        the weights only, parked again once sent; the optimizer stays in host memory."""
-        with self.offloader.borrowed("weights"):
+        the weights only, parked again once sent; the optimizer stays in host memory. With LoRA
+        adapters (``policy.lora``) the engines get the merged weights, ``W + alpha / r * B @ A``,
+        computed shard-wise in place for the sync and the base's exact bytes restored after it."""
+        merging = lora_merged(self.engine.module) if self.lora is not None else contextlib.nullcontext()
+        with self.offloader.borrowed("weights"), merging:
             return super().send_weights(plan, with_checksums)
 
     def weight_source(self) -> tuple[ParallelContext, torch.nn.Module, ModelDescription]:

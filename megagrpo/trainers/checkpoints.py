@@ -22,6 +22,8 @@ from megagrpo.ckpt import run as ckpt_io
 from megagrpo.ckpt.convert import megatron_to_hf
 from megagrpo.ckpt.durable import publish
 from megagrpo.ckpt.links import check_no_outside_links
+from megagrpo.ckpt.lora import read_lora_meta
+from megagrpo.ckpt.lora_export import export_merged, export_peft, is_lora_checkpoint
 from megagrpo.config import Config, ConfigError, config_to_dict
 from megagrpo.config.yaml_text import read_yaml
 from megagrpo.runtime.spmd import RankCalls
@@ -130,7 +132,15 @@ def export_final(ckpt: Path, out: Path) -> Path:
     """HF export of the final policy, replacing this run's previous export (written aside, then swapped)."""
     staging = out.with_name(out.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
-    megatron_to_hf(ckpt, staging)
+    if is_lora_checkpoint(ckpt):
+        # A LoRA run: its adapters as a PEFT directory (beside), merged into the base where that is in files.
+        shutil.rmtree(out.with_name("peft_adapter.new"), ignore_errors=True)
+        publish(export_peft(ckpt, out.with_name("peft_adapter.new")), out.with_name("peft_adapter"))
+        if read_lora_meta(ckpt)["base"]["source"] == "tiny":
+            return out.with_name("peft_adapter")
+        export_merged(ckpt, staging)
+    else:
+        megatron_to_hf(ckpt, staging)
     return publish(staging, out)
 
 

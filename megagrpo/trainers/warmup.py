@@ -23,6 +23,7 @@ import yaml
 
 from megagrpo.ckpt.durable import atomic_write
 from megagrpo.config import CheckpointConfig, Config, SFTConfig, config_to_dict
+from megagrpo.config.training import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ def warmup_config(cfg: Config) -> Config:
         adam_eps=1e-8,
         lr_warmup_steps=max(1, wu.steps // 10),
         lr_schedule="constant",
+        lora=LoraConfig(),  # the warm-up makes the base: every weight trains, LoRA or not afterwards
     )
     sft = SFTConfig(
         num_steps=wu.steps, batch_size=wu.batch_size, num_val_examples=wu.num_eval_prompts, seed=wu.seed

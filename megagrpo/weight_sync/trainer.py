@@ -78,7 +78,7 @@ class WeightSender:
         check_stage(
             param_numels(module), names, model_info.arch.rules(model_info.shape), model_info.shape, ctx
         )
-        self.covered = (len(params), 0)  # (parameters checked, HF tensor shares the plan covers)
+        self.covered = (len(names), 0)  # (parameters checked, HF tensor shares the plan covers)
         by_global = {g: params[local] for local, g in names.items()}
         self.sends_dense = ctx.dp_rank == 0 and ctx.cp_rank == 0
         self.sends_experts = ctx.expert_dp_rank == 0 and ctx.cp_rank == 0

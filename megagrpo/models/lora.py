@@ -1,0 +1,284 @@
+"""LoRA adapters around Megatron's tensor-parallel linear layers (``policy.lora``).
+
+An adapter adds ``scale * B @ A @ x`` to a frozen linear layer's output (``scale = alpha / rank``), with
+``A`` [rank, in] and ``B`` [out, rank], ``B`` zero at the start so that the adapted model starts as the
+base bit for bit. Megatron-Core 0.16 has no LoRA of its own; the adapter is a child module ``lora`` of the
+linear layer it adapts (parameters ``<linear>.lora.weight_a`` / ``weight_b``), added to the base's output by
+a forward hook, so that the base's parameter names, checkpoint keys and HF map stay as they are.
+
+Sharding follows the base layer, so that no rank ever holds or computes a whole adapted weight:
+
+- column-parallel base (``linear_qkv``, ``linear_fc1``; output rows split over TP): ``A`` is replicated,
+  ``B`` holds this rank's output rows (the same rows as the base shard: ``[gate_r; up_r]`` for a gated
+  ``linear_fc1``, query groups for ``linear_qkv``). The low-rank activation ``h = A x`` is the same on every
+  rank; its gradient is the sum of every rank's part (an all-reduce over TP in the backward); under
+  sequence parallelism ``h`` is gathered over the sequence instead, and ``A``'s gradient, then partial, is
+  summed over TP by Megatron's ``finalize_model_grads`` (the ``sequence_parallel`` parameter attribute).
+- row-parallel base (``linear_proj``, ``linear_fc2``; input columns split): ``A`` holds this rank's input
+  columns, ``h`` is the all-reduce of the ranks' partial products (a reduce-scatter over the sequence under
+  sequence parallelism, as the base's own output), ``B`` is replicated.
+
+``A`` is initialised from a generator seeded by the parameter's global name, whole, and each rank keeps its
+slice: every layout starts from the same adapters. Transformer Engine's layers are adapted by the same
+code (their ``tp_group``), except its fused norm + linear, whose input is the un-normalised residual:
+refused by name. This path has never run on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+# Megatron's linear layer names that can carry an adapter, and how the base splits over TP.
+TARGET_KINDS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
+ADAPTER_MODULE = "lora"
+_ADAPTER_PARAMS = (f".{ADAPTER_MODULE}.weight_a", f".{ADAPTER_MODULE}.weight_b")
+
+
+def is_adapter_param(name: str) -> bool:
+    """A LoRA adapter's parameter (``<linear>.lora.weight_a`` / ``weight_b``), not a base one."""
+    return name.endswith(_ADAPTER_PARAMS)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What :func:`attach` builds (from ``policy.lora``)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = tuple(TARGET_KINDS)
+    seed: int = 0
+    """Seeds ``A``'s initialisation (with each adapter's global name)."""
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoraAdapter(torch.nn.Module):
+    """The low-rank update of one tensor-parallel linear layer (``base``), sharded as the module doc says."""
+
+    def __init__(self, base: torch.nn.Module, kind: str, spec: LoraSpec, *, global_name: str, gated: bool):
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import (
+            set_defaults_if_not_set_tensor_model_parallel_attributes,
+            set_tensor_model_parallel_attributes,
+        )
+
+        self.kind, self.scale, self.dropout = kind, spec.scale, spec.dropout
+        self.group = _tp_group(base)
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
+        self.enabled = True
+        tp, tp_rank = self.group.size(), self.group.rank()
+        weight = base.weight
+        out_local, in_local = weight.shape
+        in_full = in_local * tp if kind == "row" else in_local
+        full_a = _initial_a(spec, global_name, in_full)
+        if kind == "row":
+            full_a = full_a.chunk(tp, dim=1)[tp_rank]
+        self.weight_a = torch.nn.Parameter(full_a.to(weight.device, weight.dtype).contiguous())
+        self.weight_b = torch.nn.Parameter(
+            torch.zeros(out_local, spec.rank, dtype=weight.dtype, device=weight.device)
+        )
+        self.gated = gated  # B's rows are [gate_r; up_r] on this rank, as the base's
+        sharded, replicated = (
+            (self.weight_b, self.weight_a) if kind == "column" else (self.weight_a, self.weight_b)
+        )
+        set_tensor_model_parallel_attributes(
+            sharded, is_parallel=True, dim=0 if kind == "column" else 1, stride=1
+        )
+        set_defaults_if_not_set_tensor_model_parallel_attributes(replicated)
+        if self.sequence_parallel:
+            # Its gradient holds this rank's part of the sequence: Megatron sums it over TP.
+            replicated.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        if self.dropout and self.training:
+            x = torch.nn.functional.dropout(x, self.dropout)
+        h = x @ self.weight_a.t()  # [s, b, rank]; column: whole, row: this rank's partial sum
+        if self.kind == "column":
+            if self.sequence_parallel:
+                h = mappings.gather_from_sequence_parallel_region(h, group=self.group)
+            else:
+                h = mappings.copy_to_tensor_model_parallel_region(h, group=self.group)
+        elif self.sequence_parallel:
+            h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.group)
+        else:
+            h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.group)
+        return (h @ self.weight_b.t()) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        """``scale * B @ A`` of this rank's shard of the base weight, in fp32 (no communication)."""
+        return (self.weight_b.detach().float() @ self.weight_a.detach().float()) * self.scale
+
+
+def _tp_group(base: torch.nn.Module):
+    group = getattr(base, "tp_group", None) or getattr(base, "_tp_group", None)
+    if group is None:
+        raise ValueError(f"{type(base).__name__} has no tensor-parallel group: cannot carry a LoRA adapter")
+    return group
+
+
+def _initial_a(spec: LoraSpec, global_name: str, in_features: int) -> torch.Tensor:
+    """The whole ``A`` [rank, in] of one adapter: Kaiming-uniform (as PEFT's default), from a generator
+    seeded by ``spec.seed`` and the global name, so that every layout draws the same values."""
+    digest = hashlib.sha256(f"{spec.seed}:{global_name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)): bound = 1 / sqrt(fan_in)
+    return (torch.rand(spec.rank, in_features, generator=gen, dtype=torch.float64) * 2 - 1).mul(bound).float()
+
+
+def _add_adapter(module, args, kwargs, output):
+    adapter = module.lora
+    if not adapter.enabled:
+        return output
+    x = args[0] if args else kwargs["input_"]
+    out, bias = output
+    return out + adapter(x).to(out.dtype), bias
+
+
+def attach(model: torch.nn.Module, spec: LoraSpec, global_names: dict[str, str]) -> list[str]:
+    """Freeze ``model``'s parameters and give each targeted linear layer an adapter; returns the adapted
+    layers' names. ``global_names``: {local parameter name: canonical global name} of the stage
+    (``layout.stage_param_names``), which seeds each ``A``."""
+    from megagrpo.models.layout import is_expert, is_gated_fc1
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapted = []
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in spec.target_modules:
+            continue
+        if is_expert(f"{name}.weight") or ".shared_experts." in name:
+            raise ValueError(
+                f"policy.lora.target_modules: {name} is a mixture-of-experts expert's layer; adapters on "
+                "experts are not supported"
+            )
+        if "LayerNorm" in type(module).__name__:
+            raise ValueError(
+                f"policy.lora: {name} is Transformer Engine's fused norm + linear ({type(module).__name__}), "
+                "whose input is not normalised yet; set parallel.transformer_impl torch or local"
+            )
+        global_name = global_names[f"{name}.weight"]
+        adapter = LoraAdapter(
+            module, TARGET_KINDS[leaf], spec, global_name=global_name, gated=is_gated_fc1(global_name)
+        )
+        module.add_module(ADAPTER_MODULE, adapter)
+        module.register_forward_hook(_add_adapter, with_kwargs=True)
+        adapted.append(name)
+    return adapted
+
+
+def adapters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, LoraAdapter]]:
+    """(linear layer name, linear layer, its adapter) of every adapted layer of ``model``."""
+    for name, module in model.named_modules():
+        adapter = getattr(module, ADAPTER_MODULE, None)
+        if isinstance(adapter, LoraAdapter):
+            yield name, module, adapter
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    return next(adapters(model), None) is not None
+
+
+@contextlib.contextmanager
+def disabled(model: torch.nn.Module):
+    """Inside it, the model is its base: every adapter is skipped (the reference policy for KL)."""
+    held = [a for _, _, a in adapters(model)]
+    states = [a.enabled for a in held]
+    for a in held:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a, state in zip(held, states, strict=True):
+            a.enabled = state
+
+
+@contextlib.contextmanager
+def merged(model: torch.nn.Module):
+    """Inside it, each adapted base weight holds ``W + scale * B @ A`` (rounded once, to its dtype) and the
+    adapters are skipped: what the weight sync sends and a merged export writes. On exit the base weights
+    get their exact bytes back (a copy in host memory, not a subtraction) and the adapters their state."""
+    saved = []
+    with torch.no_grad(), disabled(model):
+        try:
+            for _, module, adapter in adapters(model):
+                weight = module.weight
+                saved.append((weight, weight.detach().to("cpu", copy=True)))
+                weight.copy_((weight.float() + adapter.delta()).to(weight.dtype))
+            yield
+        finally:
+            for weight, original in saved:
+                weight.copy_(original)
+
+
+def adapter_state_dict(model: torch.nn.Module, global_names: dict[str, str], ctx) -> dict:
+    """The adapters as Megatron ``ShardedTensor``s (a distributed checkpoint's state dict, reloadable at any
+    TP/PP/DP): keys ``<global linear name>.lora.weight_a|b``, TP-split as the module doc says (a gated
+    ``linear_fc1``'s ``B`` as its gate and up halves, as Megatron stores the base weight)."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    out = {}
+    for name, _, adapter in adapters(model):
+        linear = global_names[f"{name}.weight"].removesuffix(".weight")
+        axis = {"weight_b": 0} if adapter.kind == "column" else {"weight_a": 1}
+        tensors = {"weight_a": adapter.weight_a, "weight_b": adapter.weight_b}
+        sharded = make_sharded_tensors_for_checkpoint(
+            tensors, f"{linear}.{ADAPTER_MODULE}.", axis, tp_group=ctx.pgs.tp, dp_cp_group=ctx.pgs.dp_cp
+        )
+        b_key = f"{linear}.{ADAPTER_MODULE}.weight_b"
+        if adapter.gated:  # at every TP size, as Megatron stores linear_fc1: reloadable at any other
+            sharded[b_key] = apply_swiglu_sharded_factory(sharded[b_key], ())
+        out.update(sharded)
+    return out
+
+
+def adapter_tensors(model: torch.nn.Module, global_names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """{``<global linear name>.lora.weight_a|b``: this rank's tensor} (one rank holding every adapter whole,
+    TP 1, is what an export reads)."""
+    out = {}
+    for name, _, adapter in adapters(model):
+        linear = global_names[f"{name}.weight"].removesuffix(".weight")
+        out[f"{linear}.{ADAPTER_MODULE}.weight_a"] = adapter.weight_a.detach()
+        out[f"{linear}.{ADAPTER_MODULE}.weight_b"] = adapter.weight_b.detach()
+    return out
+
+
+def base_state_keys(model: torch.nn.Module) -> set[str] | None:
+    """The model's state dict names without its adapters' (what a base checkpoint loads); None when the
+    model has no adapters (load everything)."""
+    if not has_adapters(model):
+        return None
+    return {key for key in model.state_dict() if f".{ADAPTER_MODULE}." not in key}
+
+
+def adapter_params_per_rank(shape, targets: tuple[str, ...], rank: int, tp: int) -> int:
+    """Adapter elements one TP rank holds per transformer layer (``megagrpo plan``): a column-parallel
+    target's ``A`` whole and ``1/tp`` of ``B``, a row-parallel one's ``1/tp`` of ``A`` and ``B`` whole."""
+    h, d = shape.hidden_size, shape.head_dim
+    q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
+    dims = {  # (in, out) of each layer
+        "linear_qkv": (h, q + 2 * kv),
+        "linear_proj": (q, h),
+        "linear_fc1": (h, 2 * shape.ffn_hidden_size),
+        "linear_fc2": (shape.ffn_hidden_size, h),
+    }
+    total = 0
+    for target in targets:
+        fan_in, fan_out = dims[target]
+        if TARGET_KINDS[target] == "column":
+            total += rank * fan_in + fan_out // tp * rank
+        else:
+            total += rank * fan_in // tp + fan_out * rank
+    return total
