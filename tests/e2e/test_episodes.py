@@ -159,15 +159,15 @@ def test_resume_with_episodes_in_flight_repeats_the_next_step(episodes_run, tmp_
 
 # Partial rollouts (grpo.async_mode partial): each episode a request of an engine's stream, its turns
 # requests of the stream underneath, weights swapped between engine steps. A failed environment fails its
-# episode's request and its group is generated again whole, with the same task: a task whose environment
-# always fails is retried on and on, holding its place among the groups the staleness bound lets start.
-# At fault_rate 0.5 the first 20 positions hold 8 sound tasks, short of step 3's 12 (the run never
-# ends); at 0.1 positions 2 and 10 hang and 15 and 19 kill their worker, 16 of 20 are sound.
+# episode's request and its group is generated again whole, with the same task, until its last try
+# (trainers.group_buffer.MAX_GROUP_FAILURES). At fault_rate 0.1 positions 2 and 10 hang and 15 and 19 kill
+# their worker; a hang costs its try env.step_timeout_s.
 PARTIAL = [
     "grpo.async_mode=partial",
     "grpo.max_staleness=2",
     "generation.num_engines=2",
     "env.args.fault_rate=0.1",
+    "env.step_timeout_s=1",
     "checkpoint.keep_last=3",
 ]
 
