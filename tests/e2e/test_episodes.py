@@ -9,7 +9,11 @@ environment loaded by file path like a user's, ``tests/e2e/_echo_env.py``), gene
 - the probe passes after every sync and the trainer's logprobs of the sampled tokens agree with the
   engine's (TIS on), with observation tokens inside the sequences;
 - environments that fail (raise, hang, kill their worker) end their episodes and the run goes on;
-- a run resumed from a checkpoint with episodes in flight repeats the next step of the run that went on.
+- a run resumed from a checkpoint with episodes in flight repeats the next step of the run that went on;
+- under ``grpo.async_mode: partial`` the episodes, requests of the engine's stream, are token-in/token-out
+  as above, their tokens stamped with the versions that sampled them; the probe passes after every swap
+  into turns in flight, staleness stays within its bound, failed environments' groups are generated again
+  and no failed episode is trained.
 """
 
 from __future__ import annotations
@@ -165,7 +169,6 @@ def test_resume_with_episodes_in_flight_repeats_the_next_step(episodes_run, tmp_
 PARTIAL = [
     "grpo.async_mode=partial",
     "grpo.max_staleness=2",
-    "generation.num_engines=2",
     "env.args.fault_rate=0.1",
     "env.step_timeout_s=1",
     "checkpoint.keep_last=3",

@@ -62,6 +62,7 @@ def test_an_engine_failure_requeues_its_groups_whole_at_the_front():
     assert 0 not in buf.on_engine and buf.outstanding() == 4
     counts = buf.take_counts()
     assert counts.requeued == 2 and counts.engine_failures == 1
+    assert buf.failures == {}  # an engine's death is not its groups' failure
     # A late answer from the lost engine is refused: its samples were discarded.
     with pytest.raises(RuntimeError, match="engine 0 returned group 0"):
         buf.finished(0, finished(on0[0], [[1], [1]], [0.0, 1.0]))
