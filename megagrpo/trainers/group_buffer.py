@@ -59,7 +59,16 @@ class BufferCounts:
     """Finished groups dropped for staleness (a response older than ``grpo.max_staleness``)."""
     requeued: int = 0
     """Groups sent back to the queue because their engine failed."""
+    failed: int = 0
+    """Groups dropped after ``MAX_GROUP_FAILURES`` failed tries (``GroupBuffer.requeue``)."""
     engine_failures: int = 0
+
+
+MAX_GROUP_FAILURES = 3
+"""Tries a group's requests may fail (an environment that raises, hangs or dies; a request the engine ends
+without a sample) before the group is dropped: an environment that always fails on a task would otherwise
+hold a place among the groups the staleness bound lets start, on and on (and with enough such tasks no
+step could fill). An engine's death is not the group's failure and does not count."""
 
 
 class GroupBuffer:
@@ -88,6 +97,8 @@ class GroupBuffer:
         """Engine index -> {position: request} of the groups it is generating."""
         self.ready: deque[FinishedGroup] = deque()
         self.counts = BufferCounts()
+        self.failures: dict[int, int] = {}
+        """Group position -> its failed tries so far (not kept by a checkpoint: a resume counts anew)."""
 
     def outstanding(self) -> int:
         """Groups queued, on engines, or finished and not yet trained on."""
@@ -129,6 +140,7 @@ class GroupBuffer:
             raise RuntimeError(
                 f"engine {engine} returned group {group.request.position}, which it was not generating"
             )
+        self.failures.pop(request.position, None)
         if len(group.completions) != self.num_generations:
             raise RuntimeError(
                 f"engine {engine} returned {len(group.completions)} responses for group "
@@ -139,11 +151,20 @@ class GroupBuffer:
             return
         self.ready.append(group)
 
-    def requeue(self, engine: int, position: int) -> None:
+    def requeue(self, engine: int, position: int) -> bool:
         """A request of group ``position`` on ``engine`` ended without a sample: the group goes back to
-        the front of the queue whole (none of its samples is kept)."""
-        self.queued.appendleft(self.on_engine[engine].pop(position))
+        the front of the queue whole (none of its samples is kept), or, on its ``MAX_GROUP_FAILURES``-th
+        failed try, is dropped (counted). Whether it was queued again."""
+        request = self.on_engine[engine].pop(position)
+        tries = self.failures.get(position, 0) + 1
+        if tries >= MAX_GROUP_FAILURES:
+            self.failures.pop(position, None)
+            self.counts.failed += 1
+            return False
+        self.failures[position] = tries
+        self.queued.appendleft(request)
         self.counts.requeued += 1
+        return True
 
     def engine_lost(self, engine: int) -> list[GroupRequest]:
         """``engine`` failed: its groups go back to the front of the queue, in data order (none of their

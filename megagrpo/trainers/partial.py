@@ -470,6 +470,7 @@ def partial_metrics(taken: Taken, trained_version: int) -> dict[str, float]:
     return staleness | {
         "async/stale_groups": taken.counts.stale,
         "async/requeued_groups": taken.counts.requeued,
+        "async/failed_groups": taken.counts.failed,
         "async/engine_failures": taken.counts.engine_failures,
         "async/mixed_version_frac": sum(len(c.versions or ()) > 1 for c in comps) / len(comps),
         "async/engine_busy_frac": taken.engine_busy_s / max(1e-9, taken.elapsed_s * engines),

@@ -9,7 +9,11 @@ environment loaded by file path like a user's, ``tests/e2e/_echo_env.py``), gene
 - the probe passes after every sync and the trainer's logprobs of the sampled tokens agree with the
   engine's (TIS on), with observation tokens inside the sequences;
 - environments that fail (raise, hang, kill their worker) end their episodes and the run goes on;
-- a run resumed from a checkpoint with episodes in flight repeats the next step of the run that went on.
+- a run resumed from a checkpoint with episodes in flight repeats the next step of the run that went on;
+- under ``grpo.async_mode: partial`` the episodes, requests of the engine's stream, are token-in/token-out
+  as above, their tokens stamped with the versions that sampled them; the probe passes after every swap
+  into turns in flight, staleness stays within its bound, failed environments' groups are generated again
+  and no failed episode is trained.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ pytestmark = pytest.mark.e2e
 ECHO = Path(__file__).with_name("_echo_env.py")
 
 
-def _config(root: Path, name: str, ckpt: Path, *, steps: int = 3, resume: bool = False):
+def _config(root: Path, name: str, ckpt: Path, *, steps: int = 3, resume: bool = False, more=()):
     extra = [
         "grpo.max_staleness=1",
         f"env.environment={ECHO}:Echo",
@@ -40,6 +44,7 @@ def _config(root: Path, name: str, ckpt: Path, *, steps: int = 3, resume: bool =
         "env.step_timeout_s=3",
         "checkpoint.keep_last=3",
         f"checkpoint.resume={str(resume).lower()}",
+        *more,  # later overrides win
     ]
     return load_config(None, run_overrides(root, name, ckpt, steps=steps, extra=extra))
 
@@ -55,44 +60,64 @@ def episodes_run(undisturbed):
 
 
 def test_episodes_are_the_sampled_tokens_and_their_observations(episodes_run):
-    from transformers import AutoTokenizer
-
-    from megagrpo.envs.chat import ChatRenderer
-    from megagrpo.trainers.rollouts import Pending, to_train_batch
+    from megagrpo.trainers.rollouts import Pending
 
     cfg, _, ckpt = episodes_run
     pending = Pending.load(ckpt / "step_2")  # step 3's episodes, generated while step 2 trained
     assert pending is not None
-    renderer = ChatRenderer(
-        AutoTokenizer.from_pretrained(Path(cfg.logging.dir) / "episodes" / "warmup" / "ckpt" / "hf")
-    )
+    renderer = _renderer(cfg, "episodes")
     rollouts = pending.rollouts
     g = cfg.grpo.num_generations
-    checked = 0
-    for i, comp in enumerate(rollouts.completions):
-        task = rollouts.prompts[i // g].task
-        assert comp.prompt_ids == renderer.prompt_ids([{"role": "user", "content": f"{task['start']}="}])
-        assert len(comp.loss_mask) == len(comp.token_ids) == len(comp.logprobs)
-        # Runs of sampled tokens, each followed by the observation the environment answered it with.
-        runs, start = [], 0
-        for t in range(1, len(comp.token_ids) + 1):
-            if t == len(comp.token_ids) or comp.loss_mask[t] != comp.loss_mask[start]:
-                runs.append((comp.loss_mask[start], comp.token_ids[start:t], comp.logprobs[start:t]))
-                start = t
-        assert runs[0][0], "an episode starts with a sampled turn"
-        for (sampled, ids, lps), nxt in zip(runs, [*runs[1:], None], strict=True):
-            if sampled:
-                assert all(lp <= 0.0 for lp in lps) and sum(lps) < 0.0
-                if nxt is not None:
-                    echoed = [{"role": "user", "content": renderer.turn_text(ids) + "="}]
-                    assert nxt[1] == renderer.observation_ids(echoed)
-                    checked += 1
-            else:
-                assert all(lp == 0.0 for lp in lps)
-        assert comp.stats["turns"] == sum(1 for s, _, _ in runs if s)
-        if comp.finish_reason == "stop":
-            assert comp.stats["turns"] == 3 and renderer.closed(runs[-1][1])
+    checked = sum(
+        _assert_episode(renderer, rollouts.prompts[i // g].task, comp)
+        for i, comp in enumerate(rollouts.completions)
+    )
     assert checked > 0
+    _assert_batch(cfg, rollouts)
+
+
+def _renderer(cfg, run_name: str):
+    from transformers import AutoTokenizer
+
+    from megagrpo.envs.chat import ChatRenderer
+
+    return ChatRenderer(
+        AutoTokenizer.from_pretrained(Path(cfg.logging.dir) / run_name / "warmup" / "ckpt" / "hf")
+    )
+
+
+def _assert_episode(renderer, task: dict, comp) -> int:
+    """``comp`` is the opening of ``task``, then sampled turns, each followed by the chat template's
+    rendering of the echo of its decoded text; returns how many observations were checked."""
+    assert comp.prompt_ids == renderer.prompt_ids([{"role": "user", "content": f"{task['start']}="}])
+    assert len(comp.loss_mask) == len(comp.token_ids) == len(comp.logprobs)
+    # Runs of sampled tokens, each followed by the observation the environment answered it with.
+    runs, start = [], 0
+    for t in range(1, len(comp.token_ids) + 1):
+        if t == len(comp.token_ids) or comp.loss_mask[t] != comp.loss_mask[start]:
+            runs.append((comp.loss_mask[start], comp.token_ids[start:t], comp.logprobs[start:t]))
+            start = t
+    assert runs[0][0], "an episode starts with a sampled turn"
+    checked = 0
+    for (sampled, ids, lps), nxt in zip(runs, [*runs[1:], None], strict=True):
+        if sampled:
+            assert all(lp <= 0.0 for lp in lps) and sum(lps) < 0.0
+            if nxt is not None:
+                echoed = [{"role": "user", "content": renderer.turn_text(ids) + "="}]
+                assert nxt[1] == renderer.observation_ids(echoed)
+                checked += 1
+        else:
+            assert all(lp == 0.0 for lp in lps)
+    assert comp.stats["turns"] == sum(1 for s, _, _ in runs if s)
+    if comp.finish_reason == "stop":
+        assert comp.stats["turns"] == 3 and renderer.closed(runs[-1][1])
+    return checked
+
+
+def _assert_batch(cfg, rollouts) -> None:
+    """The trainer's sequences are the openings + the episodes' tokens; the loss covers the sampled ones."""
+    from megagrpo.trainers.rollouts import to_train_batch
+
     batch = to_train_batch(cfg, rollouts)
     mask = batch.response_mask()
     for row, comp in enumerate(rollouts.completions):
@@ -134,3 +159,68 @@ def test_resume_with_episodes_in_flight_repeats_the_next_step(episodes_run, tmp_
     assert sorted(got) == [3]
     for key in (*DETERMINISTIC, "episode/turns_mean", "episode/env_errors"):
         assert got[3][key] == pytest.approx(want[3][key], rel=1e-6, abs=1e-9), key
+
+
+# Partial rollouts (grpo.async_mode partial): each episode a request of an engine's stream, its turns
+# requests of the stream underneath, weights swapped between engine steps. A failed environment fails its
+# episode's request and its group is generated again whole, with the same task, until its last try
+# (trainers.group_buffer.MAX_GROUP_FAILURES). At fault_rate 0.1 positions 2 and 10 hang and 15 and 19 kill
+# their worker; a hang costs its try env.step_timeout_s.
+PARTIAL = [
+    "grpo.async_mode=partial",
+    "grpo.max_staleness=2",
+    "env.args.fault_rate=0.1",
+    "env.step_timeout_s=1",
+    "checkpoint.keep_last=3",
+]
+
+
+def test_partial_rollouts_play_episodes_across_weight_swaps(undisturbed):
+    from megagrpo.trainers.group_buffer import FinishedGroup, load_in_flight, request_from, rollouts_of
+    from megagrpo.trainers.grpo import train
+    from megagrpo.types import Completion
+
+    root = undisturbed.root
+    reuse_warmup(root, "episodes_partial")
+    cfg = _config(root, "episodes_partial", root / "ckpt_episodes_partial", more=PARTIAL)
+    got = metrics(train(cfg))
+    assert set(got) >= {1, 2, 3}
+    for step in (1, 2, 3):
+        row = got[step]
+        assert 1.0 <= row["sync/probe_error"] <= 1.001, (step, row["sync/probe_error"])
+        assert row["staleness/max"] <= 2, (step, row)
+        # A failed environment's episode is never a sample (its group was generated again).
+        assert row["episode/env_errors"] == 0 and row["episode/turns_mean"] > 1.5, (step, row)
+    assert sum(got[s]["async/requeued_groups"] for s in (1, 2, 3)) > 0
+
+    # The episodes every checkpoint saved (finished groups not yet trained on, finished samples of groups
+    # still in flight) are token-in/token-out, every token stamped with the version that sampled it.
+    renderer, groups, checked = _renderer(cfg, "episodes_partial"), [], 0
+    for step in (1, 2, 3):
+        state = load_in_flight(Path(cfg.checkpoint.dir) / f"step_{step}")
+        assert state is not None and state["version"] == step
+        tasks = {r["position"]: r["prompt"]["task"] for r in state["buffer"]["queued"]}
+        saved = [
+            (row["request"]["prompt"]["task"], c)
+            for row in state["buffer"]["ready"]
+            for c in row["completions"]
+        ]
+        saved += [
+            (tasks[int(pos)], c) for pos, by_sample in state["samples"].items() for c in by_sample.values()
+        ]
+        for task, row in saved:
+            comp = Completion(**row)
+            assert comp.finish_reason in ("stop", "length"), comp.finish_reason
+            checked += _assert_episode(renderer, task, comp)
+            versions = [v for v, n in comp.versions for _ in range(n)]
+            assert len(versions) == len(comp.token_ids) and versions == sorted(versions)
+            assert versions[0] >= 0 and versions[-1] <= step
+        groups += [
+            FinishedGroup(
+                request_from(row["request"]), [Completion(**c) for c in row["completions"]], row["rewards"]
+            )
+            for row in state["buffer"]["ready"]
+        ]
+    assert checked > 0
+    if groups:
+        _assert_batch(cfg, rollouts_of(groups))

@@ -1,5 +1,6 @@
 """The partial-rollout buffer's bookkeeping (``trainers.partial.GroupBuffer``): groups queued, on engines,
-finished; whole groups re-queued when their engine fails; staleness per sample, dropped per group."""
+finished; whole groups re-queued when their engine or a request fails, dropped after their last failed
+try; staleness per sample, dropped per group."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from megagrpo.data.prompts import Prompt
-from megagrpo.trainers.group_buffer import FinishedGroup, GroupBuffer, GroupRequest
+from megagrpo.trainers.group_buffer import MAX_GROUP_FAILURES, FinishedGroup, GroupBuffer, GroupRequest
 from megagrpo.types import Completion
 
 pytestmark = pytest.mark.unit
@@ -61,11 +62,31 @@ def test_an_engine_failure_requeues_its_groups_whole_at_the_front():
     assert 0 not in buf.on_engine and buf.outstanding() == 4
     counts = buf.take_counts()
     assert counts.requeued == 2 and counts.engine_failures == 1
+    assert buf.failures == {}  # an engine's death is not its groups' failure
     # A late answer from the lost engine is refused: its samples were discarded.
     with pytest.raises(RuntimeError, match="engine 0 returned group 0"):
         buf.finished(0, finished(on0[0], [[1], [1]], [0.0, 1.0]))
     again = buf.assign(1, 2)
     assert [r.position for r in again] == [0, 1] and again[0].seed == 100
+
+
+def test_a_group_that_keeps_failing_is_dropped_after_its_last_try_and_frees_its_place():
+    buf = GroupBuffer(G, per_step=1, max_staleness=1, filter_flat=False)
+    buf.open(make, buf.room(version=0))
+    assert buf.room(version=0) == 0
+    for attempt in range(1, MAX_GROUP_FAILURES + 1):
+        (request,) = buf.assign(0, 1)
+        assert request.position == 0  # queued again at the front, the same group
+        assert buf.requeue(0, 0) is (attempt < MAX_GROUP_FAILURES)
+    assert [r.position for r in buf.queued] == [1] and buf.room(version=0) == 1
+    counts = buf.take_counts()
+    assert counts.requeued == MAX_GROUP_FAILURES - 1 and counts.failed == 1
+    # A group that finishes after failing starts its count anew if it is ever generated again.
+    (request,) = buf.assign(0, 1)
+    assert buf.requeue(0, 1) and buf.failures == {1: 1}
+    (request,) = buf.assign(0, 1)
+    buf.finished(0, finished(request, [[0], [0]], [0.0, 1.0]))
+    assert buf.failures == {} and [g.request.position for g in buf.ready] == [1]
 
 
 def test_staleness_is_measured_from_the_oldest_token_and_drops_the_whole_group():
