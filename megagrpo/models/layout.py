@@ -20,12 +20,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megagrpo.models.lora import is_adapter_param
 from megagrpo.models.mapping import LEGACY_GROUPED_RE, Rule, canonical_name, hf_tensor_shapes, megatron_numel
 from megagrpo.models.shape import GPTShape, padded_vocab_size
 
 if TYPE_CHECKING:
     from megagrpo.parallel import ParallelContext
+
+ADAPTER_MODULE = "lora"
+"""The child module a LoRA adapter is of the linear layer it adapts (``megagrpo.models.lora``)."""
+_ADAPTER_PARAMS = (f".{ADAPTER_MODULE}.weight_a", f".{ADAPTER_MODULE}.weight_b")
+
+
+def is_adapter_param(name: str) -> bool:
+    """A LoRA adapter's parameter (``<linear>.lora.weight_a`` / ``weight_b``), not a base one."""
+    return name.endswith(_ADAPTER_PARAMS)
+
 
 _LAYER_RE = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
 

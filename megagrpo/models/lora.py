@@ -34,15 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megagrpo.models.layout import ADAPTER_MODULE, is_expert, is_gated_fc1
+
 # Megatron's linear layer names that can carry an adapter, and how the base splits over TP.
 TARGET_KINDS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
-ADAPTER_MODULE = "lora"
-_ADAPTER_PARAMS = (f".{ADAPTER_MODULE}.weight_a", f".{ADAPTER_MODULE}.weight_b")
-
-
-def is_adapter_param(name: str) -> bool:
-    """A LoRA adapter's parameter (``<linear>.lora.weight_a`` / ``weight_b``), not a base one."""
-    return name.endswith(_ADAPTER_PARAMS)
 
 
 @dataclass(frozen=True)
@@ -149,8 +144,6 @@ def attach(model: torch.nn.Module, spec: LoraSpec, global_names: dict[str, str])
     """Freeze ``model``'s parameters and give each targeted linear layer an adapter; returns the adapted
     layers' names. ``global_names``: {local parameter name: canonical global name} of the stage
     (``layout.stage_param_names``), which seeds each ``A``."""
-    from megagrpo.models.layout import is_expert, is_gated_fc1
-
     for p in model.parameters():
         p.requires_grad_(False)
     adapted = []

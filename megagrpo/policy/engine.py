@@ -89,9 +89,6 @@ def build_engine(
     only (a distillation teacher): no DDP gradient buffers, no optimizer, no parameter needing grad.
     ``moe``: a mixture-of-experts model's training options. ``lora``: freeze the model and train adapters
     on it (``models.lora``): DDP's buffers and the optimizer then hold the adapters only."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
     transformer_impl = resolve_transformer_impl(transformer_impl, check_available=True)
     sizes = ctx.sizes
     config = transformer_config(
@@ -135,6 +132,15 @@ def build_engine(
         _freeze_routers(module)
     if lora is not None:
         attach_lora(module, lora, stage_param_names(module, ctx, shape.num_layers))
+    return _trained(ctx, shape, config, module, opt, dtype, transformer_impl)
+
+
+def _trained(ctx, shape: GPTShape, config, module, opt: OptimizerSettings, dtype, impl: str) -> TrainEngine:
+    """``module`` under Megatron's DDP (gradient buffers for the parameters that need grad) with its
+    optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -144,15 +150,7 @@ def build_engine(
     ddp = DistributedDataParallel(config, ddp_config, module, pg_collection=ctx.pgs)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
-
-    return TrainEngine(
-        ctx=ctx,
-        shape=shape,
-        config=config,
-        model=[ddp],
-        optimizer=megatron_optimizer(opt, dtype, ddp, ctx),
-        transformer_impl=transformer_impl,
-    )
+    return TrainEngine(ctx, shape, config, [ddp], megatron_optimizer(opt, dtype, ddp, ctx), impl)
 
 
 def _forget_earlier_routers() -> None:
