@@ -110,11 +110,10 @@ def apply(buf: torch.Tensor, payload: torch.Tensor, count: int, word: torch.dtyp
     buf.view(word)[idx] = values
 
 
-class SentCopies:
-    """A sender's last-sent bytes of each of its buckets, by plan index, in host memory."""
+class _Copies:
+    """Bytes of buckets, by plan index, in host memory: what one side of a link last had of each."""
 
-    def __init__(self, max_fraction: float):
-        self.max_fraction = max_fraction
+    def __init__(self):
         self.last: dict[int, torch.Tensor] = {}
 
     @property
@@ -123,6 +122,14 @@ class SentCopies:
 
     def clear(self) -> None:
         self.last = {}
+
+
+class SentCopies(_Copies):
+    """A sender's last-sent bytes of each of its buckets."""
+
+    def __init__(self, max_fraction: float):
+        super().__init__()
+        self.max_fraction = max_fraction
 
     def encode(self, index: int, bucket: Bucket, buf: torch.Tensor, out: torch.Tensor) -> Encoded:
         """Encode bucket ``index``, packed in ``buf``, into ``out`` against its last-sent bytes (FULL when
@@ -140,18 +147,8 @@ class SentCopies:
         return encoded
 
 
-class ReceivedCopies:
-    """A receiving worker's bytes of each bucket it received, by plan index, in host memory."""
-
-    def __init__(self):
-        self.last: dict[int, torch.Tensor] = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() for t in self.last.values())
-
-    def clear(self) -> None:
-        self.last = {}
+class ReceivedCopies(_Copies):
+    """A receiving worker's bytes of each bucket it received."""
 
     def restore(self, index: int, bucket: Bucket, count: int, payload: torch.Tensor) -> torch.Tensor:
         """Bucket ``index``'s whole bytes from what arrived (``payload``, on the worker's device): the

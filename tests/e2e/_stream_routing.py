@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from _stream_scenarios import _norm  # run as a script: its folder is on the path
+
 from megagrpo.generation.routing import HookedRouting
 from megagrpo.generation.stream import RequestStream, StreamRequest
 from megagrpo.types import SamplingSettings
@@ -25,19 +27,6 @@ PROBE = [11, 12, 13, 200, 7]
 GREEDY = SamplingSettings(max_tokens=10, temperature=0.0, ignore_eos=True)
 SWAP_AT = 4
 SCALE = 1.5
-NORM = "model.layers.0.input_layernorm.weight"
-
-
-def _norm(worker, new=None):
-    """Inside vLLM's worker: a copy of ``NORM``; with ``new``, ``NORM`` set to it."""
-    import torch
-
-    (weight,) = [p for n, p in worker.model_runner.model.named_parameters() if n == NORM]
-    old = weight.detach().clone()
-    if new is not None:
-        with torch.no_grad():
-            weight.copy_(new)
-    return old
 
 
 def _record(c, prompt):
