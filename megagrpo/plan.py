@@ -370,7 +370,9 @@ def _rank_memory(
     trained = n - plan_experts.frozen_params(cfg, shape, shape.num_layers // pp)
     lora = cfg.policy.lora
     if lora.enabled:  # the base is frozen: only the adapters have gradients and Adam states
-        trained = shape.num_layers // pp * adapter_params_per_rank(shape, lora.targets, lora.rank, tp)
+        ep, etp = par.expert_model_parallel_size, plan_experts.expert_tp(par)
+        per_layer = adapter_params_per_rank(shape, lora.targets, lora.rank, tp, ep=ep, etp=etp)
+        trained = shape.num_layers // pp * per_layer
         n += trained
     full_opt = trained * opt_per_param
     rank = RankMemory(

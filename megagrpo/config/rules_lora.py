@@ -2,8 +2,9 @@
 
 The adapter rank is never split over tensor-parallel ranks (``models.lora``: a column-parallel base splits
 ``B``'s output rows, a row-parallel one ``A``'s input columns, both already divisible by TP), so no rank is
-refused for a TP size; what is refused is a target the model lacks, a rank past the model's width, and the
-Transformer Engine's fused norm + linear layers.
+refused for a TP size; what is refused is a target the model lacks (a dense MLP's layer on a
+mixture-of-experts model, an expert's on a dense one), a rank past the model's width, and the Transformer
+Engine's fused norm + linear layers and grouped-GEMM experts.
 """
 
 from __future__ import annotations
@@ -23,12 +24,20 @@ def check_lora(cfg: Config, shape: Any, where: str) -> None:
     lora = cfg.policy.lora
     if not lora.enabled:
         return
+    moe = bool(getattr(shape, "num_experts", 0))
     mlp = [t for t in lora.targets if t in ("linear_fc1", "linear_fc2")]
     require(
-        not (getattr(shape, "num_experts", 0) and mlp),
+        not (moe and mlp),
         ("policy.lora.target_modules", f"{where}.num_experts"),
-        f"{', '.join(mlp)}: this mixture-of-experts model's MLP layers are experts, which LoRA adapters "
-        "do not support yet; target linear_qkv,linear_proj",
+        f"{', '.join(mlp)}: this mixture-of-experts model's MLP layers are experts (its shared expert is "
+        f"not adapted): target {', '.join('experts.' + t for t in mlp)}",
+    )
+    experts = [t for t in lora.targets if t.startswith("experts.")]
+    require(
+        moe or not experts,
+        ("policy.lora.target_modules", f"{where}.num_experts"),
+        f"{', '.join(experts)}: this model is dense (no routed experts): target "
+        f"{', '.join(t.removeprefix('experts.') for t in experts)}",
     )
     require(
         lora.rank <= shape.hidden_size,
@@ -36,6 +45,12 @@ def check_lora(cfg: Config, shape: Any, where: str) -> None:
         f"rank {lora.rank} exceeds the model's hidden_size {shape.hidden_size}",
     )
     impl = cfg.resolved.transformer_impl if cfg.resolution is not None else cfg.parallel.transformer_impl
+    require(
+        not (impl == "transformer_engine" and experts),
+        ("policy.lora.target_modules", "parallel.transformer_impl"),
+        f"{', '.join(experts)}: Transformer Engine's grouped-GEMM experts (TEGroupedMLP) carry no "
+        "adapters; set parallel.transformer_impl torch or local (SequentialMLP experts)",
+    )
     fused = [t for t in lora.targets if t in _FUSED_WITH_NORM]
     require(
         not (impl == "transformer_engine" and fused),

@@ -20,6 +20,7 @@ __all__ = [
 
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_EXPERT_TARGETS = ("experts.linear_fc1", "experts.linear_fc2")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -34,7 +35,8 @@ class LoraConfig:
     """Dropout on the adapter's input while training, in [0, 1)."""
     target_modules: str = ",".join(LORA_TARGETS)
     """Comma-separated Megatron layers that get an adapter: linear_qkv (fused Q/K/V), linear_proj
-    (attention out), linear_fc1 (gate/up), linear_fc2 (down)."""
+    (attention out), linear_fc1 (gate/up), linear_fc2 (down); on a mixture-of-experts model
+    experts.linear_fc1 / experts.linear_fc2 (every routed expert's)."""
 
     @property
     def enabled(self) -> bool:
@@ -48,10 +50,9 @@ class LoraConfig:
         check(self, "rank", self.rank is None or self.rank >= 0, ">= 0 (0 or null: off)")
         check(self, "alpha", self.alpha > 0, "> 0")
         check(self, "dropout", 0 <= self.dropout < 1, "in [0, 1)")
-        unknown = [t for t in self.targets if t not in LORA_TARGETS]
-        check(
-            self, "target_modules", not unknown and bool(self.targets), f"a list of {', '.join(LORA_TARGETS)}"
-        )
+        known = LORA_TARGETS + LORA_EXPERT_TARGETS
+        unknown = [t for t in self.targets if t not in known]
+        check(self, "target_modules", not unknown and bool(self.targets), f"a list of {', '.join(known)}")
         require(len(set(self.targets)) == len(self.targets), "target_modules", "names a layer twice")
 
 

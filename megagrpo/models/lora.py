@@ -18,10 +18,22 @@ Sharding follows the base layer, so that no rank ever holds or computes a whole 
   columns, ``h`` is the all-reduce of the ranks' partial products (a reduce-scatter over the sequence under
   sequence parallelism, as the base's own output), ``B`` is replicated.
 
-``A`` is initialised from a generator seeded by the parameter's global name, whole, and each rank keeps its
-slice: every layout starts from the same adapters. Transformer Engine's layers are adapted by the same
-code (their ``tp_group``), except its fused norm + linear, whose input is the un-normalised residual:
-refused by name. This path has never run on a GPU.
+A mixture-of-experts model's routed experts (``experts.linear_fc1`` / ``experts.linear_fc2``: each expert of
+the local spec's ``SequentialMLP`` is an MLP of its own) get one adapter per expert, held with its expert
+on its expert-parallel rank and split over the expert tensor-parallel group as the expert's weight is.
+There Megatron's token dispatcher does the tensor-parallel communication, not the layer (its input is
+every token of the expert's, its output a partial sum that the dispatcher reduces), so the adapter moves
+no activation: the expert's rank shards compose as the base's do, and only the gradient of the
+replicated factor (``A`` of ``linear_fc1``, ``B`` of ``linear_fc2``), partial on each rank, is summed over
+the expert tensor-parallel group in the backward. The adapters are expert parameters for Megatron's DDP
+and optimizer (``allreduce = False`` as the expert's weight: their gradients are averaged over the expert
+data-parallel group). Transformer Engine's grouped-GEMM experts (``TEGroupedMLP``, one layer for every
+local expert) and the shared expert are refused by name.
+
+``A`` is initialised from a generator seeded by the parameter's global name (a routed expert's by its global
+index), whole, and each rank keeps its slice: every layout starts from the same adapters. Transformer
+Engine's layers are adapted by the same code (their ``tp_group``), except its fused norm + linear, whose
+input is the un-normalised residual: refused by name. This path has never run on a GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -36,8 +49,16 @@ import torch
 
 from megagrpo.models.layout import ADAPTER_MODULE, is_expert, is_gated_fc1
 
-# Megatron's linear layer names that can carry an adapter, and how the base splits over TP.
-TARGET_KINDS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
+# The targets (``policy.lora.target_modules``): Megatron's linear layers that can carry an adapter, a routed
+# expert's as ``experts.<layer>``, and how the base splits over TP.
+TARGET_KINDS = {
+    "linear_qkv": "column",
+    "linear_fc1": "column",
+    "linear_proj": "row",
+    "linear_fc2": "row",
+    "experts.linear_fc1": "column",
+    "experts.linear_fc2": "row",
+}
 
 
 @dataclass(frozen=True)
@@ -67,8 +88,10 @@ class LoraAdapter(torch.nn.Module):
         )
 
         self.kind, self.scale, self.dropout = kind, spec.scale, spec.dropout
-        self.group = _tp_group(base)
-        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
+        self.group = _tp_group(base)  # a routed expert's: the expert tensor-parallel group
+        self.expert = is_expert(global_name)
+        # An expert's layer never communicates (the dispatcher does), sequence parallel or not.
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not self.expert
         self.enabled = True
         tp, tp_rank = self.group.size(), self.group.rank()
         weight = base.weight
@@ -92,12 +115,18 @@ class LoraAdapter(torch.nn.Module):
         if self.sequence_parallel:
             # Its gradient holds this rank's part of the sequence: Megatron sums it over TP.
             replicated.sequence_parallel = True
+        # An expert's adapter is an expert parameter (DDP's expert buffers, the expert optimizer) exactly
+        # when the expert's weight is (Megatron: under expert parallelism).
+        allreduce = getattr(weight, "allreduce", True)
+        self.weight_a.allreduce = self.weight_b.allreduce = allreduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
         if self.dropout and self.training:
             x = torch.nn.functional.dropout(x, self.dropout)
+        if self.expert:
+            return self._expert_forward(x)
         h = x @ self.weight_a.t()  # [s, b, rank]; column: whole, row: this rank's partial sum
         if self.kind == "column":
             if self.sequence_parallel:
@@ -110,9 +139,35 @@ class LoraAdapter(torch.nn.Module):
             h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.group)
         return (h @ self.weight_b.t()) * self.scale
 
+    def _expert_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A routed expert's shard: ``B_r A x`` (column) or ``B A_r x_r`` (row), whose sum over the expert
+        tensor-parallel ranks the dispatcher takes, as the base's; the replicated factor's gradient summed
+        over those ranks (each holds the part of its own shard)."""
+        group = self.group if self.group.size() > 1 else None
+        h = _GradSummedLinear.apply(x, self.weight_a, group if self.kind == "column" else None)
+        return _GradSummedLinear.apply(h, self.weight_b, group if self.kind == "row" else None) * self.scale
+
     def delta(self) -> torch.Tensor:
         """``scale * B @ A`` of this rank's shard of the base weight, in fp32 (no communication)."""
         return (self.weight_b.detach().float() @ self.weight_a.detach().float()) * self.scale
+
+
+class _GradSummedLinear(torch.autograd.Function):
+    """``x @ weight.t()`` whose weight gradient is summed over ``group`` (None: no sum) in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        if ctx.group is not None:
+            torch.distributed.all_reduce(grad_w, group=ctx.group)
+        return grad @ weight, grad_w, None
 
 
 def _tp_group(base: torch.nn.Module):
@@ -148,13 +203,14 @@ def attach(model: torch.nn.Module, spec: LoraSpec, global_names: dict[str, str])
         p.requires_grad_(False)
     adapted = []
     for name, module in list(model.named_modules()):
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf not in spec.target_modules:
+        target = target_of(name)
+        if target not in spec.target_modules:
             continue
-        if is_expert(f"{name}.weight") or ".shared_experts." in name:
+        if "Grouped" in type(module).__name__:
             raise ValueError(
-                f"policy.lora.target_modules: {name} is a mixture-of-experts expert's layer; adapters on "
-                "experts are not supported"
+                f"policy.lora.target_modules: {name} is Transformer Engine's grouped-GEMM experts "
+                f"({type(module).__name__}), which adapters do not support; set parallel.transformer_impl "
+                "torch or local (SequentialMLP experts)"
             )
         if "LayerNorm" in type(module).__name__:
             raise ValueError(
@@ -163,12 +219,24 @@ def attach(model: torch.nn.Module, spec: LoraSpec, global_names: dict[str, str])
             )
         global_name = global_names[f"{name}.weight"]
         adapter = LoraAdapter(
-            module, TARGET_KINDS[leaf], spec, global_name=global_name, gated=is_gated_fc1(global_name)
+            module, TARGET_KINDS[target], spec, global_name=global_name, gated=is_gated_fc1(global_name)
         )
         module.add_module(ADAPTER_MODULE, adapter)
         module.register_forward_hook(_add_adapter, with_kwargs=True)
         adapted.append(name)
     return adapted
+
+
+def target_of(name: str) -> str | None:
+    """The target (a key of ``TARGET_KINDS``) that names module ``name``: its leaf, ``experts.<leaf>`` for
+    a routed expert's (``SequentialMLP``'s ``experts.local_experts.<i>.<leaf>``, or Transformer Engine's
+    grouped ``experts.<leaf>``); None for the shared expert's layers and every other module."""
+    parent, _, leaf = name.rpartition(".")
+    if leaf not in TARGET_KINDS or ".shared_experts" in f".{parent}":
+        return None
+    if re.search(r"(^|\.)experts(\.local_experts\.\d+)?$", parent):
+        return f"experts.{leaf}"
+    return leaf
 
 
 def adapters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, LoraAdapter]]:
@@ -217,8 +285,10 @@ def merged(model: torch.nn.Module):
 
 def adapter_state_dict(model: torch.nn.Module, global_names: dict[str, str], ctx) -> dict:
     """The adapters as Megatron ``ShardedTensor``s (a distributed checkpoint's state dict, reloadable at any
-    TP/PP/DP): keys ``<global linear name>.lora.weight_a|b``, TP-split as the module doc says (a gated
-    ``linear_fc1``'s ``B`` as its gate and up halves, as Megatron stores the base weight)."""
+    TP/PP/DP/EP): keys ``<global linear name>.lora.weight_a|b`` (a routed expert's by its global index),
+    TP-split as the module doc says (a gated ``linear_fc1``'s ``B`` as its gate and up halves, as Megatron
+    stores the base weight); an expert's split over the expert tensor-parallel group and replicated over
+    the expert data-parallel one."""
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -227,8 +297,9 @@ def adapter_state_dict(model: torch.nn.Module, global_names: dict[str, str], ctx
         linear = global_names[f"{name}.weight"].removesuffix(".weight")
         axis = {"weight_b": 0} if adapter.kind == "column" else {"weight_a": 1}
         tensors = {"weight_a": adapter.weight_a, "weight_b": adapter.weight_b}
+        tp, dp = (ctx.pgs.expt_tp, ctx.pgs.expt_dp) if adapter.expert else (ctx.pgs.tp, ctx.pgs.dp_cp)
         sharded = make_sharded_tensors_for_checkpoint(
-            tensors, f"{linear}.{ADAPTER_MODULE}.", axis, tp_group=ctx.pgs.tp, dp_cp_group=ctx.pgs.dp_cp
+            tensors, f"{linear}.{ADAPTER_MODULE}.", axis, tp_group=tp, dp_cp_group=dp
         )
         b_key = f"{linear}.{ADAPTER_MODULE}.weight_b"
         if adapter.gated:  # at every TP size, as Megatron stores linear_fc1: reloadable at any other
@@ -256,22 +327,30 @@ def base_state_keys(model: torch.nn.Module) -> set[str] | None:
     return {key for key in model.state_dict() if f".{ADAPTER_MODULE}." not in key}
 
 
-def adapter_params_per_rank(shape, targets: tuple[str, ...], rank: int, tp: int) -> int:
-    """Adapter elements one TP rank holds per transformer layer (``megagrpo plan``): a column-parallel
-    target's ``A`` whole and ``1/tp`` of ``B``, a row-parallel one's ``1/tp`` of ``A`` and ``B`` whole."""
+def adapter_params_per_rank(
+    shape, targets: tuple[str, ...], rank: int, tp: int, *, ep: int = 1, etp: int | None = None
+) -> int:
+    """Adapter elements one rank holds per transformer layer (``megagrpo plan``): a column-parallel
+    target's ``A`` whole and ``1/tp`` of ``B``, a row-parallel one's ``1/tp`` of ``A`` and ``B`` whole; a
+    routed expert's target once for each of the rank's ``num_experts / ep`` experts, split ``etp`` ways
+    (None: ``tp``)."""
     h, d = shape.hidden_size, shape.head_dim
     q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
+    f = shape.moe_ffn_hidden_size or shape.ffn_hidden_size
     dims = {  # (in, out) of each layer
         "linear_qkv": (h, q + 2 * kv),
         "linear_proj": (q, h),
         "linear_fc1": (h, 2 * shape.ffn_hidden_size),
         "linear_fc2": (shape.ffn_hidden_size, h),
+        "experts.linear_fc1": (h, 2 * f),
+        "experts.linear_fc2": (f, h),
     }
     total = 0
     for target in targets:
         fan_in, fan_out = dims[target]
+        split, copies = (etp or tp, shape.num_experts // ep) if target.startswith("experts.") else (tp, 1)
         if TARGET_KINDS[target] == "column":
-            total += rank * fan_in + fan_out // tp * rank
+            total += copies * (rank * fan_in + fan_out // split * rank)
         else:
-            total += rank * fan_in // tp + fan_out * rank
+            total += copies * (rank * fan_in // split + fan_out * rank)
     return total

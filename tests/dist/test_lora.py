@@ -1,5 +1,7 @@
 """LoRA adapters (``policy.lora``): the base unchanged at the start, layout-independent training, adapter-only
-checkpoints that reshard, PEFT and merged exports that transformers + peft load with the trainer's logits.
+checkpoints that reshard, PEFT and merged exports that transformers + peft load with the trainer's logits;
+the same on a mixture-of-experts model's routed experts (tiny Qwen3-MoE, routing replayed so that the
+routing does not depend on the layout), at EP 2 and with the experts split over TP 2.
 
 Two spawned worlds (``one_rank``, ``two_ranks``), as ``test_policy`` runs its cases.
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hf_models import make_tiny_hf
@@ -26,28 +29,69 @@ LAYOUTS = {
 }
 
 
-def _lora_config(hf_dir: str, **layout):
-    extra = (*LORA, *layout.pop("extra", ()))
+# The routed experts' adapters (and attention's), the routing replayed (``test_moe_policy``).
+MOE_LORA = (
+    "policy.lora.target_modules=linear_qkv,linear_proj,experts.linear_fc1,experts.linear_fc2",
+    "parallel.transformer_impl=local",
+    "grpo.routing_replay=rollout",
+)
+EP2 = "parallel.expert_model_parallel_size=2"
+MOE_LAYOUTS = {
+    # the experts split over the two ranks, each rank's adapters with its experts
+    "moe-ep2": dict(dp=2, budget=SMALL_BUDGET, extra=(EP2,)),
+    # every expert split over TP 2 (expert TP 2), sequence parallel
+    "moe-tp2-sp-torch": dict(
+        tp=2, extra=("parallel.transformer_impl=torch", "parallel.sequence_parallel=true")
+    ),
+}
+MOE_EXPERTS, MOE_TOPK, MOE_LAYERS = 8, 2, 2
+
+
+def _lora_config(hf_dir: str, *, moe: bool = False, **layout):
+    extra = (*LORA, *(MOE_LORA if moe else ()), *layout.pop("extra", ()))
     return policy_config(hf_dir, mini=4, kl=0.1, extra=extra, **layout)
 
 
-def _base_logprobs(hf_dir: str) -> torch.Tensor:
+def _batch(moe: bool, routed: bool = True):
+    """``policy_batch()``; for the MoE model with random top-k experts per position to replay (``routed``)
+    or none (the routers choose, as transformers' model does)."""
+    batch = policy_batch()
+    if not moe:
+        return batch
+    from megagrpo.algorithms.routing import routing_rows
+
+    batch = batch.replace(gen_logprobs=torch.zeros(batch.size, batch.input_ids.shape[1] - 1))
+    if not routed:
+        return batch
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for length in batch.lengths.tolist():
+        scores = torch.rand(length - 1, MOE_LAYERS, MOE_EXPERTS, generator=gen)
+        rows.append(scores.argsort(dim=-1)[..., :MOE_TOPK].numpy().astype(np.uint8))
+    return batch.replace(routing=routing_rows(rows, batch.input_ids.shape[1]))
+
+
+def _base_logprobs(hf_dir: str, moe: bool = False) -> torch.Tensor:
     from megagrpo.policy.worker import PolicyWorker
 
-    return PolicyWorker(policy_config(hf_dir)).logprobs(policy_batch())
+    extra = MOE_LORA[1:] if moe else ()
+    return PolicyWorker(policy_config(hf_dir, extra=extra)).logprobs(_batch(moe))
 
 
-def _train(cfg, save_to: str | None = None) -> dict:
+def _train(cfg, save_to: str | None = None, moe: bool = False) -> dict:
     """Two optimizer steps (two mini-batches; the first moves B only, B being zero, the second A too)."""
     from megagrpo.policy.worker import PolicyWorker
 
     worker = PolicyWorker(cfg)
-    batch = policy_batch()
+    batch = _batch(moe)
     module = worker.engine.module
     start = worker.logprobs(batch)
     ref = worker.reference_logprobs(batch)
     metrics = worker.train(batch.replace(old_logprobs=start, ref_logprobs=ref))
-    held = [p for buffer in worker.engine.model[0].buffers for p in buffer.params]
+    ddp = worker.engine.model[0]
+    held = [p for buffer in ddp.buffers for p in buffer.params]
+    held_expert = [p for buffer in ddp.expert_parallel_buffers for p in buffer.params]
+    names = {id(p): n for n, p in module.named_parameters()}
     out = {
         "start": start,
         "metrics": metrics,
@@ -56,9 +100,16 @@ def _train(cfg, save_to: str | None = None) -> dict:
         "trainable": sorted(n for n, p in module.named_parameters() if p.requires_grad),
         "adapter_numel": sum(p.numel() for p in module.parameters() if p.requires_grad),
         "planned_numel": _planned(cfg, worker),
-        "ddp_holds_adapters_only": {id(p) for p in held}
+        "ddp_holds_adapters_only": {id(p) for p in held + held_expert}
         == {id(p) for p in module.parameters() if p.requires_grad},
+        "expert_buffers": sorted(names[id(p)] for p in held_expert),
     }
+    if moe:  # the routers' own choices, as transformers' model routes
+        out["after_unrouted"] = worker.logprobs(_batch(moe, routed=False), 1.0)
+        from megagrpo.models.lora import merged
+
+        with merged(module):  # what the weight sync sends: each rank's experts' shards, merged
+            out["merged"] = worker.logprobs(batch, 1.0)
     if save_to is not None:
         worker.save(save_to)
     return out
@@ -68,27 +119,33 @@ def _planned(cfg, worker) -> int:
     """What ``megagrpo plan`` counts as this rank's adapter elements."""
     from megagrpo.models.lora import adapter_params_per_rank
 
-    lora, shape = cfg.policy.lora, worker.model_info.shape
-    per_layer = adapter_params_per_rank(shape, lora.targets, lora.rank, worker.ctx.sizes.tp)
-    return shape.num_layers // worker.ctx.sizes.pp * per_layer
+    lora, shape, sizes = cfg.policy.lora, worker.model_info.shape, worker.ctx.sizes
+    per_layer = adapter_params_per_rank(
+        shape, lora.targets, lora.rank, sizes.tp, ep=sizes.ep, etp=sizes.expert_tp
+    )
+    return shape.num_layers // sizes.pp * per_layer
 
 
-def _load(cfg, path: str) -> dict:
+def _load(cfg, path: str, moe: bool = False) -> dict:
     from megagrpo.policy.worker import PolicyWorker
 
     worker = PolicyWorker(cfg)
     worker.load(path)
-    return {"loaded": worker.logprobs(policy_batch(), 1.0), "steps": worker.steps_done}
+    return {"loaded": worker.logprobs(_batch(moe), 1.0), "steps": worker.steps_done}
 
 
-def _exports(ckpt: str, out: str) -> dict:
-    """Both exports of the saved checkpoint (last case of its world: they tear the world down)."""
+def _exports(*pairs: tuple[str, str]) -> list[dict]:
+    """Both exports of each saved checkpoint, ``(ckpt, out)`` (last case of its world: they tear the
+    world down)."""
     from megagrpo.ckpt.lora_export import export_merged, export_peft
 
-    return {
-        "peft": str(export_peft(ckpt, Path(out) / "peft")),
-        "merged": str(export_merged(ckpt, Path(out) / "hf")),
-    }
+    return [
+        {
+            "peft": str(export_peft(ckpt, Path(out) / "peft")),
+            "merged": str(export_merged(ckpt, Path(out) / "hf")),
+        }
+        for ckpt, out in pairs
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -97,25 +154,47 @@ def hf_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("lora_out")
-    return {"ckpt": root / "step", "export": root / "export"}
+def moe_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("lora_moe") / "qwen3_moe"
+    return str(make_tiny_hf("qwen3_moe", out, num_hidden_layers=MOE_LAYERS))
 
 
 @pytest.fixture(scope="module")
-def one_rank(hf_dir, dirs) -> list[dict]:
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora_out")
+    return {
+        "ckpt": root / "step",
+        "export": root / "export",
+        "moe_ckpt": root / "moe_step",
+        "moe_export": root / "moe_export",
+    }
+
+
+@pytest.fixture(scope="module")
+def one_rank(hf_dir, moe_dir, dirs) -> list[dict]:
     cases = {
         "base": (_base_logprobs, hf_dir),
         "train": (_train, _lora_config(hf_dir), str(dirs["ckpt"])),
-        "exports": (_exports, str(dirs["ckpt"]), str(dirs["export"])),  # last: it ends the world
+        "moe/base": (_base_logprobs, moe_dir, True),
+        "moe/train": (_train, _lora_config(moe_dir, moe=True), str(dirs["moe_ckpt"]), True),
+        # last: it ends the world
+        "exports": (
+            _exports,
+            (str(dirs["ckpt"]), str(dirs["export"])),
+            (str(dirs["moe_ckpt"]), str(dirs["moe_export"])),
+        ),
     }
     return run_cases(1, cases)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(hf_dir, dirs, one_rank) -> list[dict]:
+def two_ranks(hf_dir, moe_dir, dirs, one_rank) -> list[dict]:
     cases = {f"train/{name}": (_train, _lora_config(hf_dir, **layout)) for name, layout in LAYOUTS.items()}
     cases["load/tp2"] = (_load, _lora_config(hf_dir, tp=2), str(dirs["ckpt"]))
+    for name, layout in MOE_LAYOUTS.items():
+        cases[f"train/{name}"] = (_train, _lora_config(moe_dir, moe=True, **dict(layout)), None, True)
+    ep2 = _lora_config(moe_dir, moe=True, **dict(MOE_LAYOUTS["moe-ep2"]))
+    cases["load/moe-ep2"] = (_load, ep2, str(dirs["moe_ckpt"]), True)
     return run_cases(2, cases)
 
 
@@ -182,7 +261,7 @@ def test_peft_loads_the_adapter_and_the_merged_export_matches(one_rank, hf_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    (exports,) = case(one_rank, "exports")
+    ((exports, _),) = case(one_rank, "exports")
     (trained,) = case(one_rank, "train")
     mask = policy_batch().response_mask()
     base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -193,4 +272,86 @@ def test_peft_loads_the_adapter_and_the_merged_export_matches(one_rank, hf_dir):
     from_merged = _hf_logprobs(merged)
     assert (with_adapter[mask] - plain[mask]).abs().max() > 1e-3  # the adapter is loaded, not ignored
     torch.testing.assert_close(with_adapter[mask], trained["after"][mask], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(from_merged[mask], with_adapter[mask], atol=1e-5, rtol=1e-5)
+
+
+def _moe_assert_same_steps(got: dict, want: dict) -> None:
+    mask = policy_batch().response_mask()
+    for g, w in zip(got["metrics"], want["metrics"], strict=True):
+        assert _rel(g.loss, w.loss) <= 1e-5, (g.loss, w.loss)
+        assert _rel(g.grad_norm, w.grad_norm) <= 1e-5, (g.grad_norm, w.grad_norm)
+    torch.testing.assert_close(got["after"][mask], want["after"][mask], atol=1e-4, rtol=1e-4)
+
+
+def test_zero_initialised_expert_adapters_give_the_base_logprobs_exactly(one_rank):
+    (base,) = case(one_rank, "moe/base")
+    (res,) = case(one_rank, "moe/train")
+    assert torch.equal(res["start"], base)
+    assert torch.equal(res["ref_after"], base)  # adapters off: the base, untouched by training
+    mask = policy_batch().response_mask()
+    assert (res["after"][mask] - base[mask]).abs().max() > 1e-3
+    torch.testing.assert_close(res["merged"][mask], res["after"][mask], atol=1e-5, rtol=1e-5)
+
+
+def test_every_routed_expert_carries_an_adapter_that_trains(one_rank):
+    (res,) = case(one_rank, "moe/train")
+    experts = [n for n in res["trainable"] if ".mlp.experts.local_experts." in n]
+    # 2 layers x 8 experts x (fc1, fc2) x (A, B), besides attention's 2 layers x (qkv, proj) x (A, B)
+    assert len(experts) == 64 and len(res["trainable"]) == 64 + 8
+    assert all(".lora.weight_" in n for n in res["trainable"])
+    assert res["ddp_holds_adapters_only"] and res["adapter_numel"] == res["planned_numel"]
+    assert res["expert_buffers"] == []  # one rank: no expert parallelism, every parameter is dense
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_expert_adapters_train_alike_at_every_expert_layout(layout, one_rank, two_ranks):
+    (want,) = case(one_rank, "moe/train")
+    results = case(two_ranks, f"train/{layout}")
+    mask = policy_batch().response_mask()
+    for res in results:
+        assert res["ddp_holds_adapters_only"]
+        assert res["adapter_numel"] == res["planned_numel"]
+        _moe_assert_same_steps(res, want)
+        torch.testing.assert_close(res["merged"][mask], want["after"][mask], atol=1e-4, rtol=1e-4)
+    if layout == "moe-ep2":
+        # each rank holds half the experts' adapters, in DDP's expert-parallel buffers (reduced over the
+        # expert data-parallel group), and every other adapter in the dense ones
+        for res in results:
+            experts = [n for n in res["trainable"] if ".experts." in n]
+            assert len(experts) == 32 and res["expert_buffers"] == experts
+
+
+def test_expert_adapter_checkpoint_reloads_at_ep2(one_rank, two_ranks, dirs):
+    (saved,) = case(one_rank, "moe/train")
+    mask = policy_batch().response_mask()
+    for res in case(two_ranks, "load/moe-ep2"):
+        assert res["steps"] == 2
+        torch.testing.assert_close(res["loaded"][mask], saved["after"][mask], atol=1e-5, rtol=1e-5)
+
+
+def test_peft_loads_the_expert_adapters_and_the_merged_export_matches(one_rank, moe_dir):
+    import json
+
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    ((_, exports),) = case(one_rank, "exports")
+    (trained,) = case(one_rank, "moe/train")
+    with safe_open(Path(exports["peft"]) / "adapter_model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    prefix = "base_model.model.model.layers.1.mlp.experts.7"
+    for proj in ("gate_proj", "up_proj", "down_proj"):  # HF's per-expert names, as the checkpoints'
+        assert f"{prefix}.{proj}.lora_A.weight" in keys and f"{prefix}.{proj}.lora_B.weight" in keys
+    config = json.loads((Path(exports["peft"]) / "adapter_config.json").read_text())
+    assert {"gate_proj", "up_proj", "down_proj"} <= set(config["target_modules"])
+    mask = policy_batch().response_mask()
+    base = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    plain = _hf_logprobs(base)
+    adapted = PeftModel.from_pretrained(base, exports["peft"]).eval()
+    with_adapter = _hf_logprobs(adapted)
+    merged = AutoModelForCausalLM.from_pretrained(exports["merged"], dtype=torch.float32).eval()
+    from_merged = _hf_logprobs(merged)
+    assert (with_adapter[mask] - plain[mask]).abs().max() > 1e-3  # the adapter is loaded, not ignored
+    torch.testing.assert_close(with_adapter[mask], trained["after_unrouted"][mask], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(from_merged[mask], with_adapter[mask], atol=1e-5, rtol=1e-5)

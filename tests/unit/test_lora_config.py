@@ -41,6 +41,18 @@ def test_lora_is_off_by_default_and_on_with_a_rank():
         (("policy.lora.target_modules=linear_qkv,linear_qkv",), ("policy.lora.target_modules",)),
         # a target the architecture lacks: a mixture-of-experts model's MLPs are experts
         (("policy.lora.rank=8", *MOE), ("policy.lora.target_modules", "model.tiny.num_experts")),
+        # and a dense model has no experts
+        (
+            ("policy.lora.rank=8", "policy.lora.target_modules=linear_qkv,experts.linear_fc1"),
+            ("policy.lora.target_modules", "model.tiny.num_experts"),
+        ),
+        (("policy.lora.target_modules=experts.linear_fc3",), ("policy.lora.target_modules",)),
+        # Transformer Engine's grouped-GEMM experts
+        (
+            ("policy.lora.rank=8", "policy.lora.target_modules=experts.linear_fc2", *MOE)
+            + ("parallel.transformer_impl=transformer_engine",),
+            ("policy.lora.target_modules", "parallel.transformer_impl"),
+        ),
         (("policy.lora.rank=512",), ("policy.lora.rank", "model.tiny.hidden_size")),
         (
             ("policy.lora.rank=8", "parallel.transformer_impl=transformer_engine"),
@@ -56,6 +68,31 @@ def test_bad_lora_settings_name_their_keys(overrides, keys):
 def test_attention_only_adapters_are_accepted_on_a_moe_model():
     cfg = load_config(None, ["policy.lora.rank=8", "policy.lora.target_modules=linear_qkv,linear_proj", *MOE])
     assert cfg.policy.lora.targets == ("linear_qkv", "linear_proj")
+
+
+def test_expert_adapters_are_accepted_on_a_moe_model_and_named_on_a_dense_one():
+    targets = "policy.lora.target_modules=linear_qkv,experts.linear_fc1,experts.linear_fc2"
+    cfg = load_config(None, ["policy.lora.rank=8", targets, *MOE])
+    assert cfg.policy.lora.targets == ("linear_qkv", "experts.linear_fc1", "experts.linear_fc2")
+    err = _error("policy.lora.rank=8", "policy.lora.target_modules=linear_fc1", *MOE)
+    assert "experts.linear_fc1" in str(err)  # the dense name on a MoE model points at the experts'
+    err = _error("policy.lora.rank=8", targets)
+    assert "experts.linear_fc1, experts.linear_fc2" in str(err) and "dense" in str(err)
+
+
+def test_plan_counts_each_ranks_share_of_the_expert_adapters():
+    from megagrpo.models.lora import adapter_params_per_rank
+    from megagrpo.plan import read_shape
+
+    cfg = load_config(None, list(MOE))
+    shape, _ = read_shape(cfg, None)
+    targets = ("experts.linear_fc1", "experts.linear_fc2")
+    h, f, e, r = shape.hidden_size, shape.moe_ffn_hidden_size, shape.num_experts, 4
+    whole = e * (r * h + 2 * f * r) + e * (r * f + h * r)
+    assert adapter_params_per_rank(shape, targets, r, 1) == whole
+    assert adapter_params_per_rank(shape, targets, r, 2, ep=2, etp=1) == whole // 2
+    # split over expert TP: fc1's B rows, fc2's A columns
+    assert adapter_params_per_rank(shape, targets, r, 2) == e * (r * h + f * r) + e * (r * f // 2 + h * r)
 
 
 def test_an_adapter_export_of_a_checkpoint_without_adapters_names_the_key(tmp_path):
