@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument(
-        "--model", metavar="HF_DIR", help="HF model directory (config, tokenizer, safetensors)"
+        "--model",
+        metavar="HF_DIR",
+        help="HF model directory (config, tokenizer, safetensors), or a PEFT LoRA adapter directory "
+        "(adapter_config.json + adapter_model.safetensors): its base with the adapter merged in",
     )
     which.add_argument(
         "--checkpoint",
@@ -85,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--samples", type=int, default=None, help="samples per problem (default: eval.num_samples)"
     )
     p.add_argument("--out", default=None, help="output directory (default: <logging.dir>/<run_name>/eval)")
+    p.add_argument(
+        "--base",
+        metavar="HF_DIR",
+        default=None,
+        help="with --model of a PEFT adapter: its base HF directory (default: the adapter config's "
+        "base_model_name_or_path)",
+    )
 
     _add_plan_parser(sub)
 
@@ -193,6 +203,7 @@ def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megagrpo.ckpt.links import check_no_outside_links
+    from megagrpo.ckpt.peft_merge import is_peft_dir, merged_for_eval, peft_base, read_peft_config
     from megagrpo.config import load_config
     from megagrpo.evaluate import run_eval
     from megagrpo.trainers.checkpoints import model_dir_for_eval
@@ -211,9 +222,18 @@ def _eval(args: argparse.Namespace) -> int:
         print("megagrpo eval: error: --samples must be >= 1", file=sys.stderr)
         return 1
     given = Path(args.model or args.checkpoint)
-    cfg = load_config(args.config, [*args.overrides, *evaluated(given)], trainer="eval")
+    peft = args.model is not None and is_peft_dir(given)
+    if args.base is not None and not peft:
+        print("megagrpo eval: error: --base needs --model of a PEFT adapter directory", file=sys.stderr)
+        return 1
+    # A PEFT adapter's base names the tokenizer; it is checked before anything is merged.
+    named = peft_base(given, read_peft_config(given), args.base) if peft else given
+    cfg = load_config(args.config, [*args.overrides, *evaluated(named)], trainer="eval")
     out = Path(args.out) if args.out else Path(cfg.logging.dir) / cfg.run_name / "eval"
-    model_dir = given if args.model else model_dir_for_eval(given, out)
+    if peft:
+        model_dir = merged_for_eval(given, out, base=named)
+    else:
+        model_dir = given if args.model else model_dir_for_eval(given, out)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (an HF model directory is expected)")
     check_no_outside_links(model_dir)  # the engines read it; eval's report names it

@@ -25,6 +25,7 @@ from megagrpo.ckpt.hf_files import HFCheckpoint, copy_aux_files, write_sharded
 from megagrpo.ckpt.hf_weights import hf_tensors_from_full, load_hf_into_stage
 from megagrpo.ckpt.lora import ADAPTERS_DIR, load_adapters, read_lora_meta
 from megagrpo.ckpt.megatron import load_megatron, read_model
+from megagrpo.ckpt.peft_merge import PEFT_CONFIG, PEFT_WEIGHTS
 from megagrpo.models.builder import build_stage
 from megagrpo.models.layout import stage_param_names
 from megagrpo.models.lora import (
@@ -38,8 +39,6 @@ from megagrpo.models.mapping import hf_tensor_shapes, to_hf
 from megagrpo.parallel import ParallelSizes, destroy_parallel, init_parallel
 from megagrpo.parallel.local import run_in_this_process, run_local_ranks
 
-PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 
 

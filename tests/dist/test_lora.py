@@ -355,3 +355,21 @@ def test_peft_loads_the_expert_adapters_and_the_merged_export_matches(one_rank, 
     assert (with_adapter[mask] - plain[mask]).abs().max() > 1e-3  # the adapter is loaded, not ignored
     torch.testing.assert_close(with_adapter[mask], trained["after_unrouted"][mask], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(from_merged[mask], with_adapter[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_merging_the_peft_export_gives_the_merged_export_byte_for_byte(one_rank, tmp_path):
+    """What ``megagrpo eval --model <PEFT dir>`` evaluates (the adapter merged into the base it names) is
+    what ``megagrpo export`` of the checkpoint writes, dense and with adapted experts."""
+    from safetensors.torch import load_file
+
+    from megagrpo.ckpt.peft_merge import merge_peft
+
+    (exports,) = case(one_rank, "exports")
+    for i, paths in enumerate(exports):
+        merged = merge_peft(paths["peft"], tmp_path / f"merged{i}")  # the base: the adapter config's
+        got, want = (load_file(str(Path(d) / "model.safetensors")) for d in (merged, paths["merged"]))
+        assert got.keys() == want.keys()
+        for name, tensor in want.items():
+            assert got[name].dtype == tensor.dtype, name
+            assert got[name].view(torch.uint8).equal(tensor.view(torch.uint8)), name
+        assert (merged / "config.json").is_file()

@@ -49,8 +49,12 @@ def test_lora_is_off_by_default_and_on_with_a_rank():
         (("policy.lora.target_modules=experts.linear_fc3",), ("policy.lora.target_modules",)),
         # Transformer Engine's grouped-GEMM experts
         (
-            ("policy.lora.rank=8", "policy.lora.target_modules=experts.linear_fc2", *MOE)
-            + ("parallel.transformer_impl=transformer_engine",),
+            (
+                "policy.lora.rank=8",
+                "policy.lora.target_modules=experts.linear_fc2",
+                *MOE,
+                "parallel.transformer_impl=transformer_engine",
+            ),
             ("policy.lora.target_modules", "parallel.transformer_impl"),
         ),
         (("policy.lora.rank=512",), ("policy.lora.rank", "model.tiny.hidden_size")),
