@@ -44,6 +44,22 @@ def test_eval_names_a_run_without_result(tmp_path, capsys):
     assert "--checkpoint" in err and "neither an HF export" in err
 
 
+def test_eval_of_a_peft_adapter_names_its_missing_base_before_starting_anything(tmp_path, capsys):
+    import json
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "base_model_name_or_path": "gone/base"}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    assert main(["eval", "--model", str(adapter), f"logging.dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err
+    assert "adapter_config.json: base_model_name_or_path 'gone/base'" in err and "--base" in err
+    assert main(["eval", "--model", str(adapter), "--base", str(tmp_path / "nobase")]) == 1
+    assert "--base" in capsys.readouterr().err and not (tmp_path / "eval").exists()
+    assert main(["eval", "--checkpoint", str(tmp_path), "--base", str(tmp_path)]) == 1
+    assert "--base needs --model of a PEFT adapter directory" in capsys.readouterr().err
+
+
 def test_plan_validates_the_default(capsys):
     assert main(["plan"]) == 0
     out = capsys.readouterr().out

@@ -139,3 +139,20 @@ def test_plan_counts_gradients_and_adam_states_of_the_adapters_only():
     full, lora = first_rank([]), first_rank(["policy.lora.rank=8"])
     assert lora.params > full.params  # the base and the adapters
     assert 0 < lora.grads < full.grads / 10 and 0 < lora.optimizer < full.optimizer / 10
+
+
+@pytest.mark.parametrize(
+    ("module", "target"),
+    [
+        ("decoder.layers.0.mlp.linear_fc1", "linear_fc1"),
+        ("decoder.layers.1.self_attention.linear_qkv", "linear_qkv"),
+        ("decoder.layers.0.mlp.experts.local_experts.7.linear_fc1", "experts.linear_fc1"),  # SequentialMLP
+        ("decoder.layers.0.mlp.experts.linear_fc2", "experts.linear_fc2"),  # Transformer Engine's grouped
+        ("decoder.layers.0.mlp.shared_experts.linear_fc1", None),  # the shared expert: not a target
+        ("decoder.layers.0.mlp.router", None),
+    ],
+)
+def test_each_linear_layer_is_named_by_one_target(module, target):
+    from megagrpo.models.lora import target_of
+
+    assert target_of(module) == target
