@@ -112,6 +112,11 @@ class LoraAdapter(torch.nn.Module):
             sharded, is_parallel=True, dim=0 if kind == "column" else 1, stride=1
         )
         set_defaults_if_not_set_tensor_model_parallel_attributes(replicated)
+        if self.expert:
+            # The grad norm counts a factor without ``tensor_model_parallel`` on the (dense) TP rank 0
+            # only; an expert's replicated factor is a copy within its expert TP group alone: count it
+            # on that group's rank 0 (every rank at expert TP 1, where the ranks hold other experts).
+            replicated.tensor_model_parallel = tp_rank == 0
         if self.sequence_parallel:
             # Its gradient holds this rank's part of the sequence: Megatron sums it over TP.
             replicated.sequence_parallel = True

@@ -43,6 +43,17 @@ MOE_LAYOUTS = {
     "moe-tp2-sp-torch": dict(
         tp=2, extra=("parallel.transformer_impl=torch", "parallel.sequence_parallel=true")
     ),
+    # TP 2 for attention, the experts whole and split over the same two ranks by EP 2 (expert TP 1)
+    "moe-tp2-ep2-etp1": dict(
+        tp=2,
+        budget=SMALL_BUDGET,
+        extra=(
+            "parallel.transformer_impl=torch",
+            "parallel.sequence_parallel=true",
+            EP2,
+            "parallel.expert_tensor_parallel_size=1",
+        ),
+    ),
 }
 MOE_EXPERTS, MOE_TOPK, MOE_LAYERS = 8, 2, 2
 
@@ -313,7 +324,7 @@ def test_expert_adapters_train_alike_at_every_expert_layout(layout, one_rank, tw
         assert res["adapter_numel"] == res["planned_numel"]
         _moe_assert_same_steps(res, want)
         torch.testing.assert_close(res["merged"][mask], want["after"][mask], atol=1e-4, rtol=1e-4)
-    if layout == "moe-ep2":
+    if EP2 in MOE_LAYOUTS[layout]["extra"]:
         # each rank holds half the experts' adapters, in DDP's expert-parallel buffers (reduced over the
         # expert data-parallel group), and every other adapter in the dense ones
         for res in results:
