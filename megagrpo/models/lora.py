@@ -28,7 +28,7 @@ replicated factor (``A`` of ``linear_fc1``, ``B`` of ``linear_fc2``), partial on
 the expert tensor-parallel group in the backward. The adapters are expert parameters for Megatron's DDP
 and optimizer (``allreduce = False`` as the expert's weight: their gradients are averaged over the expert
 data-parallel group). Transformer Engine's grouped-GEMM experts (``TEGroupedMLP``, one layer for every
-local expert) and the shared expert are refused by name.
+local expert) are refused by name; the shared expert is no target.
 
 ``A`` is initialised from a generator seeded by the parameter's global name (a routed expert's by its global
 index), whole, and each rank keeps its slice: every layout starts from the same adapters. Transformer
