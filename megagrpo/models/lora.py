@@ -26,9 +26,10 @@ every token of the expert's, its output a partial sum that the dispatcher reduce
 no activation: the expert's rank shards compose as the base's do, and only the gradient of the
 replicated factor (``A`` of ``linear_fc1``, ``B`` of ``linear_fc2``), partial on each rank, is summed over
 the expert tensor-parallel group in the backward. The adapters are expert parameters for Megatron's DDP
-and optimizer (``allreduce = False`` as the expert's weight: their gradients are averaged over the expert
-data-parallel group). Transformer Engine's grouped-GEMM experts (``TEGroupedMLP``, one layer for every
-local expert) are refused by name; the shared expert is no target.
+and optimizer at every EP size (``allreduce = False``, as the expert's weight under expert parallelism:
+their gradients are averaged over the expert data-parallel group). Transformer Engine's grouped-GEMM
+experts (``TEGroupedMLP``, one layer for every local expert) are refused by name; the shared expert is no
+target.
 
 ``A`` is initialised from a generator seeded by the parameter's global name (a routed expert's by its global
 index), whole, and each rank keeps its slice: every layout starts from the same adapters. Transformer
@@ -120,10 +121,11 @@ class LoraAdapter(torch.nn.Module):
         if self.sequence_parallel:
             # Its gradient holds this rank's part of the sequence: Megatron sums it over TP.
             replicated.sequence_parallel = True
-        # An expert's adapter is an expert parameter (DDP's expert buffers, the expert optimizer) exactly
-        # when the expert's weight is (Megatron: under expert parallelism).
-        allreduce = getattr(weight, "allreduce", True)
-        self.weight_a.allreduce = self.weight_b.allreduce = allreduce
+        # An expert's adapter is an expert parameter (DDP's expert buffers, reduced over the expert
+        # data-parallel group; the expert optimizer) at every EP size, EP 1 included (where that group is
+        # the data-parallel one at ETP = TP): the optimizer's chained parts, and so its checkpoint's
+        # keys, are then the same at every EP size, and the checkpoint reshards across them.
+        self.weight_a.allreduce = self.weight_b.allreduce = not self.expert
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings

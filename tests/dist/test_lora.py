@@ -311,7 +311,8 @@ def test_every_routed_expert_carries_an_adapter_that_trains(one_rank):
     assert len(experts) == 64 and len(res["trainable"]) == 64 + 8
     assert all(".lora.weight_" in n for n in res["trainable"])
     assert res["ddp_holds_adapters_only"] and res["adapter_numel"] == res["planned_numel"]
-    assert res["expert_buffers"] == []  # one rank: no expert parallelism, every parameter is dense
+    # expert parameters even without expert parallelism: DDP's expert buffers, the expert optimizer
+    assert res["expert_buffers"] == experts
 
 
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
@@ -324,12 +325,12 @@ def test_expert_adapters_train_alike_at_every_expert_layout(layout, one_rank, tw
         assert res["adapter_numel"] == res["planned_numel"]
         _moe_assert_same_steps(res, want)
         torch.testing.assert_close(res["merged"][mask], want["after"][mask], atol=1e-4, rtol=1e-4)
-    if EP2 in MOE_LAYOUTS[layout]["extra"]:
-        # each rank holds half the experts' adapters, in DDP's expert-parallel buffers (reduced over the
-        # expert data-parallel group), and every other adapter in the dense ones
-        for res in results:
-            experts = [n for n in res["trainable"] if ".experts." in n]
-            assert len(experts) == 32 and res["expert_buffers"] == experts
+    for res in results:
+        # the experts' adapters in DDP's expert-parallel buffers (reduced over the expert data-parallel
+        # group), every other adapter in the dense ones; at EP 2 each rank holds half the experts'
+        experts = [n for n in res["trainable"] if ".experts." in n]
+        assert res["expert_buffers"] == experts
+        assert len(experts) == (32 if EP2 in MOE_LAYOUTS[layout]["extra"] else 64)
 
 
 def test_expert_adapter_checkpoint_reloads_at_ep2(one_rank, two_ranks, dirs):
