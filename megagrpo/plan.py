@@ -39,6 +39,7 @@ from megagrpo.config.resolution import packs_sequences
 from megagrpo.models.lora import adapter_params_per_rank
 from megagrpo.parallel import backends
 from megagrpo.plan_colocated import COLOCATED_PHASES, colocated_phases, largest_engine_tensor
+from megagrpo.weight_sync.adapters import adapter_sync_bytes
 
 if TYPE_CHECKING:
     from megagrpo.config import Config
@@ -286,6 +287,8 @@ def _sync_traffic(cfg: Config, shape: GPTShape, itemsize: int, link_gbps: float)
         # memory (weight_sync.delta); the first sync and any after an engine restart go whole.
         "host_bytes_per_sender": per_sender if gen.sync_mode == "delta" else 0,
         "host_bytes_per_worker": max(per_worker) if gen.sync_mode == "delta" else 0,
+        # lora_sync adapter: the base as above once per engine start, then the adapters alone to every worker
+        "adapter_bytes": adapter_sync_bytes(cfg, shape, itemsize),
     }
 
 
@@ -570,6 +573,11 @@ def _render_engines(con, plan: Plan, cfg: Config) -> None:
             f"delta sync: host memory {_size(s['host_bytes_per_sender'])} per sender and "
             f"{_size(s['host_bytes_per_worker'])} per vLLM worker (the last bytes sent and received); "
             "later syncs send the changed elements, 6 bytes each in bf16, the times above bound the first"
+        )
+    if s["adapter_bytes"]:
+        con.print(
+            f"adapter sync: the bytes above go once per engine start, then {_size(s['adapter_bytes'])} of "
+            "LoRA adapters per sync (through the controller, to every vLLM worker)"
         )
     if plan.partial is not None:
         p = plan.partial

@@ -83,24 +83,30 @@ def _with_adapted_stage(ckpt: Path, fn, *, with_base: bool):
         destroy_parallel()
 
 
+def peft_tensors(found: dict, arch, shape, dtype) -> tuple[dict, list[str]]:
+    """(PEFT tensors by key, HF module names adapted) of whole adapters ``found`` by
+    ``<global linear name>.lora.weight_a|b`` (``models.lora.adapter_tensors``); also what an adapter sync
+    sends (``weight_sync.adapters``)."""
+    rules = {r.megatron: r for r in arch.rules(shape)}
+    tensors, modules = {}, set()
+    for key in sorted(k for k in found if k.endswith(".weight_a")):
+        linear = key.removesuffix(".lora.weight_a")
+        rule = rules[f"{linear}.weight"]
+        a, b = found[key], found[f"{linear}.lora.weight_b"]
+        for hf_name, b_hf in zip(rule.hf, to_hf(rule, b, shape), strict=True):
+            module = hf_name.removesuffix(".weight")
+            modules.add(module.rsplit(".", 1)[-1])
+            # copies: safetensors refuses tensors that share memory (the q/k/v adapters share A)
+            tensors[f"{_PEFT_PREFIX}{module}.lora_A.weight"] = a.to(dtype, copy=True)
+            tensors[f"{_PEFT_PREFIX}{module}.lora_B.weight"] = b_hf.to(dtype, copy=True)
+    return tensors, sorted(modules)
+
+
 def _peft_rank(rank: int, world_size: int, ckpt: str) -> tuple[dict, list[str]]:
     """The one rank of :func:`export_peft`: (PEFT tensors by key, HF module names adapted)."""
 
     def collect(model, names, source, meta):
-        rules = {r.megatron: r for r in source.arch.rules(source.shape)}
-        tensors, modules = {}, set()
-        found = adapter_tensors(model, names)
-        for key in sorted(k for k in found if k.endswith(".weight_a")):
-            linear = key.removesuffix(".lora.weight_a")
-            rule = rules[f"{linear}.weight"]
-            a, b = found[key], found[f"{linear}.lora.weight_b"]
-            for hf_name, b_hf in zip(rule.hf, to_hf(rule, b, source.shape), strict=True):
-                module = hf_name.removesuffix(".weight")
-                modules.add(module.rsplit(".", 1)[-1])
-                # copies: safetensors refuses tensors that share memory (the q/k/v adapters share A)
-                tensors[f"{_PEFT_PREFIX}{module}.lora_A.weight"] = a.to(source.dtype, copy=True)
-                tensors[f"{_PEFT_PREFIX}{module}.lora_B.weight"] = b_hf.to(source.dtype, copy=True)
-        return tensors, sorted(modules)
+        return peft_tensors(adapter_tensors(model, names), source.arch, source.shape, source.dtype)
 
     return _with_adapted_stage(Path(ckpt), collect, with_base=False)
 

@@ -69,6 +69,11 @@ class GenerationConfig:
     """full: every sync sends every bucket whole; delta: after a first full sync, each bucket goes as the
     elements whose bytes changed (int32 index + value, weight_sync.delta), senders and engines keeping the
     last bytes in host memory; digests still prove the engines' bytes equal the trainer's."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """With policy.lora: merged = each sync sends the base with the adapters merged in (the full weights'
+    bytes); adapter = the first sync after the engines start sends the base, each later one the adapters
+    alone, which the engines apply with vLLM's LoRA support (one adapter, replaced in place at each sync:
+    megagrpo.generation.vllm_lora)."""
     sync_delta_max_fraction: float = 0.25
     """sync_mode delta: a bucket with more than this fraction of its elements changed is sent whole
     (a bf16 delta costs 6 bytes per changed element: 0.25 changed is 75% of the whole bucket), in (0, 1]."""
@@ -280,12 +285,13 @@ CAPABILITIES = {
     "routed_experts": "report the experts it routed each token to (grpo.routing_replay: rollout)",
     "expert_parallel": "hold whole experts per worker (generation.engine_expert_parallel)",
     "stream": "generate from a request stream, pausing between steps for weights (StreamingEngine)",
+    "lora_adapters": "apply LoRA adapters sent by the weight sync (generation.lora_sync: adapter)",
 }
 """What a rollout engine may be able to do beyond the calls every engine answers
 (``megagrpo.generation.engine.RolloutEngine``), and which settings need it."""
 
 ENGINE_CAPABILITIES = {
-    "vllm": frozenset({"sleep", "episodes", "routed_experts", "expert_parallel", "stream"}),
+    "vllm": frozenset({"sleep", "episodes", "routed_experts", "expert_parallel", "stream", "lora_adapters"}),
 }
 """What each ``generation.engine`` can do, of :data:`CAPABILITIES` (its entry of
 ``megagrpo.generation.engine.ENGINES``): the preflight refuses a setting the engine cannot serve."""

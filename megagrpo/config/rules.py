@@ -429,6 +429,8 @@ def engine_needs(cfg: Config, *, trainer: bool) -> dict[str, tuple[str, ...]]:
         needs["routed_experts"] = ("grpo.routing_replay",)
     if trainer and cfg.grpo.async_mode == "partial":
         needs["stream"] = ("grpo.async_mode",)
+    if trainer and cfg.policy.lora.enabled and gen.lora_sync == "adapter":
+        needs["lora_adapters"] = ("generation.lora_sync",)
     return needs
 
 

@@ -22,6 +22,7 @@ _FUSED_WITH_NORM = ("linear_qkv", "linear_fc1")
 def check_lora(cfg: Config, shape: Any, where: str) -> None:
     """``policy.lora`` against a model shape (``model.tiny`` or an HF config.json, named by ``where``)."""
     lora = cfg.policy.lora
+    check_lora_sync(cfg, shape, where)
     if not lora.enabled:
         return
     moe = bool(getattr(shape, "num_experts", 0))
@@ -57,4 +58,41 @@ def check_lora(cfg: Config, shape: Any, where: str) -> None:
         ("policy.lora.target_modules", "parallel.transformer_impl"),
         f"{', '.join(fused)}: Transformer Engine fuses these layers with the norm before them, whose "
         "output an adapter needs; set parallel.transformer_impl torch or local",
+    )
+
+
+def check_lora_sync(cfg: Config, shape: Any, where: str) -> None:
+    """``generation.lora_sync: adapter`` (``generation.vllm_lora``) against what it needs: adapters to send,
+    engines that keep the base between syncs, and layers vLLM's LoRA support adapts here."""
+    gen = cfg.generation
+    if gen.lora_sync != "adapter":
+        return
+    require(
+        cfg.policy.lora.enabled,
+        ("generation.lora_sync", "policy.lora.rank"),
+        "adapter sync sends LoRA adapters, and policy.lora.rank is 0 (no adapters): set a rank, or "
+        "generation.lora_sync merged",
+    )
+    require(
+        gen.placement != "colocated",
+        ("generation.lora_sync", "generation.placement"),
+        "colocated engines discard their weights when they sleep, so the base would travel with every "
+        "sync: adapter sync would save nothing; use generation.lora_sync merged",
+    )
+    require(
+        gen.sync_mode == "full",
+        ("generation.lora_sync", "generation.sync_mode"),
+        "the base goes once and the adapters whole (they are small): delta sync has nothing to save; "
+        "set generation.sync_mode full",
+    )
+    require(
+        not getattr(shape, "num_experts", 0),
+        ("generation.lora_sync", f"{where}.num_experts"),
+        "adapter sync into vLLM's LoRA support is not built for mixture-of-experts models; use "
+        "generation.lora_sync merged",
+    )
+    require(
+        cfg.policy.lora.rank <= 512,
+        ("generation.lora_sync", "policy.lora.rank"),
+        f"rank {cfg.policy.lora.rank} exceeds vLLM's largest max_lora_rank 512",
     )

@@ -128,6 +128,12 @@ class RolloutEngine(Protocol):
         rank, {plan index: digest} of every bucket it received; else []. Weights asleep: RuntimeError."""
         ...
 
+    def load_adapter(self, tensors: dict, config: dict) -> list[str]:
+        """``generation.lora_sync: adapter`` (capability ``lora_adapters``): apply the policy's LoRA adapters,
+        PEFT-named ``tensors`` with PEFT's ``config`` fields, in place of the last ones, to every request
+        from now on; each worker's digest of what it received (``weight_sync.adapters.tensors_digest``)."""
+        ...
+
     def weight_layout(self) -> EngineLayout:
         """Where the trainer's weights go among this engine's worker parameters (the sync plans with it)."""
         ...

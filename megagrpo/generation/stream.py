@@ -235,6 +235,8 @@ class RequestStream:
         self._failed: list[StreamFailure] = []
         self.version = version
         self._engine.set_weight_version(str(version))
+        self.lora_request = None
+        """The adapter every request added from now on names (``generation.vllm_lora``); None: the base."""
 
     # ------------------------------------------------------------------------------------------ queue
 
@@ -278,7 +280,9 @@ class RequestStream:
             "prompt_token_ids": list(request.prompt_ids) + list(tokens),
             "cache_salt": f"v{self.version}",
         }
-        engine_id = self._engine.add_request(request.request_id, prompt, params)
+        engine_id = self._engine.add_request(
+            request.request_id, prompt, params, lora_request=self.lora_request
+        )
         self._live[request.request_id] = _Live(
             request, engine_id, len(tokens), list(tokens), list(logprobs), list(versions), rows
         )
@@ -401,6 +405,8 @@ class RequestStream:
             raise RuntimeError("vLLM refused to drop the KV cache of the requests in flight")
         self.version = version
         self._engine.set_weight_version(str(version))
+        self.lora_request = None
+        """The adapter every request added from now on names (``generation.vllm_lora``); None: the base."""
 
     # ------------------------------------------------------------------------------ checkpointing
 
@@ -451,7 +457,9 @@ class RequestStream:
             p.output_kind = RequestOutputKind.FINAL_ONLY
             own = f"run-now-{index}"  # never a stream id: those are the driver's
             ids[own] = index
-            self._engine.add_request(own, {"prompt_token_ids": list(prompt)}, p)
+            self._engine.add_request(
+                own, {"prompt_token_ids": list(prompt)}, p, lora_request=self.lora_request
+            )
         outputs: list = [None] * len(prompts)
         left = len(ids)
         while left:

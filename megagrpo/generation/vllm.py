@@ -26,6 +26,7 @@ from megagrpo.compat.torch_store import stores_listen_on_their_host
 from megagrpo.compat.vllm_eager_cpu import eager_cpu_engine_env
 from megagrpo.config import Config
 from megagrpo.envs.episodes import Turn, TurnEngine
+from megagrpo.generation import vllm_lora
 from megagrpo.generation.engine import SLEEP_TAGS
 from megagrpo.generation.routing import engine_routing
 from megagrpo.generation.stream import (
@@ -160,7 +161,10 @@ class VLLMEngine:
                 enable_sleep_mode=gen.placement == "colocated" and cfg.cluster.gpus_per_node > 0,
                 **scheduler_args(cfg),
                 **(self.routing.engine_args() if self.routing is not None else {}),
+                **vllm_lora.engine_args(cfg),
             )
+        # generation.lora_sync adapter: the adapter every request names, once the first sync installed it
+        self.lora_request = None
         if gen.engine_expert_parallel:
             self._check_expert_placement()
         if self.routing is not None:
@@ -243,7 +247,9 @@ class VLLMEngine:
         inner = self.stream.stream if isinstance(self.stream, EpisodeStream) else self.stream
         beside = inner if inner is not None and len(inner) else None
         stops = renderer.stop_token_ids
-        engine = vllm_turn_engine(self.llm, settings, stops, self.routing, beside=beside)
+        engine = vllm_turn_engine(
+            self.llm, settings, stops, self.routing, beside=beside, lora_request=self.lora_request
+        )
         runner = EpisodeRunner(engine, renderer, pool, self.cfg.env, max_context=self.cfg.model.seq_length)
         if self.routing is None or beside is not None:
             return runner.run(tasks, settings.n, seeds)
@@ -394,6 +400,21 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         return self.llm.collective_rpc(_received_digests) if checksums else []
 
+    def load_adapter(self, tensors: dict, config: dict) -> list[str]:
+        """``generation.lora_sync: adapter``: install the policy's LoRA adapters (PEFT-named ``tensors``,
+        PEFT's ``config``) in place of the last ones, in every worker (``generation.vllm_lora``); every
+        request from now on names them, a stream's requests in flight included. Returns each worker's
+        digest of the tensors it received, by rank."""
+        if "weights" in self.asleep:
+            raise RuntimeError(f"adapters sent to vLLM engine {self.engine_index} while its weights sleep")
+        digests = self.llm.collective_rpc(vllm_lora.install, args=(tensors, config))
+        self.lora_request = vllm_lora.adapter_request()
+        if self.stream is not None:
+            self.stream.lora_request = self.lora_request
+        # Cached KV blocks were computed with the old adapters (a stream's are salted by version).
+        self.llm.reset_prefix_cache()
+        return digests
+
     def weight_layout(self) -> VLLMLayout:
         """vLLM's layout (``generation.vllm_layout``)."""
         return VLLM_LAYOUT
@@ -421,7 +442,9 @@ class VLLMEngine:
         holds some (``LLM.generate`` would step them and keep their outputs)."""
         if self.stream is not None and len(self.stream):
             return self.stream.run_now(prompts, params)
-        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self.lora_request
+        )
 
     def _run_routed(self, prompts: list[list[int]], params, routed: bool) -> tuple[list, list | None]:
         """``_run``'s outputs and, if ``routed``, their routed experts (per output, per completion). Beside
@@ -439,6 +462,7 @@ class VLLMEngine:
         are requests of the stream underneath (``generation.stream_episodes``)."""
         if self.stream is None:
             stream = RequestStream(self.llm, version=self.version, routing=self.routing)
+            stream.lora_request = self.lora_request
             if self.cfg.env.enabled:
                 # Workers of their own: run_episodes (validation) may run beside, polling its pool.
                 renderer, pool = self.episode_parts()[0], self._env_pool()
@@ -474,11 +498,17 @@ class VLLMEngine:
 
 
 def vllm_turn_engine(
-    llm, settings: SamplingSettings, stop_token_ids: Sequence[int], routing=None, beside=None
+    llm,
+    settings: SamplingSettings,
+    stop_token_ids: Sequence[int],
+    routing=None,
+    beside=None,
+    lora_request=None,
 ) -> TurnEngine:
     """``llm``'s engine (vLLM's ``LLM``, in process) as a :class:`TurnEngine` sampling with ``settings``;
     with ``routing`` (``megagrpo.generation.routing``, started), each turn carries its routed experts;
-    ``beside``: a ``RequestStream`` holding requests, through which the engine is stepped."""
+    ``beside``: a ``RequestStream`` holding requests, through which the engine is stepped;
+    ``lora_request``: the adapter every turn names (``generation.vllm_lora``)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -500,7 +530,7 @@ def vllm_turn_engine(
                 detokenize=False,
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
-            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params, lora_request=lora_request)
             own.add(request_id)
 
         def busy(self) -> bool:

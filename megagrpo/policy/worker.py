@@ -149,11 +149,19 @@ class PolicyWorker(MegatronRank, WeightSyncEndpoints):
         """As ``WeightSyncEndpoints.send_weights``, with the weights borrowed back if
         ``policy.offload: all`` parked them (an engine replaced during generation is re-synced):
         the weights only, parked again once sent; the optimizer stays in host memory. With LoRA
-        adapters (``policy.lora``) the engines get the merged weights, ``W + alpha / r * B @ A``,
-        computed shard-wise in place for the sync and the base's exact bytes restored after it."""
-        merging = lora_merged(self.engine.module) if self.lora is not None else contextlib.nullcontext()
+        adapters (``policy.lora``) under ``generation.lora_sync: merged`` the engines get the merged
+        weights, ``W + alpha / r * B @ A``, computed shard-wise in place for the sync and the base's exact
+        bytes restored after it; under ``adapter`` the base as it is (the adapters go by
+        ``send_adapters``)."""
+        merge = self.lora is not None and self.cfg.generation.lora_sync == "merged"
+        merging = lora_merged(self.engine.module) if merge else contextlib.nullcontext()
         with self.offloader.borrowed("weights"), merging:
             return super().send_weights(plan, with_checksums)
+
+    def send_adapters(self):
+        """As ``WeightSyncEndpoints.send_adapters``, with the weights borrowed back as ``send_weights``."""
+        with self.offloader.borrowed("weights"):
+            return super().send_adapters()
 
     def weight_source(self) -> tuple[ParallelContext, torch.nn.Module, ModelDescription]:
         """(parallel context, model stage, model description): what the weight-sync sender reads."""

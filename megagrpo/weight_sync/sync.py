@@ -90,14 +90,21 @@ class SyncStats:
     changed_fraction: float = math.nan
     """Delta mode: changed elements / elements over every bucket; NaN in full mode and when some bucket
     had no earlier bytes (the first sync after the links were opened)."""
+    adapter_bytes: int = 0
+    """``generation.lora_sync: adapter``: the LoRA adapters' bytes (sent once, each engine fetching them;
+    ``link_bytes`` then holds the base's buckets, all zero after the first sync)."""
 
     @property
     def metrics(self) -> dict[str, float]:
-        """For the run's metrics: ``sync/bytes`` (all links), ``sync/link_bytes_max``; in delta mode also
-        ``sync/delta_buckets`` and ``sync/changed_fraction``."""
-        out = {"sync/bytes": float(sum(self.link_bytes)), "sync/link_bytes_max": float(max(self.link_bytes))}
+        """For the run's metrics: ``sync/bytes`` (all links, adapters included), ``sync/link_bytes_max``;
+        in delta mode also ``sync/delta_buckets`` and ``sync/changed_fraction``; in adapter mode
+        ``sync/adapter_bytes``."""
+        total = float(sum(self.link_bytes) + self.adapter_bytes)
+        out = {"sync/bytes": total, "sync/link_bytes_max": float(max(self.link_bytes))}
         if self.delta:
             out |= {"sync/delta_buckets": self.delta_buckets, "sync/changed_fraction": self.changed_fraction}
+        if self.adapter_bytes:
+            out["sync/adapter_bytes"] = float(self.adapter_bytes)
         return out
 
 
@@ -183,6 +190,13 @@ def probe_bound(cfg: Config) -> float:
     return PROBE_BOUNDS[cfg.model.dtype] if configured is None else configured
 
 
+def peft_config(lora, tensors: dict) -> dict:
+    """PEFT's ``adapter_config.json`` fields vLLM reads, for the adapters ``tensors`` (PEFT-named) of
+    ``policy.lora``."""
+    modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+    return {"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": modules, "bias": "none"}
+
+
 class WeightSync:
     """Broadcast groups from the trainer's senders to the vLLM workers, over the trainer's backend.
 
@@ -247,6 +261,9 @@ class WeightSync:
         self._wait(engine_refs, trainer_refs, "opening the weight-sync groups")
         self.probe_batch = TrainBatch.from_sequences(probe_sequences(vocab_size), [1] * 4)
         self.replays = cfg.grpo.routing_replay == "rollout"
+        # generation.lora_sync adapter: the base goes with the first sync of these groups, then adapters.
+        self.adapters = cfg.policy.lora.enabled and gen.lora_sync == "adapter"
+        self._base_sent = False
 
     def _engine_layout(self):
         """The engines' ``EngineLayout`` (every engine of a run is of one class: the first one's)."""
@@ -339,15 +356,47 @@ class WeightSync:
         return time.perf_counter() - start
 
     def _sync(self, with_checksums: bool) -> None:
+        if self.adapters and self._base_sent:
+            self.stats = replace(
+                SyncStats((0,) * len(self.keys)), adapter_bytes=self._sync_adapters(with_checksums)
+            )
+            return
         engine_refs = [e.receive_weights.remote(self.plan, checksums=with_checksums) for e in self.engines]
         trainer_refs = self.policy.submit_all(WeightSyncEndpoints.send_weights, self.plan, with_checksums)
         sent = self._wait(engine_refs, trainer_refs, "weight sync")
         self.stats = sync_stats(self.plan, sent)
+        if self.adapters:
+            self.stats = replace(self.stats, adapter_bytes=self._sync_adapters(with_checksums))
+            self._base_sent = True
         if with_checksums:
             want = dict(d for r in sent if r is not None for d in r.digests)
             for e, workers in enumerate(ray.get(engine_refs)):
                 for w, got in enumerate(workers):
                     self.verified_buckets += self._check_digests(want, got, f"engine {e} worker {w}", w)
+
+    def _sync_adapters(self, with_checksums: bool) -> int:
+        """``generation.lora_sync: adapter``: every stage's LoRA adapters (``weight_sync.adapters``) into
+        every engine's vLLM LoRA slot (``RolloutEngine.load_adapter``); returns their bytes. The digests the
+        stages sent must be what each engine worker received."""
+        trainer_refs = self.policy.submit_all(WeightSyncEndpoints.send_adapters)
+        stages = [r for r in self._wait([], trainer_refs, "gathering the LoRA adapters") if r is not None]
+        tensors = {name: t for part, _ in stages for name, t in part.items()}
+        config = peft_config(self.cfg.policy.lora, tensors)
+        shared = ray.put(tensors)  # once in the object store, fetched by each engine
+        engine_refs = [e.load_adapter.remote(shared, config) for e in self.engines]
+        self._wait(engine_refs, [], "loading the LoRA adapters")
+        if with_checksums:
+            want = {entry for _, digest in stages for entry in digest.split(";")}
+            for e, workers in enumerate(ray.get(engine_refs)):
+                for w, got in enumerate(workers):
+                    differing = sorted(want.symmetric_difference(got.split(";")))
+                    if differing:
+                        raise WeightSyncError(
+                            f"LoRA adapter sync: engine {e} worker {w} received tensors that differ from "
+                            f"those sent: {', '.join(d.split(':')[0] for d in differing[:4])}"
+                        )
+                    self.verified_buckets += 1
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _check_digests(self, want: dict[int, str], got: dict[int, str], where: str, worker: int) -> int:
         """Compare one vLLM worker's digests with the senders'; returns how many matched."""

@@ -45,6 +45,7 @@ from megagrpo.models.layout import (
 )
 from megagrpo.models.mapping import hf_tensor_shapes, to_hf
 from megagrpo.parallel.local import free_port, node_ip
+from megagrpo.weight_sync.adapters import stage_adapters, tensors_digest
 from megagrpo.weight_sync.buckets import Bucket, SentBuckets, Slot, checksum, dtype_name, pack, plan_buckets
 from megagrpo.weight_sync.coverage import check_sender_plan, sender_shares, sent_ranges
 from megagrpo.weight_sync.delta import FULL, SentCopies, slot_digests
@@ -429,6 +430,13 @@ class WeightSyncEndpoints:
     def send_weights(self, plan: Sequence[Bucket], with_checksums: bool = False) -> SentBuckets | None:
         """Collective: every rank calls it; senders broadcast, TP peers of the gathered path help gather."""
         return self._sender().send(plan, with_checksums=with_checksums)
+
+    def send_adapters(self) -> tuple[dict, str] | None:
+        """``generation.lora_sync: adapter``: (this stage's LoRA adapters whole in PEFT's names, their
+        digest) from the stage's first rank, None from the others (``weight_sync.adapters``; collective
+        over each stage's TP group)."""
+        tensors = stage_adapters(*self.weight_source())
+        return None if tensors is None else (tensors, tensors_digest(tensors))
 
     def forget_sent_weights(self) -> None:
         """Delta mode: drop the bytes last sent, so that the next sync sends every bucket whole (the

@@ -244,6 +244,10 @@ class MegagrpoWeightTransferEngine(WeightTransferEngine[MegagrpoInitInfo, Megagr
         self.groups, self.ipc = {}, {}
 
 
+LORA_WRAPPED = ".base_layer"
+"""vLLM's LoRA wrapper of a layer holds the layer under this name (``generation.lora_sync: adapter``)."""
+
+
 def model_param_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """Every parameter of the engine's model as a sync fills it: by name, in model format.
 
@@ -262,6 +266,8 @@ def model_param_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
         live = dict(module.named_parameters(recurse=False))
         if recorded:  # live parameters are kernel-format here; keep only those never recorded
             live = {k: v for k, v in live.items() if k == "bias" and k not in recorded}
+        # An engine serving LoRA adapters wraps each adapted layer; its weights keep their HF names.
+        module_name = module_name.replace(LORA_WRAPPED, "")
         prefix = f"{module_name}." if module_name else ""
         for attr, tensor in {**live, **recorded}.items():
             if attr not in SKIP_LOAD_TENSORS:
@@ -319,6 +325,7 @@ def load_block(model: torch.nn.Module, slot: Slot, block: torch.Tensor, touched:
     module_name, _, attr = slot.name.rpartition(".")
     try:
         layer = model.get_submodule(module_name)
+        layer = getattr(layer, "base_layer", layer)  # a layer wrapped for LoRA adapters
         param = getattr(layer, attr)
     except AttributeError as err:
         raise RuntimeError(f"shard-wise weight sync: vLLM's model has no parameter {slot.name}") from err

@@ -48,6 +48,7 @@ def test_the_protocols_declare_the_contract():
         "prompt_logprobs",
         "sleep",
         "wake_up",
+        "load_adapter",
         "init_weight_sync",
         "receive_weights",
         "weight_layout",
