@@ -373,9 +373,9 @@ def _rank_memory(
     trained = n - plan_experts.frozen_params(cfg, shape, shape.num_layers // pp)
     lora = cfg.policy.lora
     if lora.enabled:  # the base is frozen: only the adapters have gradients and Adam states
-        ep, etp = par.expert_model_parallel_size, plan_experts.expert_tp(par)
-        per_layer = adapter_params_per_rank(shape, lora.targets, lora.rank, tp, ep=ep, etp=etp)
-        trained = shape.num_layers // pp * per_layer
+        # (the routed experts' with the experts, plan_experts: their Adam states over the expert DP group)
+        dense = tuple(t for t in lora.targets if not t.startswith("experts."))
+        trained = shape.num_layers // pp * adapter_params_per_rank(shape, dense, lora.rank, tp)
         n += trained
     full_opt = trained * opt_per_param
     rank = RankMemory(

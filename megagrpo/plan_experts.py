@@ -176,13 +176,23 @@ def expert_rank(
     layers = s.num_layers // par.pipeline_model_parallel_size
     per_expert = 3 * s.hidden_size * -(-s.moe_ffn_hidden_size // etp)
     n = layers * -(-s.num_experts // ep) * per_expert
-    full_opt = n * opt_per_param
+    trained, lora = n, cfg.policy.lora
+    if lora.enabled:  # the experts frozen: only their adapters (policy.lora) have gradients and Adam states
+        from megagrpo.models.lora import adapter_params_per_rank
+
+        targets = tuple(t for t in lora.targets if t.startswith("experts."))
+        tp = par.tensor_model_parallel_size
+        trained = layers * adapter_params_per_rank(s, targets, lora.rank, tp, ep=ep, etp=etp)
+        n += trained
+    full_opt = trained * opt_per_param
     optimizer = -(-full_opt // expert_dp_size(par)) if par.use_distributed_optimizer else full_opt
     tokens = cfg.policy.micro_batch_max_tokens // par.context_parallel_size
     _, routed = mlp_activation_elements(s, etp)
     layer_forward, step = _all_to_all(cfg, s, wb, layers)
     activations = int(layers_alive * tokens * wb * routed)
-    return ExpertRankMemory(stage, n, n * wb, n * 4, optimizer, full_opt, activations, layer_forward, step)
+    return ExpertRankMemory(
+        stage, n, n * wb, trained * 4, optimizer, full_opt, activations, layer_forward, step
+    )
 
 
 def expert_plan(

@@ -156,3 +156,19 @@ def test_each_linear_layer_is_named_by_one_target(module, target):
     from megagrpo.models.lora import target_of
 
     assert target_of(module) == target
+
+
+def test_plan_counts_no_gradient_of_the_frozen_experts_only_their_adapters():
+    from megagrpo.models.lora import adapter_params_per_rank
+    from megagrpo.plan import make_plan, read_shape
+
+    par = ["parallel.expert_model_parallel_size=2", "parallel.data_parallel_size=2"]
+    targets = "policy.lora.target_modules=linear_qkv,experts.linear_fc1,experts.linear_fc2"
+    cfg = load_config(None, [*MOE, *par, "policy.lora.rank=8", targets])
+    shape, where = read_shape(cfg, None)
+    plan = make_plan(cfg, shape, where)
+    rank, experts = plan.ranks[0], plan.experts.ranks[0]
+    per_layer = adapter_params_per_rank(shape, cfg.policy.lora.targets, 8, 1, ep=2, etp=1)
+    assert rank.grads == shape.num_layers * per_layer * 4  # every adapter, and no base weight
+    routed = adapter_params_per_rank(shape, ("experts.linear_fc1", "experts.linear_fc2"), 8, 1, ep=2, etp=1)
+    assert experts.grads == shape.num_layers * routed * 4  # the experts' adapters, with the experts
