@@ -37,22 +37,9 @@ HOSTED_STORE_VAR = "MEGAGRPO_HOSTED_STORE"
 """``host:port`` of the rendezvous store hosted for this process's world by the process that started it."""
 
 
-def bound_tcp_store(
-    host: str,
-    port: int,
-    world_size: int,
-    *,
-    is_master: bool,
-    timeout: datetime.timedelta,
-    multi_tenant: bool = False,
-):
-    """A ``TCPStore`` at ``host:port``; the server (``is_master``) listens on ``host`` only.
-    ``multi_tenant``: as torch's own: later multi-tenant stores of this process at the same port
-    share this one's server."""
-    import torch.distributed as dist
-
-    if not is_master:
-        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A socket listening on ``host`` at ``port`` (0: one the OS picks as it binds), for
+    ``bound_tcp_store``'s ``listening``: a port held from the moment its number is handed out."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -62,6 +49,28 @@ def bound_tcp_store(
     except OSError:
         sock.close()
         raise
+    return sock
+
+
+def bound_tcp_store(
+    host: str,
+    port: int,
+    world_size: int,
+    *,
+    is_master: bool,
+    timeout: datetime.timedelta,
+    multi_tenant: bool = False,
+    listening: socket.socket | None = None,
+):
+    """A ``TCPStore`` at ``host:port``; the server (``is_master``) listens on ``host`` only.
+    ``multi_tenant``: as torch's own: later multi-tenant stores of this process at the same port
+    share this one's server. ``listening``: the server's socket, already listening at ``port``
+    (``listening_socket``); the server takes it over."""
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
+    sock = listening if listening is not None else listening_socket(host, port)
     # The store's server owns the descriptor from here on (and closes it).
     return dist.TCPStore(
         host,
