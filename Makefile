@@ -121,14 +121,16 @@ $(TWIN)-data/val.jsonl:
 	$(PY) -m megagrpo.data.math_problems $(TWIN)-data/train.parquet 4000 --seed 1
 	$(PY) -m megagrpo.data.math_problems $(TWIN)-data/val.jsonl 64 --seed 2
 
-# The unit tier in two processes (pytest-xdist, a file per process at a time: a file's module fixtures are
-# made once); the multi-process dist and e2e tiers one test at a time, as their runs fill the cores.
+# The unit and dist tiers in two processes (pytest-xdist, a file per process at a time: a file's module
+# fixtures are made once; a dist world's launcher hosts its rendezvous store, so two never meet at a port);
+# the e2e tier one test at a time: its tests share session fixtures (a Ray cluster, vLLM engines, runs).
 # Our own modules' bytecode first: an editable install has none, and with PYTHONDONTWRITEBYTECODE set every
 # process the tests start (ranks, engines, actors) would compile them again (~0.3 s of CPU each).
 test: setup
 	$(PY) -m compileall -q megagrpo tests >/dev/null
 	$(PY) -m pytest -m unit -n 2 --dist loadfile $(PYTEST_ARGS)
-	$(PY) -m pytest -m "dist or e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -m dist -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -m "e2e and not dist" $(PYTEST_ARGS)
 	$(PY) -m ruff check .
 
 test-unit: setup

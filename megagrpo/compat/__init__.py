@@ -26,6 +26,7 @@ reads its private state or works around it through the environment.
   Adam's ``step``;
 - ``ray_loopback`` (ray): a local ``ray.init()`` puts its node, and so its servers, on 127.0.0.1;
 - ``torch_store`` (torch): rendezvous stores listen on their host's address, not on every interface;
+  ranks join, as clients, a rendezvous store the process that started them hosts;
 - ``vllm_weight_transfer`` (vllm): a weight transfer engine registered once per process (vLLM's
   private registry read);
 - ``vllm_eager_cpu`` (vllm): TorchDynamo off in eager CPU engines (``TORCH_COMPILE_DISABLE``);
@@ -140,7 +141,8 @@ PATCHES = (
         "torch_store",
         "torch",
         ("2.13.0",),
-        "a TCPStore server listens on every interface whatever host it is given",
+        "a TCPStore server listens on every interface whatever host it is given; env:// makes rank 0 bind "
+        "a port chosen before it, which another process may have taken meanwhile",
     ),
     Patch(
         "ray_loopback",

@@ -22,6 +22,7 @@ that logs metrics and commits checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -66,11 +67,17 @@ class RankActor:
 
     def __init__(self) -> None:
         self.worker = None
+        self.store = None
+        self._joined = contextlib.ExitStack()
 
-    def address(self) -> tuple[str, int]:
-        from megagrpo.parallel.local import free_port
+    def address(self, world_size: int) -> tuple[str, int]:
+        """Host the group's rendezvous store (the first rank's actor does): bound here, on a port
+        picked as it binds, and kept for the actor's life, so no other process takes the port between
+        its choice and the rendezvous."""
+        from megagrpo.parallel.local import host_store
 
-        return ray.util.get_node_ip_address(), free_port()
+        self.store = host_store(ray.util.get_node_ip_address(), world_size, 600.0)
+        return ray.util.get_node_ip_address(), self.store.port
 
     def node(self) -> str:
         """Where this rank runs: node address and process id."""
@@ -96,14 +103,19 @@ class RankActor:
 
             threads = rank_cpu_threads(cfg, ranks_on_node, len(os.sched_getaffinity(0)))
             torch.set_num_threads(threads)  # Ray starts a 1-CPU actor with one thread
+        from megagrpo.compat.torch_store import rendezvous_at_hosted_store
+        from megagrpo.parallel.local import hosted_store_env
+
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
             # Ray gives each GPU actor exactly one visible device.
             LOCAL_RANK="0",
-            MASTER_ADDR=master[0],
-            MASTER_PORT=str(master[1]),
+            **hosted_store_env(*master),
         )
+        # For the actor's life: a worker may destroy its world and make it again.
+        self._joined.close()
+        self._joined.enter_context(rendezvous_at_hosted_store())
         self.worker = worker_cls(cfg)
         return threads
 
@@ -173,7 +185,7 @@ class RankGroup:
             ).remote()
             for rank in range(self.world_size)
         ]
-        master = ray.get(self.actors[0].address.remote(), timeout=self.timeout_s)
+        master = ray.get(self.actors[0].address.remote(self.world_size), timeout=self.timeout_s)
         self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=self.timeout_s)
         self.node_ids = ray.get([a.node_id.remote() for a in self.actors], timeout=self.timeout_s)
         per_node = Counter(self.node_ids)

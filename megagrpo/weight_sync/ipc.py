@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import json
 import os
+import socket
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -162,7 +163,15 @@ def release_ended_receivers() -> int:
 
 
 class _Store:
-    def __init__(self, addr: IpcAddress, *, is_master: bool, timeout_s: float, name: str):
+    def __init__(
+        self,
+        addr: IpcAddress,
+        *,
+        is_master: bool,
+        timeout_s: float,
+        name: str,
+        listening: socket.socket | None = None,
+    ):
         self.timeout_s, self.name = timeout_s, name
         self.store = bound_tcp_store(
             addr.address,
@@ -170,6 +179,7 @@ class _Store:
             2,
             is_master=is_master,
             timeout=datetime.timedelta(seconds=timeout_s),
+            listening=listening,
         )
 
     def put(self, key: str, value: str) -> None:
@@ -190,10 +200,19 @@ class IpcSender:
     """The sender's side of one link's handoff: the two slots and the messages."""
 
     def __init__(
-        self, addr: IpcAddress, slot_bytes: int, *, device: torch.device, timeout_s: float, name: str
+        self,
+        addr: IpcAddress,
+        slot_bytes: int,
+        *,
+        device: torch.device,
+        timeout_s: float,
+        name: str,
+        listening: socket.socket | None = None,
     ):
+        """``listening``: the store's socket, listening at ``addr.port`` since the port was offered;
+        None: the port is bound now."""
         self.name, self.slot_bytes, self.device = name, max(slot_bytes, 1), device
-        self.store = _Store(addr, is_master=True, timeout_s=timeout_s, name=name)
+        self.store = _Store(addr, is_master=True, timeout_s=timeout_s, name=name, listening=listening)
         total = 2 * self.slot_bytes
         if device.type == "cuda":
             setting = expandable_segments_setting()  # this process's allocator is what exports

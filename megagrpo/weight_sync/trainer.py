@@ -27,12 +27,14 @@ policy.
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from megagrpo.compat.torch_store import listening_socket
 from megagrpo.models.layout import (
     check_stage,
     is_expert,
@@ -44,7 +46,7 @@ from megagrpo.models.layout import (
     tp_partition_dim,
 )
 from megagrpo.models.mapping import hf_tensor_shapes, to_hf
-from megagrpo.parallel.local import free_port, node_ip
+from megagrpo.parallel.local import node_ip
 from megagrpo.weight_sync.adapters import stage_adapters, tensors_digest
 from megagrpo.weight_sync.buckets import Bucket, SentBuckets, Slot, checksum, dtype_name, pack, plan_buckets
 from megagrpo.weight_sync.coverage import check_sender_plan, sender_shares, sent_ranges
@@ -70,6 +72,10 @@ class WeightSender:
         self.ipc: dict[int, IpcSender] = {}  # plan source -> the handoff to the engine on this device
         self.sources: list[int] = []  # the plan sources (links) this rank sends
         self._mine: dict[LinkKey, Link] = {}  # this rank's links, as offered
+        # Each offered link's store sockets (broadcast, handoff), listening from the offer, where their
+        # ports are handed out, until ``open`` gives them to the stores: a port only found free then
+        # could be taken meanwhile by any process, if only as an outgoing connection's source port.
+        self._listening: dict[LinkKey, tuple[socket.socket, socket.socket]] = {}
         self._keys: list[LinkKey] = []  # every link of the sync, in plan-source order
         self._buffers: list[torch.Tensor] | None = None  # the packing buffers (senders only)
         self.copies: SentCopies | None = None  # delta mode: the bytes last sent (weight_sync.delta)
@@ -178,9 +184,21 @@ class WeightSender:
         self.covered = (self.covered[0], shares)
 
     def _link(self, key: LinkKey, buckets: list[Bucket]) -> Link:
-        link = Link(key, node_ip(), free_port(), tuple(buckets), rank=self.ctx.rank, ipc_port=free_port())
+        host = node_ip()
+        store, handoff = listening_socket(host), listening_socket(host)
+        for unused in self._release(key):  # an earlier offer's, never opened
+            if unused is not None:
+                unused.close()
+        self._listening[key] = (store, handoff)
+        port, ipc_port = store.getsockname()[1], handoff.getsockname()[1]
+        link = Link(key, host, port, tuple(buckets), rank=self.ctx.rank, ipc_port=ipc_port)
         self._mine[key] = link
         return link
+
+    def _release(self, key: LinkKey) -> tuple[socket.socket | None, socket.socket | None]:
+        """The link's listening sockets, no longer held here (None, None once given to the stores: a
+        link opened again binds its ports anew)."""
+        return self._listening.pop(key, (None, None))
 
     def open(
         self,
@@ -202,18 +220,34 @@ class WeightSender:
                 continue
             self.sources.append(index)
             addr = groups[index]
+            store, handoff = self._release(key)
             if addr.world_size > 1:
                 engines = ",".join(map(str, addr.engines))
                 name = f"weight sync link {key} (trainer rank {self.ctx.rank} -> engine(s) {engines})"
                 self.groups[index] = BroadcastGroup(
-                    addr, 0, backend=backend, timeout_s=timeout_s, device=self.ctx.device, name=name
+                    addr,
+                    0,
+                    backend=backend,
+                    timeout_s=timeout_s,
+                    device=self.ctx.device,
+                    name=name,
+                    listening=store,
                 )
+            elif store is not None:
+                store.close()
             if addr.ipc is not None:
                 slot_bytes = max(b.nbytes for b in self._mine[key].buckets)
                 name = f"weight sync link {key} (trainer rank {self.ctx.rank}) -> engine {addr.ipc.engine}"
                 self.ipc[index] = IpcSender(
-                    addr.ipc, slot_bytes, device=self.ctx.device, timeout_s=timeout_s, name=name
+                    addr.ipc,
+                    slot_bytes,
+                    device=self.ctx.device,
+                    timeout_s=timeout_s,
+                    name=name,
+                    listening=handoff,
                 )
+            elif handoff is not None:
+                handoff.close()
         if self.ipc and len(self.sources) > 1:
             raise RuntimeError(
                 "weight sync: a rank hands buckets to the engine on its device on one link only, "

@@ -35,6 +35,7 @@ the link's buckets through shared slots (``weight_sync.ipc``), and the group hol
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -124,12 +125,16 @@ class BroadcastGroup:
         timeout_s: float,
         device: torch.device | str,
         name: str = "weight sync group",
+        listening: socket.socket | None = None,
     ):
+        """``listening``: rank 0's store socket, listening at ``addr.port`` since the port was offered
+        (``compat.torch_store.listening_socket``); None: the port is bound now."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight sync backend must be gloo or nccl, got {backend!r}")
         self.rank, self.timeout_s, self.name = rank, timeout_s, name
         self.device = _indexed(torch.device(device))
         self.store = self.pg = None
+        self._listening = listening
         self._connect(addr, backend)
 
     # ----------------------------------------------------------------------------------- connecting
@@ -165,8 +170,14 @@ class BroadcastGroup:
         # The backend's own timeout is the backstop; our deadlines give up first, with a message.
         timeout = datetime.timedelta(seconds=2 * self.timeout_s)
         # The sender's store listens on its advertised address only (127.0.0.1 on a local run).
+        listening, self._listening = self._listening, None
         self.store = bound_tcp_store(
-            addr.address, addr.port, addr.world_size, is_master=self.rank == 0, timeout=timeout
+            addr.address,
+            addr.port,
+            addr.world_size,
+            is_master=self.rank == 0,
+            timeout=timeout,
+            listening=listening,
         )
         pg = self._make_group(backend, addr.world_size, timeout)
         # NCCL makes its communicator inside the first collective, unless told to now; gloo has

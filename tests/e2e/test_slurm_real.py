@@ -125,6 +125,12 @@ def metric_steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
 
+# The jobs' ports (RAY_PORT, MASTER_PORT) are found free here and bound by the job's Ray head or torchrun,
+# programs that take a port number, not a socket: the number must exist before the server does. The e2e
+# tier runs one test at a time, so only the job's own processes could take it in between; the job would
+# then fail to start, visibly.
+
+
 def ray_job(**job_env: str) -> dict[str, str]:
     """slurm.sbatch's environment: a free port for Ray, one CPU per actor of the tiny config and more."""
     return {"RAY_PORT": str(free_port()), "CPUS_PER_NODE": "4", "JOIN_POLL_S": "1", **job_env}

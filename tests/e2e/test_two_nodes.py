@@ -44,6 +44,8 @@ def two_nodes(tmp_path):
     token.chmod(0o600)  # a token others may read is refused
     env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     temp = tempfile.mkdtemp(prefix="mgray", dir="/tmp")  # Ray's socket paths must stay short
+    # `ray start --port` takes a number, not a socket: found free here, bound by the head just after
+    # (the e2e tier runs one test at a time; a taken port fails the head's start, visibly).
     address = f"{get_node_ip_address()}:{free_port()}"
     common = ["--num-cpus", "2", "--object-store-memory", str(200 * 2**20), "--disable-usage-stats"]
     try:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from lazy_groups import DeferredBroadcastGroup, DeferredGloo
 
+from megagrpo.compat.torch_store import listening_socket
 from megagrpo.parallel.local import free_port
 from megagrpo.weight_sync.transport import GroupAddress
 
@@ -78,3 +79,23 @@ def test_a_member_that_never_receives_ends_the_broadcast_at_the_timeout_and_abor
         "(generation.sync_timeout_s) at group rank 0; the group was aborted"
     )
     assert sender.pg is None and receiver.pg is not None
+
+
+def test_a_sender_takes_over_the_socket_that_held_its_port_since_the_offer():
+    """``WeightSender.offer`` hands out ports of sockets already listening; a receiver may connect
+    before the sender's store exists, and is served once it does."""
+    held = listening_socket("127.0.0.1")
+    addr = GroupAddress("127.0.0.1", held.getsockname()[1], 2, None, (0,), None, 0)
+    made = {}
+    thread = threading.Thread(target=lambda: made.setdefault(1, _member(addr, 1, 20)))
+    thread.start()
+    sender = DeferredBroadcastGroup(
+        addr, 0, backend="gloo", timeout_s=20, device=CPU, name="link (0, 0, 0)", listening=held
+    )
+    thread.join(timeout=30)
+    assert held.fileno() == -1  # the store's server owns the descriptor now
+    data, out = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    posted = made[1].broadcast(out, root=0)
+    sender.wait(sender.broadcast(data, root=0), "the broadcast of bucket 0")
+    made[1].wait(posted, "receiving bucket 0")
+    assert torch.equal(out, data)
