@@ -138,6 +138,9 @@ class StreamSlice:
     """Requests the engine ended without a sample (never trained on: their groups are generated again)."""
     busy_s: float
     """Seconds the engine spent stepping."""
+    restarted: int = 0
+    """Episodes resumed from a checkpoint that restarted from their openings (``generation.stream_episodes``:
+    their environment answered otherwise on replay)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +157,10 @@ class PartialRequest:
     routed_experts: torch.Tensor | None = None
     """[F, MoE layers, k] with a routing capture: the rows of the F positions forwarded so far (F <= P +
     N - 1), as their first forward routed them; None: none asked for."""
+    episode: dict | None = None
+    """A multi-turn episode's state (``generation.stream_episodes``): its turns and environment answers
+    so far and the step or turn running, as plain data; ``token_ids`` etc. are then the episode's tokens
+    after its opening, observations included. None: a plain request, or an episode opened again."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,9 +267,13 @@ class RequestStream:
                 f"request {request.request_id!r}: {len(tokens)} tokens so far, more than max_tokens "
                 f"{s.max_tokens}"
             )
-        if left == 0:  # a snapshot taken after its last token: finished, with nothing to sample
+        # A snapshot taken after its last token (a request finished beside the probe, not yet returned):
+        # finished, with nothing to sample; vLLM would sample on past a stop token at the prompt's end.
+        stopped = bool(tokens) and not s.ignore_eos and tokens[-1] in s.stop_token_ids
+        if left == 0 or stopped:
+            reason = "stop" if stopped else "length"
             self._ready.append(
-                StreamCompletion(request, list(tokens), list(logprobs), list(versions), "length", rows)
+                StreamCompletion(request, list(tokens), list(logprobs), list(versions), reason, rows)
             )
             return
         if self._routing is not None and not self._live:
