@@ -14,7 +14,10 @@ that were sampled.
 The episode's state lives in the object's attributes, and the object is pickled between calls (each call
 may run in another worker process): keep it small and picklable. ``reset`` must depend on the task only
 (not on randomness of its own), so the G episodes of a group start from the same opening; draw any
-randomness from the task.
+randomness from the task. A run resumed from a checkpoint rebuilds an unfinished episode's environment
+by a reset and the episode's turns stepped again (``megagrpo.envs.episodes``): an environment whose
+``step`` answers a turn the same way every time continues the episode; one whose answers differ (its
+own randomness, the clock) restarts it from its opening.
 
 A call that raises, passes ``env.step_timeout_s`` or kills its worker ends that episode with reward 0
 (counted in ``episode/env_errors``); the run goes on.

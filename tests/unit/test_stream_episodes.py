@@ -20,7 +20,8 @@ import torch
 from megagrpo.config import EnvConfig, load_config
 from megagrpo.data.arithmetic import EOS_ID
 from megagrpo.data.tokenizer import char_tokenizer
-from megagrpo.envs.chat import ChatRenderer
+from megagrpo.envs.chat import ChatRenderer, ToolCall, format_tool_call
+from megagrpo.envs.runner import env_call
 from megagrpo.generation.stream import PartialRequest, StreamCompletion, StreamRequest
 from megagrpo.generation.stream_episodes import EpisodeStream
 from megagrpo.rewards.pool import DeadlinePool
@@ -255,6 +256,31 @@ def test_an_environment_that_answers_otherwise_on_replay_restarts_its_episode(po
     assert comp.prompt_ids == renderer.prompt_ids([{"role": "user", "content": "7="}])
     assert resumed.take_restarted() == 1 and resumed.take_restarted() == 0
     assert len(logged) == 1 and "'2:0'" not in logged[0] and "2:0" in logged[0] and "noisy" in logged[0]
+
+
+def _answers(spec: str, task: dict, turns: list[str], **options) -> list:
+    """An environment's opening and answers to ``turns``, by the calls a replay makes (``env_call``)."""
+    blob, opening, _ = env_call(spec, {}, "reset", task, options)
+    answers = [opening]
+    for turn in turns:
+        blob, answer, _ = env_call(spec, {}, "step", (blob, turn))
+        answers.append(list(answer))
+    return answers
+
+
+def test_the_built_in_environments_replay_when_their_answers_repeat():
+    guess = "megagrpo.envs.games:GuessNumber"
+    turns = ["3", "12", "x", "10"]
+    assert _answers(guess, {"target": 9}, turns) == _answers(guess, {"target": 9}, turns)
+    tool, hermes = "megagrpo.envs.code_tool:PythonTool", {"tool_format": "hermes"}
+    task = {"question": "37*45", "answer": "1665"}
+    calls = [
+        format_tool_call(ToolCall("python", {"code": code}), "hermes") for code in ("print(37 * 45)", "x")
+    ]
+    first = _answers(tool, task, calls, **hermes)
+    assert first == _answers(tool, task, calls, **hermes) and first[1][0][0]["content"] == "1665"
+    clock = [format_tool_call(ToolCall("python", {"code": "import time; print(time.time_ns())"}), "hermes")]
+    assert _answers(tool, task, clock, **hermes) != _answers(tool, task, clock, **hermes)
 
 
 def test_a_snapshot_opens_an_episode_again_whose_reset_was_running(pool):
