@@ -23,11 +23,13 @@ deadline or kills its worker ends it with reward 0 (``finish_reason`` "env_error
 
 Resuming an episode (:meth:`EpisodeRunner.resume`, a checkpoint's unfinished episode under
 ``grpo.async_mode: partial``): its tokens so far are restored as saved, and its environment is rebuilt
-the way it was built, through the workers: a reset on its task, then each saved turn's text stepped in
-order, every answer checked against the saved one (messages, reward, done, tool counts) for equality.
-The saved environment object itself is never loaded: unpickling it would run code from the checkpoint
-file. An environment that answers differently (it draws randomness of its own, reads the clock, or its
-code changed) cannot continue the saved turns: the episode restarts from its opening, counted in
+through the workers. An environment that offers its state as plain data (``Environment.state_dict``) is
+built with its arguments and given it (``load_state_dict``). Any other is rebuilt the way it was built:
+a reset on its task, then each saved turn's text stepped in order, every answer checked against the
+saved one (messages, reward, done, tool counts) for equality. The pickled environment object itself is
+never saved: unpickling it would run code from the checkpoint file. An environment that answers
+differently on replay (it draws randomness of its own, reads the clock, or its code changed), or whose
+state does not load, cannot continue the saved turns: the episode restarts from its opening, counted in
 ``EpisodeRunner.restarted``; its saved tokens are dropped, never trained beside the new ones.
 """
 
@@ -83,6 +85,8 @@ class _Episode:
     logprobs: list[float] = field(default_factory=list)
     env: bytes = b""
     """The environment, pickled (it lives in the worker processes between calls)."""
+    env_state: dict | None = None
+    """The environment's ``state_dict()`` after its last call (plain data); None: it offers none."""
     turns: int = 0
     reward: float = 0.0
     tool_calls: int = 0
@@ -167,6 +171,8 @@ class _Rebuild:
     pending: str | None = None
     turn: dict | None = None
     """``token_ids``, ``logprobs``, ``versions``, ``routed_experts`` of the turn's sample so far."""
+    loading: bool = False
+    """Rebuilt from the environment's own saved state (``Environment.load_state_dict``): no replay."""
     calls: int = 0
     """Calls answered so far (the reset, then one per saved step)."""
 
@@ -196,7 +202,8 @@ class EpisodeRunner:
         self.max_context, self.log = max_context, log
         self.errors_logged = 0
         self.restarted = 0
-        """Resumed episodes whose environment answered differently on replay (restarted from the opening)."""
+        """Resumed episodes whose environment could not be rebuilt as saved (restarted from the opening)."""
+        self._restart_logged = False
         self.spec = env_cfg.spec
         self.options = {"tool_format": env_cfg.tool_format, "allow_unsandboxed": env_cfg.allow_unsandboxed}
         # Between ticks: episodes at an environment (by pool ticket) or at the engine (by request id),
@@ -229,12 +236,15 @@ class EpisodeRunner:
         """Continue a checkpoint's episode, its fields restored: its environment rebuilt (module
         docstring), then the step ``pending`` (a turn's text) or the turn ``turn`` (its sample so far)
         goes on, whichever was running at the checkpoint."""
-        ep.task, ep.rebuild = task, _Rebuild(pending, turn)
-        self._call(ep, "reset", dict(task))
+        ep.task, ep.rebuild = task, _Rebuild(pending, turn, loading=ep.env_state is not None)
+        if ep.env_state is not None:
+            self._call(ep, "load", ep.env_state)
+        else:
+            self._call(ep, "reset", dict(task))
 
     def _call(self, ep: _Episode, op: str, payload) -> None:
         """An environment call of ``ep`` to a worker (its deadline: ``env.step_timeout_s``)."""
-        options = (self.options,) if op == "reset" else ()
+        options = (self.options,) if op in ("reset", "load") else ()
         self._calls[self.pool.submit((self.spec, self.cfg.args, op, payload, *options))] = ep
 
     def tick(self, *, wait: float | None) -> None:
@@ -332,16 +342,20 @@ class EpisodeRunner:
         """A rebuilding episode's call answered: checked against the saved answer; the next saved step,
         or the episode goes on as its checkpoint left it; an answer that differs restarts it."""
         r = ep.rebuild
+        if r.loading and not outcome.ok:  # its saved state does not load (the environment changed?)
+            self._restart(ep, f"did not take its saved state ({outcome.error})")
+            return
         if not outcome.ok:  # a failure as in play: the episode fails (its group is generated again)
             self._env_failed(ep, outcome.error)
             return
-        env, answer, _ = outcome.value
+        env, answer, _, ep.env_state = outcome.value
         want = ep.opening if r.calls == 0 else ep.answers[r.calls - 1][1]
-        if (answer if r.calls == 0 else list(answer)) != want:
-            self._restart(ep, "its opening" if r.calls == 0 else f"step {r.calls}")
+        if not r.loading and (answer if r.calls == 0 else list(answer)) != want:
+            where = "its opening" if r.calls == 0 else f"step {r.calls}"
+            self._restart(ep, f"answered otherwise than saved at {where} when replayed")
             return
         ep.env, r.calls = env, r.calls + 1
-        if r.calls <= len(ep.answers):
+        if not r.loading and r.calls <= len(ep.answers):
             self._call(ep, "step", (ep.env, ep.answers[r.calls - 1][0]))
             return
         ep.rebuild = None
@@ -351,15 +365,15 @@ class EpisodeRunner:
         else:
             self._next_turn(ep, r.turn)
 
-    def _restart(self, ep: _Episode, where: str) -> None:
-        """A resumed episode whose environment answered otherwise than saved: played again from its
+    def _restart(self, ep: _Episode, why: str) -> None:
+        """A resumed episode whose environment could not be rebuilt as saved: played again from its
         opening (its saved tokens dropped)."""
         self.restarted += 1
-        if self.restarted == 1:  # once: the metric counts the rest
+        if not self._restart_logged:  # once: the metric counts the rest
+            self._restart_logged = True
             self.log(
                 f"environment {self.cfg.environment}: resumed episode {ep.label} (task {ep.task!r:.200}) "
-                f"answered otherwise than saved at {where} when replayed; it restarts from its opening "
-                "(async/episodes_restarted counts these)"
+                f"{why}; it restarts from its opening (async/episodes_restarted counts these)"
             )
         ep.__dict__.update(_Episode(ep.index, ep.seed, task=ep.task, label=ep.label).__dict__)
         self._call(ep, "reset", dict(ep.task))
@@ -376,7 +390,7 @@ class EpisodeRunner:
             self._env_failed(ep, outcome.error)
             return False
         if not ep.prompt:  # the reset
-            ep.env, messages, seconds = outcome.value
+            ep.env, messages, seconds, ep.env_state = outcome.value
             ep.opening = messages
             ep.env_s += seconds
             ep.prompt = self.renderer.prompt_ids(messages)
@@ -385,7 +399,7 @@ class EpisodeRunner:
                 ep.finish = "length"
                 return False
             return True
-        ep.env, answer, seconds = outcome.value
+        ep.env, answer, seconds, ep.env_state = outcome.value
         messages, reward, done, tool_calls, tool_errors = answer
         ep.answers.append([ep.at_env, list(answer)])
         ep.at_env = None

@@ -23,8 +23,10 @@ the turn's prompt, token in / token out). So:
   text) or a turn at the engine (that turn's sample so far, as the stream's snapshot has it). A resume
   (:meth:`EpisodeStream.resume_from`) rebuilds its environment by a reset and the saved turns replayed,
   each answer checked (``envs.episodes``), then reruns the step or continues the turn under the resumed
-  policy: the saved tokens keep their versions. An environment that answers otherwise on replay restarts
-  its episode from the opening (:meth:`EpisodeStream.take_restarted`). An episode whose reset was
+  policy: the saved tokens keep their versions. An environment that offers its state as plain data
+  (``Environment.state_dict``) is rebuilt from it instead, with no replay. An environment that answers
+  otherwise on replay, or whose state does not load, restarts its episode from the opening
+  (:meth:`EpisodeStream.take_restarted`). An episode whose reset was
   running is saved as its request only and opened again.
 """
 
@@ -59,6 +61,7 @@ _SAVED = (
     "rerouted",
     "opening",
     "answers",
+    "env_state",
 )
 """``_Episode`` fields an episode's checkpoint record holds besides its tokens, logprobs and versions."""
 

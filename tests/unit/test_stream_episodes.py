@@ -20,6 +20,7 @@ import torch
 from megagrpo.config import EnvConfig, load_config
 from megagrpo.data.arithmetic import EOS_ID
 from megagrpo.data.tokenizer import char_tokenizer
+from megagrpo.envs.base import Environment
 from megagrpo.envs.chat import ChatRenderer, ToolCall, format_tool_call
 from megagrpo.envs.runner import env_call
 from megagrpo.generation.stream import PartialRequest, StreamCompletion, StreamRequest
@@ -32,6 +33,7 @@ from megagrpo.types import SamplingSettings
 pytestmark = pytest.mark.unit
 
 ECHO = f"{Path(__file__).parents[1] / 'e2e' / '_echo_env.py'}:Echo"
+ECHO_STATE = f"{ECHO}State"
 DIGIT0 = 3  # the character tokenizer's "0"
 SETTINGS = SamplingSettings(max_tokens=64, temperature=1.0, stop_token_ids=(EOS_ID,), n=1)
 
@@ -105,7 +107,7 @@ def pool():
 
 
 def _stream(pool, *, version=0, log=lambda _m: None, **env):
-    cfg = EnvConfig(environment=ECHO, **{"max_turns": 4, "max_new_tokens": 4, **env})
+    cfg = EnvConfig(**{"environment": ECHO, "max_turns": 4, "max_new_tokens": 4, **env})
     inner = ScriptedStream(version)
     renderer = ChatRenderer(char_tokenizer())
     episodes = EpisodeStream(inner, renderer, pool, cfg, max_context=256, log=log)
@@ -187,10 +189,10 @@ def _through_checkpoint(snapshot, tmp_path):
     return [partial_request(row) for row in load_in_flight(tmp_path)["partials"]]
 
 
-def _snapshots_mid_episode(pool, task, seed):
+def _snapshots_mid_episode(pool, task, seed, environment=ECHO):
     """An episode played through, and its snapshots with one environment answer so far and its second
     turn's first token sampled (a turn running), and with two answers and the third step running."""
-    stream, inner, _ = _stream(pool, args={"turns": 4}, max_turns=6)
+    stream, inner, _ = _stream(pool, args={"turns": 4}, max_turns=6, environment=environment)
     stream.submit([_request("2:0", task, seed)])
     at_turn = at_step = None
     done = []
@@ -258,29 +260,64 @@ def test_an_environment_that_answers_otherwise_on_replay_restarts_its_episode(po
     assert len(logged) == 1 and "'2:0'" not in logged[0] and "2:0" in logged[0] and "noisy" in logged[0]
 
 
-def _answers(spec: str, task: dict, turns: list[str], **options) -> list:
-    """An environment's opening and answers to ``turns``, by the calls a replay makes (``env_call``)."""
-    blob, opening, _ = env_call(spec, {}, "reset", task, options)
+def test_an_environment_that_offers_its_state_is_rebuilt_from_it_without_replay(pool, tmp_path):
+    # Noisy answers, which a replay would refuse; the environment's own state needs no replay.
+    played, _, at_turn, at_step = _snapshots_mid_episode(pool, {"start": 7, "fault": "noisy"}, 3, ECHO_STATE)
+    assert at_turn.episode["env_state"]["seen"] == [at_turn.episode["answers"][0][0]]
+    for saved in (at_turn, at_step):
+        resumed, _, _ = _stream(pool, version=5, args={"turns": 4}, max_turns=6, environment=ECHO_STATE)
+        resumed.resume_from(_through_checkpoint([saved], tmp_path))
+        (done,) = _until_done(resumed)
+        comp = to_completion(done)
+        n, turn = len(saved.token_ids), saved.episode["turn"] or {"token_ids": []}
+        assert comp.token_ids[: n + len(turn["token_ids"])] == saved.token_ids + turn["token_ids"]
+        (old, kept), (new, _) = comp.versions  # the saved tokens (and their observation), then version 5
+        assert old == 0 and kept >= n + len(turn["token_ids"]) and new == 5
+        # It ends after the fourth turn as played through: the loaded state held the turns seen.
+        assert comp.finish_reason == "stop" and comp.stats["turns"] == 4 == played.stats["turns"]
+        assert resumed.take_restarted() == 0
+
+
+def _answers(spec: str, task: dict, turns: list[str], *, load_after: int | None = None, **options) -> list:
+    """An environment's opening and answers to ``turns`` by the worker calls (``env_call``); with
+    ``load_after``, rebuilt from its ``state_dict`` after that many turns, as a resume does."""
+    blob, opening, _, state = env_call(spec, {}, "reset", task, options)
     answers = [opening]
-    for turn in turns:
-        blob, answer, _ = env_call(spec, {}, "step", (blob, turn))
+    for i, turn in enumerate(turns):
+        if i == load_after:
+            blob, _, _, state = env_call(spec, {}, "load", state, options)
+        blob, answer, _, state = env_call(spec, {}, "step", (blob, turn))
         answers.append(list(answer))
     return answers
 
 
-def test_the_built_in_environments_replay_when_their_answers_repeat():
+def test_the_built_in_environments_offer_their_state_and_replay_when_their_answers_repeat():
     guess = "megagrpo.envs.games:GuessNumber"
-    turns = ["3", "12", "x", "10"]
-    assert _answers(guess, {"target": 9}, turns) == _answers(guess, {"target": 9}, turns)
+    turns, task = ["3", "12", "x", "10", "9"], {"target": 9}
+    first = _answers(guess, task, turns)
+    assert first == _answers(guess, task, turns) == _answers(guess, task, turns, load_after=2)
+    assert first[-1][1:3] == [1.0, True]
     tool, hermes = "megagrpo.envs.code_tool:PythonTool", {"tool_format": "hermes"}
     task = {"question": "37*45", "answer": "1665"}
-    calls = [
+    call = [
         format_tool_call(ToolCall("python", {"code": code}), "hermes") for code in ("print(37 * 45)", "x")
     ]
-    first = _answers(tool, task, calls, **hermes)
-    assert first == _answers(tool, task, calls, **hermes) and first[1][0][0]["content"] == "1665"
+    first = _answers(tool, task, [*call, "1665"], **hermes)
+    assert first == _answers(tool, task, [*call, "1665"], **hermes) and first[1][0][0]["content"] == "1665"
     clock = [format_tool_call(ToolCall("python", {"code": "import time; print(time.time_ns())"}), "hermes")]
-    assert _answers(tool, task, clock, **hermes) != _answers(tool, task, clock, **hermes)
+    assert _answers(tool, task, clock, **hermes) != _answers(tool, task, clock, **hermes)  # a replay refuses
+    # Its state is the answer: loaded after the clock's call, the final answer is scored as played.
+    assert _answers(tool, task, [*clock, "1665"], load_after=1, **hermes)[-1][1:3] == [1.0, True]
+    with pytest.raises(ValueError, match=r"_Unplain.state_dict\['when'\] is a object"):
+        env_call(f"{__file__}:_Unplain", {}, "reset", {})
+
+
+class _Unplain(Environment):
+    def reset(self, task):
+        return [{"role": "user", "content": "1="}]
+
+    def state_dict(self):
+        return {"when": object()}
 
 
 def test_a_snapshot_opens_an_episode_again_whose_reset_was_running(pool):
