@@ -215,11 +215,13 @@ class EpisodeStream:
             pending, turn = ep.rebuild.pending, ep.rebuild.turn
         elif ep.at_env is not None:
             pending, turn = ep.at_env, None
-        elif id(ep) in at_engine:
+        elif id(ep) in at_engine and at_engine[id(ep)] in turns:
             p = turns[at_engine[id(ep)]]
             fields = ("token_ids", "logprobs", "versions", "routed_experts")
             pending, turn = None, {k: getattr(p, k) for k in fields}
-        elif not ep.prompt:  # its reset is running: nothing to keep
+        elif id(ep) in at_engine or not ep.prompt:
+            # Its reset is running, or the engine ended its turn beside the probe without a sample (the
+            # next advance fails it): nothing to keep, it is opened again.
             return PartialRequest(request, [], [], [])
         else:
             raise RuntimeError(
