@@ -41,7 +41,9 @@ Design (verified against vLLM 0.32, engine core in-process: ``VLLM_ENABLE_V1_MUL
 - **Snapshot** (:meth:`RequestStream.in_flight`): per request, the request itself (prompt, sampling
   settings, seed, group) and its tokens, sampling logprobs and versions so far: what a checkpoint
   stores. :meth:`RequestStream.resume_from` submits each as a continuation, prompt + tokens so far with
-  ``max_tokens`` less the tokens it has, and returns it finished with the parts joined.
+  ``max_tokens`` less the tokens it has, and returns it finished with the parts joined; one that already
+  ended (its last token a stop token, or its ``max_tokens`` reached: a request that finished beside the
+  probe and was not yet returned) is returned as it is, nothing sampled after it.
 - **Routed experts** (``grpo.routing_replay``, a stream given a ``routing`` capture:
   ``generation.routing``). Each request's rows are kept per position, each position with the row of its
   *first* forward: the one that sampled the next token, under the weights that sampled it
