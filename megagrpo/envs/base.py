@@ -14,7 +14,12 @@ that were sampled.
 The episode's state lives in the object's attributes, and the object is pickled between calls (each call
 may run in another worker process): keep it small and picklable. ``reset`` must depend on the task only
 (not on randomness of its own), so the G episodes of a group start from the same opening; draw any
-randomness from the task.
+randomness from the task. A run resumed from a checkpoint rebuilds an unfinished episode's environment
+by a reset and the episode's turns stepped again (``megagrpo.envs.episodes``): an environment whose
+``step`` answers a turn the same way every time continues the episode; one whose answers differ (its
+own randomness, the clock) restarts it from its opening. An environment that offers its state as plain
+data (:meth:`Environment.state_dict`) is instead rebuilt from it (:meth:`Environment.load_state_dict`),
+with no replay, whatever its answers.
 
 A call that raises, passes ``env.step_timeout_s`` or kills its worker ends that episode with reward 0
 (counted in ``episode/env_errors``); the run goes on.
@@ -25,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["OBSERVATION_ROLES", "ArgumentError", "Environment", "Step", "check_messages"]
+__all__ = ["OBSERVATION_ROLES", "ArgumentError", "Environment", "Step", "check_messages", "check_plain"]
 
 
 class ArgumentError(ValueError):
@@ -88,6 +93,18 @@ class Environment:
         """Answer one model turn (its text, without the end-of-turn token)."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict | None:
+        """Optional: the episode's state as plain data (str, numbers, bools, None, and lists and str-keyed
+        dicts of them), kept with an unfinished episode in a checkpoint; a resumed run then builds the
+        environment with the same arguments and calls :meth:`load_state_dict` with it, instead of
+        replaying the episode's turns. Called after every reset and step: keep it small. None (the
+        default): no state offered, a resume replays."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take the state :meth:`state_dict` returned (on a fresh object, in place of ``reset``)."""
+        raise NotImplementedError(f"{type(self).__name__} offers a state_dict but no load_state_dict")
+
 
 def check_messages(messages: Any, roles: tuple[str, ...], where: str) -> list[dict]:
     """``messages`` as a list of {"role", "content"} dicts with roles from ``roles``; ValueError saying
@@ -102,3 +119,21 @@ def check_messages(messages: Any, roles: tuple[str, ...], where: str) -> list[di
             )
         out.append({"role": m["role"], "content": m["content"]})
     return out
+
+
+def check_plain(value: Any, where: str) -> Any:
+    """``value`` when it is plain data (what a checkpoint's restricted loader reads back); ValueError
+    saying where it is not (``where`` names the call, e.g. "GuessNumber.state_dict")."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_plain(item, f"{where}[{i}]")
+        return value
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: key {key!r} is not a str")
+            check_plain(item, f"{where}[{key!r}]")
+        return value
+    raise ValueError(f"{where} is a {type(value).__name__}: plain data only (str, numbers, lists, dicts)")

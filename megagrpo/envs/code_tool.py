@@ -119,6 +119,14 @@ class PythonTool(Environment):
         calls = len(parsed.calls) + len(parsed.errors)
         return Step(tool_result_messages(results, self.tool_format), tool_calls=calls, tool_errors=errors)
 
+    def state_dict(self) -> dict:
+        """The answer is all an episode changes (the tool's runs keep nothing between calls), so a
+        resumed episode continues whatever its code printed."""
+        return {"answer": self.answer}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.answer = str(state["answer"])
+
     def _score(self, text: str) -> float:
         if self.reward == "arithmetic":
             from megagrpo.rewards.arithmetic import arithmetic_reward

@@ -20,6 +20,17 @@ An episode ends when the environment says done, or truncated (``finish_reason`` 
 reaches ``env.max_new_tokens`` without its end-of-turn token, after ``env.max_turns`` turns, or when the
 next observation would pass ``env.max_episode_tokens``; an environment call that raises, passes its
 deadline or kills its worker ends it with reward 0 (``finish_reason`` "env_error").
+
+Resuming an episode (:meth:`EpisodeRunner.resume`, a checkpoint's unfinished episode under
+``grpo.async_mode: partial``): its tokens so far are restored as saved, and its environment is rebuilt
+through the workers. An environment that offers its state as plain data (``Environment.state_dict``) is
+built with its arguments and given it (``load_state_dict``). Any other is rebuilt the way it was built:
+a reset on its task, then each saved turn's text stepped in order, every answer checked against the
+saved one (messages, reward, done, tool counts) for equality. The pickled environment object itself is
+never saved: unpickling it would run code from the checkpoint file. An environment that answers
+differently on replay (it draws randomness of its own, reads the clock, or its code changed), or whose
+state does not load, cannot continue the saved turns: the episode restarts from its opening, counted in
+``EpisodeRunner.restarted``; its saved tokens are dropped, never trained beside the new ones.
 """
 
 from __future__ import annotations
@@ -74,6 +85,8 @@ class _Episode:
     logprobs: list[float] = field(default_factory=list)
     env: bytes = b""
     """The environment, pickled (it lives in the worker processes between calls)."""
+    env_state: dict | None = None
+    """The environment's ``state_dict()`` after its last call (plain data); None: it offers none."""
     turns: int = 0
     reward: float = 0.0
     tool_calls: int = 0
@@ -93,6 +106,18 @@ class _Episode:
     versions: list[int] | None = None
     """Per token of ``tokens``, the policy version that sampled it (an observation's tokens: the version
     of the turn before them), from turns that report versions; else None."""
+    task: dict | None = None
+    label: str = ""
+    """Names the episode in messages (its stream request's id)."""
+    opening: list[dict] | None = None
+    """The environment's opening messages (its reset's answer)."""
+    answers: list[list] = field(default_factory=list)
+    """Per environment step so far: ``[turn text, [messages, reward, done, tool calls, tool errors]]``
+    (what a resume replays and checks)."""
+    at_env: str | None = None
+    """The text of the turn an environment step is answering now; None: no step running."""
+    rebuild: _Rebuild | None = None
+    """A resumed episode whose environment is being rebuilt; None: none."""
 
     def completion(self, task: int) -> Completion:
         stats = {
@@ -137,6 +162,21 @@ class _Episode:
         self.routed = torch.cat([self.routed, rows[kept:]])
 
 
+@dataclass
+class _Rebuild:
+    """A resumed episode's environment rebuilt call by call (the module docstring), then the episode goes
+    on where its checkpoint left it: the step that was running (``pending``: its turn's text) or the
+    turn at the engine (``turn``: its tokens so far, continued)."""
+
+    pending: str | None = None
+    turn: dict | None = None
+    """``token_ids``, ``logprobs``, ``versions``, ``routed_experts`` of the turn's sample so far."""
+    loading: bool = False
+    """Rebuilt from the environment's own saved state (``Environment.load_state_dict``): no replay."""
+    calls: int = 0
+    """Calls answered so far (the reset, then one per saved step)."""
+
+
 def version_runs(versions: Sequence[int]) -> list[tuple[int, int]]:
     """Per-token versions as ``Completion.versions`` holds them: ``[(version, count), ...]`` runs."""
     runs: list[tuple[int, int]] = []
@@ -161,6 +201,9 @@ class EpisodeRunner:
         self.engine, self.renderer, self.pool, self.cfg = engine, renderer, pool, env_cfg
         self.max_context, self.log = max_context, log
         self.errors_logged = 0
+        self.restarted = 0
+        """Resumed episodes whose environment could not be rebuilt as saved (restarted from the opening)."""
+        self._restart_logged = False
         self.spec = env_cfg.spec
         self.options = {"tool_format": env_cfg.tool_format, "allow_unsandboxed": env_cfg.allow_unsandboxed}
         # Between ticks: episodes at an environment (by pool ticket) or at the engine (by request id),
@@ -186,8 +229,23 @@ class EpisodeRunner:
     def open(self, episodes: Sequence[tuple[_Episode, dict]]) -> None:
         """Start ``(episode, task)`` pairs: each environment's reset goes to a worker."""
         for ep, task in episodes:
-            reset = (self.spec, self.cfg.args, "reset", dict(task), self.options)
-            self._calls[self.pool.submit(reset)] = ep
+            ep.task = task
+            self._call(ep, "reset", dict(task))
+
+    def resume(self, ep: _Episode, task: dict, *, pending: str | None, turn: dict | None) -> None:
+        """Continue a checkpoint's episode, its fields restored: its environment rebuilt (module
+        docstring), then the step ``pending`` (a turn's text) or the turn ``turn`` (its sample so far)
+        goes on, whichever was running at the checkpoint."""
+        ep.task, ep.rebuild = task, _Rebuild(pending, turn, loading=ep.env_state is not None)
+        if ep.env_state is not None:
+            self._call(ep, "load", ep.env_state)
+        else:
+            self._call(ep, "reset", dict(task))
+
+    def _call(self, ep: _Episode, op: str, payload) -> None:
+        """An environment call of ``ep`` to a worker (its deadline: ``env.step_timeout_s``)."""
+        options = (self.options,) if op in ("reset", "load") else ()
+        self._calls[self.pool.submit((self.spec, self.cfg.args, op, payload, *options))] = ep
 
     def tick(self, *, wait: float | None) -> None:
         """One engine step (if the engine has requests) and the environments' answers so far, each
@@ -206,7 +264,11 @@ class EpisodeRunner:
             outcomes = self.pool.poll(wait if idle else 0)
         for ticket, outcome in outcomes:
             ep = calls.pop(ticket)
-            if ep.finish is None and self._observed_outcome(ep, outcome):
+            if ep.finish is not None:
+                continue
+            if ep.rebuild is not None:
+                self._replayed(ep, outcome)
+            elif self._observed_outcome(ep, outcome):
                 self._observed.append(ep)
         # The turn-synchronous baseline moves a whole wave at once: turns to the environments once the
         # engine has sampled every one, requests to the engine once every environment has answered.
@@ -214,16 +276,27 @@ class EpisodeRunner:
         if self._sampled and not (synchronous and self.engine.busy()):
             for ep, turn in self._sampled:
                 if self._add_turn(ep, turn):
-                    step = (self.spec, self.cfg.args, "step", (ep.env, self._text(turn)))
-                    calls[self.pool.submit(step)] = ep
+                    ep.at_env = self._text(turn)
+                    self._call(ep, "step", (ep.env, ep.at_env))
             self._sampled = []
         if self._observed and not (synchronous and self.pool.pending):
             for ep in self._observed:
-                request = f"ep{ep.index}-t{ep.turns}-{ep.seed}"
-                requests[request] = ep
-                max_tokens = min(self.cfg.max_new_tokens, ep.budget)
-                self.engine.add(request, ep.prompt + ep.tokens, max_tokens, ep.seed + ep.turns)
+                self._next_turn(ep)
             self._observed = []
+
+    def _next_turn(self, ep: _Episode, so_far: dict | None = None) -> None:
+        """``ep``'s next turn to the engine; ``so_far``: a resumed turn's sample so far, continued."""
+        request = f"ep{ep.index}-t{ep.turns}-{ep.seed}"
+        self._requests[request] = ep
+        max_tokens = min(self.cfg.max_new_tokens, ep.budget)
+        if so_far is None:
+            self.engine.add(request, ep.prompt + ep.tokens, max_tokens, ep.seed + ep.turns)
+        else:  # only an engine that continues partial requests resumes (generation.stream_episodes)
+            self.engine.resume(request, ep.prompt + ep.tokens, max_tokens, ep.seed + ep.turns, so_far)
+
+    def in_engine(self) -> dict[int, str]:
+        """The turn request at the engine of each episode that has one, by ``id(episode)``."""
+        return {id(ep): rid for rid, ep in self._requests.items()}
 
     def fail_request(self, request_id: str, reason: str) -> None:
         """The engine ended the turn request ``request_id`` without a sample: its episode ends
@@ -265,16 +338,60 @@ class EpisodeRunner:
             return False
         return True
 
+    def _replayed(self, ep: _Episode, outcome: Any) -> None:
+        """A rebuilding episode's call answered: checked against the saved answer; the next saved step,
+        or the episode goes on as its checkpoint left it; an answer that differs restarts it."""
+        r = ep.rebuild
+        if r.loading and not outcome.ok:  # its saved state does not load (the environment changed?)
+            self._restart(ep, f"did not take its saved state ({outcome.error})")
+            return
+        if not outcome.ok:  # a failure as in play: the episode fails (its group is generated again)
+            self._env_failed(ep, outcome.error)
+            return
+        env, answer, _, ep.env_state = outcome.value
+        want = ep.opening if r.calls == 0 else ep.answers[r.calls - 1][1]
+        if not r.loading and (answer if r.calls == 0 else list(answer)) != want:
+            where = "its opening" if r.calls == 0 else f"step {r.calls}"
+            self._restart(ep, f"answered otherwise than saved at {where} when replayed")
+            return
+        ep.env, r.calls = env, r.calls + 1
+        if not r.loading and r.calls <= len(ep.answers):
+            self._call(ep, "step", (ep.env, ep.answers[r.calls - 1][0]))
+            return
+        ep.rebuild = None
+        if r.pending is not None:
+            ep.at_env = r.pending
+            self._call(ep, "step", (ep.env, r.pending))
+        else:
+            self._next_turn(ep, r.turn)
+
+    def _restart(self, ep: _Episode, why: str) -> None:
+        """A resumed episode whose environment could not be rebuilt as saved: played again from its
+        opening (its saved tokens dropped)."""
+        self.restarted += 1
+        if not self._restart_logged:  # once: the metric counts the rest
+            self._restart_logged = True
+            self.log(
+                f"environment {self.cfg.environment}: resumed episode {ep.label} (task {ep.task!r:.200}) "
+                f"{why}; it restarts from its opening (async/episodes_restarted counts these)"
+            )
+        ep.__dict__.update(_Episode(ep.index, ep.seed, task=ep.task, label=ep.label).__dict__)
+        self._call(ep, "reset", dict(ep.task))
+
+    def _env_failed(self, ep: _Episode, error: str) -> None:
+        if self.errors_logged < 3:  # the first few, not one line per failed episode
+            self.errors_logged += 1
+            self.log(f"environment {self.cfg.environment}: episode {ep.index} ended: {error}")
+        ep.finish, ep.reward = "env_error", 0.0
+
     def _observed_outcome(self, ep: _Episode, outcome: Any) -> bool:
         """Apply an environment call's outcome; True when the episode's next turn should be sampled."""
         if not outcome.ok:
-            if self.errors_logged < 3:  # the first few, not one line per failed episode
-                self.errors_logged += 1
-                self.log(f"environment {self.cfg.environment}: episode {ep.index} ended: {outcome.error}")
-            ep.finish, ep.reward = "env_error", 0.0
+            self._env_failed(ep, outcome.error)
             return False
         if not ep.prompt:  # the reset
-            ep.env, messages, seconds = outcome.value
+            ep.env, messages, seconds, ep.env_state = outcome.value
+            ep.opening = messages
             ep.env_s += seconds
             ep.prompt = self.renderer.prompt_ids(messages)
             ep.budget = min(self.cfg.max_episode_tokens, self.max_context - len(ep.prompt))
@@ -282,7 +399,10 @@ class EpisodeRunner:
                 ep.finish = "length"
                 return False
             return True
-        ep.env, (messages, reward, done, tool_calls, tool_errors), seconds = outcome.value
+        ep.env, answer, seconds, ep.env_state = outcome.value
+        messages, reward, done, tool_calls, tool_errors = answer
+        ep.answers.append([ep.at_env, list(answer)])
+        ep.at_env = None
         ep.env_s += seconds
         ep.reward = ep.reward + reward if self.cfg.reward == "sum" else reward
         ep.tool_calls += tool_calls

@@ -60,5 +60,11 @@ class GuessNumber(Environment):
             return self._hint("+", "Higher.")
         return self._hint("-", "Lower.")
 
+    def state_dict(self) -> dict:
+        return {"target": self.target, "guesses": self.guesses}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.target, self.guesses = int(state["target"]), int(state["guesses"])
+
     def _hint(self, symbol: str, text: str) -> Step:
         return Step(messages=[{"role": "user", "content": symbol if self.style == "symbols" else text}])

@@ -13,7 +13,7 @@ import pickle
 import time
 from typing import Any
 
-from megagrpo.envs.base import OBSERVATION_ROLES, Environment, Step, check_messages
+from megagrpo.envs.base import OBSERVATION_ROLES, Environment, Step, check_messages, check_plain
 from megagrpo.rewards.user import check_in_child, load_function
 
 __all__ = ["check_environment", "env_call", "environment_traits", "load_environment"]
@@ -39,19 +39,24 @@ def environment_traits(spec: str) -> dict:
 
 
 def env_call(spec: str, args: dict, op: str, payload: Any, options: dict | None = None) -> tuple:
-    """``op`` "reset" (payload: the task): (pickled env, opening messages, seconds);
+    """``op`` "reset" (payload: the task): (pickled env, opening messages, seconds, state);
     "step" (payload: (pickled env, turn text)): (pickled env, (messages, reward, done, tool calls,
-    tool errors), seconds). Raises on a bad answer of the environment (the episode then ends).
-    ``options``: the ``env`` settings an environment class may ask for (``Environment.settings``)."""
+    tool errors), seconds, state); "load" (payload: a state): (pickled env, None, seconds, state).
+    ``state``: the environment's ``state_dict()`` after the call (None: it offers none). Raises on a bad
+    answer of the environment (the episode then ends). ``options``: the ``env`` settings an environment
+    class may ask for (``Environment.settings``)."""
     cls = load_environment(spec)
     start = time.perf_counter()
-    if op == "reset":
+    if op in ("reset", "load"):
         wanted = {k: v for k, v in (options or {}).items() if k in cls.settings}
         env = cls(**args, **wanted)
+        if op == "load":
+            env.load_state_dict(payload)
+            return pickle.dumps(env), None, time.perf_counter() - start, _state(env, cls)
         messages = check_messages(env.reset(payload), ("system", *OBSERVATION_ROLES), f"{cls.__name__}.reset")
         if not messages:
             raise ValueError(f"{cls.__name__}.reset returned no messages")
-        return pickle.dumps(env), messages, time.perf_counter() - start
+        return pickle.dumps(env), messages, time.perf_counter() - start, _state(env, cls)
     blob, turn = payload
     env = pickle.loads(blob)
     step = env.step(turn)
@@ -64,4 +69,12 @@ def env_call(spec: str, args: dict, op: str, payload: Any, options: dict | None 
     if not step.done and not messages:
         raise ValueError(f"{cls.__name__}.step returned no observation for an episode that goes on")
     answer = (messages, reward, bool(step.done), int(step.tool_calls), int(step.tool_errors))
-    return pickle.dumps(env), answer, time.perf_counter() - start
+    return pickle.dumps(env), answer, time.perf_counter() - start, _state(env, cls)
+
+
+def _state(env: Environment, cls: type) -> dict | None:
+    """The environment's offered state (``Environment.state_dict``), checked to be plain data."""
+    state = env.state_dict()
+    if state is not None and not isinstance(state, dict):
+        raise ValueError(f"{cls.__name__}.state_dict returned {type(state).__name__}, not a dict or None")
+    return check_plain(state, f"{cls.__name__}.state_dict")

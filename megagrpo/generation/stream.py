@@ -41,7 +41,9 @@ Design (verified against vLLM 0.32, engine core in-process: ``VLLM_ENABLE_V1_MUL
 - **Snapshot** (:meth:`RequestStream.in_flight`): per request, the request itself (prompt, sampling
   settings, seed, group) and its tokens, sampling logprobs and versions so far: what a checkpoint
   stores. :meth:`RequestStream.resume_from` submits each as a continuation, prompt + tokens so far with
-  ``max_tokens`` less the tokens it has, and returns it finished with the parts joined.
+  ``max_tokens`` less the tokens it has, and returns it finished with the parts joined; one that already
+  ended (its last token a stop token, or its ``max_tokens`` reached: a request that finished beside the
+  probe and was not yet returned) is returned as it is, nothing sampled after it.
 - **Routed experts** (``grpo.routing_replay``, a stream given a ``routing`` capture:
   ``generation.routing``). Each request's rows are kept per position, each position with the row of its
   *first* forward: the one that sampled the next token, under the weights that sampled it
@@ -138,6 +140,9 @@ class StreamSlice:
     """Requests the engine ended without a sample (never trained on: their groups are generated again)."""
     busy_s: float
     """Seconds the engine spent stepping."""
+    restarted: int = 0
+    """Episodes resumed from a checkpoint that restarted from their openings (``generation.stream_episodes``:
+    their environment answered otherwise on replay)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +159,10 @@ class PartialRequest:
     routed_experts: torch.Tensor | None = None
     """[F, MoE layers, k] with a routing capture: the rows of the F positions forwarded so far (F <= P +
     N - 1), as their first forward routed them; None: none asked for."""
+    episode: dict | None = None
+    """A multi-turn episode's state (``generation.stream_episodes``): its turns and environment answers
+    so far and the step or turn running, as plain data; ``token_ids`` etc. are then the episode's tokens
+    after its opening, observations included. None: a plain request, or an episode opened again."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,9 +271,13 @@ class RequestStream:
                 f"request {request.request_id!r}: {len(tokens)} tokens so far, more than max_tokens "
                 f"{s.max_tokens}"
             )
-        if left == 0:  # a snapshot taken after its last token: finished, with nothing to sample
+        # A snapshot taken after its last token (a request finished beside the probe, not yet returned):
+        # finished, with nothing to sample; vLLM would sample on past a stop token at the prompt's end.
+        stopped = bool(tokens) and not s.ignore_eos and tokens[-1] in s.stop_token_ids
+        if left == 0 or stopped:
+            reason = "stop" if stopped else "length"
             self._ready.append(
-                StreamCompletion(request, list(tokens), list(logprobs), list(versions), "length", rows)
+                StreamCompletion(request, list(tokens), list(logprobs), list(versions), reason, rows)
             )
             return
         if self._routing is not None and not self._live:

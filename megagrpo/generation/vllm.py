@@ -479,7 +479,8 @@ class VLLMEngine:
     def advance(self, seconds: float) -> StreamSlice:
         start = time.perf_counter()
         finished = self._stream().advance(max_seconds=seconds)
-        return StreamSlice(finished, self.stream.take_failed(), time.perf_counter() - start)
+        restarted = self.stream.take_restarted() if isinstance(self.stream, EpisodeStream) else 0
+        return StreamSlice(finished, self.stream.take_failed(), time.perf_counter() - start, restarted)
 
     def abort(self, request_ids: Sequence[str]) -> list[str]:
         return [r.request_id for r in self._stream().abort(request_ids)]

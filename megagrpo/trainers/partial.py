@@ -82,6 +82,9 @@ class Taken:
     """Wall time since the last step took its groups."""
     engines: int
     """Engines running meanwhile (for the busy fraction)."""
+    episodes_restarted: int | None = None
+    """Multi-turn episodes resumed from the checkpoint that restarted from their openings since the last
+    step (``generation.stream_episodes``); None: no episodes."""
 
 
 class EngineStreams:
@@ -205,6 +208,8 @@ class ContinuousRollouts:
         """Engines that failed, by index, with their error; replaced at the next sync point."""
         self.failed_requests = 0
         """Requests an engine ended without a sample (their groups were generated again)."""
+        self._restarted = 0
+        """Resumed episodes restarted from their openings since the last step took its groups."""
         self._error: BaseException | None = None
         self._busy_s, self._since = 0.0, time.perf_counter()
         self._resumed: dict[int, list] = {}
@@ -230,8 +235,10 @@ class ContinuousRollouts:
                     now = time.perf_counter()
                     elapsed, self._since = now - self._since, now
                     engines = len(self.pool.actors) - len(self.dead)
+                    restarted, self._restarted = self._restarted, 0
                     self._cond.notify_all()  # room for new groups
-                    return Taken(taken, counts, now - start, busy, elapsed, engines)
+                    episodes = restarted if self.cfg.env.enabled else None
+                    return Taken(taken, counts, now - start, busy, elapsed, engines, episodes)
                 if not self.dead:
                     self._cond.wait(0.5)
                     continue
@@ -369,6 +376,7 @@ class ContinuousRollouts:
         with self._cond:
             self._refs.pop(engine, None)
             self._busy_s += result.busy_s
+            self._restarted += result.restarted
             mine = self.buffer.on_engine.get(engine, {})
             for failure in result.failed:
                 position, _ = request_key(failure.request.request_id)
@@ -467,6 +475,8 @@ def partial_metrics(taken: Taken, trained_version: int) -> dict[str, float]:
     staleness = staleness_metrics(rollouts, trained_version, trained_version=trained_version)
     del staleness["staleness/generator_version"]  # one per token here
     engines = max(1, taken.engines)
+    if taken.episodes_restarted is not None:
+        staleness["async/episodes_restarted"] = taken.episodes_restarted
     return staleness | {
         "async/stale_groups": taken.counts.stale,
         "async/requeued_groups": taken.counts.requeued,

@@ -4,7 +4,9 @@ Each observation repeats the model's turn back (``"<turn>="``), so a test can re
 tokens from the sampled tokens alone; the episode ends after ``turns`` turns with reward 1 when some
 turn contained a 7. Tasks with a ``fault`` (a share ``fault_rate`` of them) make the environment fail
 on its second step: "raise", "hang" (past any deadline) or "die" (its worker process exits); "slow"
-takes a second over its first step.
+takes a second over its first step; "noisy" adds the clock's nanoseconds to each observation (an
+environment that answers otherwise when replayed). ``EchoState`` is the same environment offering its
+state (``Environment.state_dict``), so that a resume loads it instead of replaying.
 """
 
 from __future__ import annotations
@@ -50,4 +52,13 @@ class Echo(Environment):
             os._exit(3)
         if len(self.seen) >= self.turns:
             return Step(reward=float(any("7" in t for t in self.seen)), done=True)
-        return Step(messages=[{"role": "user", "content": f"{turn}="}])
+        noise = f" {time.time_ns()}" if self.fault == "noisy" else ""
+        return Step(messages=[{"role": "user", "content": f"{turn}={noise}"}])
+
+
+class EchoState(Echo):
+    def state_dict(self) -> dict:
+        return {"seen": list(self.seen), "fault": self.fault}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.fault = list(state["seen"]), state["fault"]

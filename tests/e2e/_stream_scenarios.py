@@ -222,6 +222,17 @@ def errors(llm) -> dict:
     return out
 
 
+def stopped(llm) -> dict:
+    """A snapshot's request whose tokens end with a stop token (one that finished beside the probe, not
+    yet returned), continued: the record as it was, with nothing sampled after the stop."""
+    stream = RequestStream(llm)
+    settings = SamplingSettings(max_tokens=8, temperature=1.0, stop_token_ids=(9,))
+    stream.resume_from(
+        [PartialRequest(StreamRequest("s0", (1, 2), settings, 5), [5, 9], [-1.0, -2.0], [0, 0])]
+    )
+    return {"finished": [_record(c) for c in stream.advance()], "left": len(stream)}
+
+
 def main(model_dir: str, out_path: str) -> None:
     from vllm import LLM
 
@@ -237,6 +248,7 @@ def main(model_dir: str, out_path: str) -> None:
         max_num_batched_tokens=4096,
     )
     results = {"slices": slices(llm), "pause": pause(llm), "abort": abort(llm), "errors": errors(llm)}
+    results["stopped"] = stopped(llm)
     results["prefix_salt"] = prefix_salt(llm)
     for kv in ("keep", "recompute"):
         results[f"swap_{kv}"] = swap(llm, kv)

@@ -191,11 +191,12 @@ def test_partial_rollouts_play_episodes_across_weight_swaps(undisturbed):
         assert row["staleness/max"] <= 2, (step, row)
         # A failed environment's episode is never a sample (its group was generated again).
         assert row["episode/env_errors"] == 0 and row["episode/turns_mean"] > 1.5, (step, row)
+        assert row["async/episodes_restarted"] == 0  # none resumed in this run
     assert sum(got[s]["async/requeued_groups"] for s in (1, 2, 3)) > 0
 
     # The episodes every checkpoint saved (finished groups not yet trained on, finished samples of groups
     # still in flight) are token-in/token-out, every token stamped with the version that sampled it.
-    renderer, groups, checked = _renderer(cfg, "episodes_partial"), [], 0
+    renderer, groups, checked, unfinished = _renderer(cfg, "episodes_partial"), [], 0, []
     for step in (1, 2, 3):
         state = load_in_flight(Path(cfg.checkpoint.dir) / f"step_{step}")
         assert state is not None and state["version"] == step
@@ -221,6 +222,48 @@ def test_partial_rollouts_play_episodes_across_weight_swaps(undisturbed):
             )
             for row in state["buffer"]["ready"]
         ]
-    assert checked > 0
+        unfinished += [
+            _assert_saved_episode(renderer, row, step) for row in state["partials"] if row["episode"]
+        ]
+    assert checked > 0 and unfinished
     if groups:
         _assert_batch(cfg, rollouts_of(groups))
+
+
+def _assert_saved_episode(renderer, row: dict, step: int) -> str:
+    """A checkpoint's unfinished episode: its tokens so far token-in/token-out, the environment's answers
+    those of its turns' texts, and the step or turn running; returns which was."""
+    from megagrpo.types import Completion
+
+    saved = row["episode"]
+    assert saved["opening"] == [{"role": "user", "content": f"{row['request']['task']['start']}="}]
+    for text, (messages, _, done, _, _) in saved["answers"]:
+        assert messages == [{"role": "user", "content": f"{text}="}] and not done
+    if not row["token_ids"]:  # its first turn at the engine
+        assert saved["answers"] == [] and saved["turn"] is not None
+        return "turn"
+    comp = Completion(
+        0,
+        row["token_ids"],
+        row["logprobs"],
+        "length",
+        loss_mask=saved["mask"],
+        prompt_ids=saved["prompt"],
+        stats={"turns": float(saved["turns"])},
+    )
+    _assert_episode(renderer, row["request"]["task"], comp)
+    texts, start = [], 0
+    for t in range(1, len(comp.token_ids) + 1):
+        if t == len(comp.token_ids) or comp.loss_mask[t] != comp.loss_mask[start]:
+            if comp.loss_mask[start]:
+                texts.append(renderer.turn_text(comp.token_ids[start:t]))
+            start = t
+    assert row["versions"] == sorted(row["versions"]) and row["versions"][-1] <= step
+    if saved["pending"] is not None:  # its last turn's step was running
+        assert comp.loss_mask[-1] and [text for text, _ in saved["answers"]] + [saved["pending"]] == texts
+        return "step"
+    turn = saved["turn"]
+    assert not comp.loss_mask[-1] and [text for text, _ in saved["answers"]] == texts
+    assert len(turn["token_ids"]) == len(turn["versions"]) == len(turn["logprobs"])
+    assert all(v >= row["versions"][-1] for v in turn["versions"])
+    return "turn"

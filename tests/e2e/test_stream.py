@@ -162,6 +162,13 @@ def test_bad_requests_are_refused_with_the_request_named(results):
     assert got["left"] == 0
 
 
+def test_a_continuation_that_ends_with_a_stop_token_samples_nothing_more(results):
+    (record,) = results["stopped"]["finished"]
+    assert record["tokens"] == [5, 9] and record["finish"] == "stop"
+    assert record["logprobs"] == [-1.0, -2.0] and record["versions"] == [0, 0]
+    assert results["stopped"]["left"] == 0
+
+
 # ------------------------------------------------------------------------------- routed experts (MoE)
 
 ROUTED_TOKENS, SWAP_AT, NORM_SCALE = 10, 4, 1.5  # as _stream_routing.py

@@ -220,7 +220,7 @@ class _Bad(Environment):
 )
 def test_worker_call_names_what_the_environment_got_wrong(mode, message):
     spec = f"{__file__}:_Bad"
-    blob, messages, _ = env_call(spec, {"mode": mode}, "reset", {})
+    blob, messages, *_ = env_call(spec, {"mode": mode}, "reset", {})
     assert messages == [{"role": "system", "content": "hi"}]
     with pytest.raises(ValueError, match=message):
         env_call(spec, {"mode": mode}, "step", (blob, "turn"))

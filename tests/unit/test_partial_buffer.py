@@ -170,3 +170,15 @@ def test_partial_mode_config_errors_name_their_keys(overrides, keys, message):
         load_config(None, overrides)
     text = str(info.value)
     assert all(k in text for k in keys) and message in text, text
+
+
+def test_step_metrics_count_restarted_episodes_only_with_episodes():
+    from megagrpo.trainers.group_buffer import BufferCounts
+    from megagrpo.trainers.partial import Taken, partial_metrics
+
+    groups = [finished(make(0), [[0, 1], [1, 1]], [0.0, 1.0])]
+    taken = Taken(groups, BufferCounts(), 0.1, 1.0, 2.0, 1)
+    assert "async/episodes_restarted" not in partial_metrics(taken, trained_version=1)
+    with_episodes = Taken(groups, BufferCounts(), 0.1, 1.0, 2.0, 1, episodes_restarted=3)
+    got = partial_metrics(with_episodes, trained_version=1)
+    assert got["async/episodes_restarted"] == 3 and got["staleness/max"] == 1
