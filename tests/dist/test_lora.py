@@ -115,6 +115,8 @@ def _train(cfg, save_to: str | None = None, moe: bool = False) -> dict:
         == {id(p) for p in module.parameters() if p.requires_grad},
         "expert_buffers": sorted(names[id(p)] for p in held_expert),
     }
+    if not moe:  # what an adapter sync sends (generation.lora_sync adapter): None off a stage's first rank
+        out["sync_adapters"] = worker.send_adapters()
     if moe:  # the routers' own choices, as transformers' model routes
         out["after_unrouted"] = worker.logprobs(_batch(moe, routed=False), 1.0)
         from megagrpo.models.lora import merged
@@ -284,6 +286,30 @@ def test_peft_loads_the_adapter_and_the_merged_export_matches(one_rank, hf_dir):
     assert (with_adapter[mask] - plain[mask]).abs().max() > 1e-3  # the adapter is loaded, not ignored
     torch.testing.assert_close(with_adapter[mask], trained["after"][mask], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(from_merged[mask], with_adapter[mask], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_an_adapter_sync_sends_the_same_adapters_at_every_layout(layout, one_rank, two_ranks):
+    """``weight_sync.adapters``: each stage's first rank sends its layers' adapters whole (gathered over TP)
+    in PEFT's names; together the stages' are one rank's, which are the PEFT export's exactly, and the
+    stages' digests join into the whole's."""
+    from safetensors.torch import load_file
+
+    from megagrpo.weight_sync.adapters import tensors_digest
+
+    ((exports, _),) = case(one_rank, "exports")
+    (want,) = case(one_rank, "train")
+    tensors, digest = want["sync_adapters"]
+    exported = load_file(str(Path(exports["peft"]) / "adapter_model.safetensors"))
+    assert tensors.keys() == exported.keys() and digest == tensors_digest(tensors)
+    assert all(torch.equal(tensors[k], exported[k]) for k in tensors)
+    sent = [r["sync_adapters"] for r in case(two_ranks, f"train/{layout}") if r["sync_adapters"] is not None]
+    assert len(sent) == (2 if layout == "pp2" else 1)  # one per stage
+    joined = {k: t for part, _ in sent for k, t in part.items()}
+    assert joined.keys() == tensors.keys()
+    assert ";".join(sorted(e for _, d in sent for e in d.split(";"))) == tensors_digest(joined)
+    for k, t in tensors.items():
+        torch.testing.assert_close(joined[k], t, atol=1e-5, rtol=1e-4)
 
 
 def _moe_assert_same_steps(got: dict, want: dict) -> None:
