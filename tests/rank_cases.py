@@ -47,3 +47,20 @@ def case(results: list[dict], name: str) -> list:
         if isinstance(res, CaseFailed):
             pytest.fail(f"case {name} failed:\n{res.traceback}")
     return got
+
+
+def sums_in_fresh_worlds(rank: int, world_size: int, worlds: int = 2) -> list[int]:
+    """On each rank: ``worlds`` default groups made and destroyed in turn, each all-reducing
+    ``rank + 1 + 10 * i``. Every world after the first meets the same hosted store again
+    (``parallel.local``): its keys must not be the first's."""
+    import torch
+    import torch.distributed as dist
+
+    sums = []
+    for i in range(worlds):
+        dist.init_process_group("gloo")
+        value = torch.tensor([rank + 1 + 10 * i])
+        dist.all_reduce(value)
+        sums.append(int(value))
+        dist.destroy_process_group()
+    return sums

@@ -270,22 +270,27 @@ def _hf_logprobs(model) -> torch.Tensor:
     return out
 
 
-def test_peft_loads_the_adapter_and_the_merged_export_matches(one_rank, hf_dir):
+def _check_peft_and_merged(base_dir: str, exports: dict, trainer: torch.Tensor) -> None:
+    """``peft`` loads the PEFT export onto the HF base with the trainer's logprobs, and the merged export
+    gives the same."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    ((exports, _),) = case(one_rank, "exports")
-    (trained,) = case(one_rank, "train")
     mask = policy_batch().response_mask()
-    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     plain = _hf_logprobs(base)
-    adapted = PeftModel.from_pretrained(base, exports["peft"]).eval()
-    with_adapter = _hf_logprobs(adapted)
+    with_adapter = _hf_logprobs(PeftModel.from_pretrained(base, exports["peft"]).eval())
     merged = AutoModelForCausalLM.from_pretrained(exports["merged"], dtype=torch.float32).eval()
     from_merged = _hf_logprobs(merged)
     assert (with_adapter[mask] - plain[mask]).abs().max() > 1e-3  # the adapter is loaded, not ignored
-    torch.testing.assert_close(with_adapter[mask], trained["after"][mask], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(with_adapter[mask], trainer[mask], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(from_merged[mask], with_adapter[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_peft_loads_the_adapter_and_the_merged_export_matches(one_rank, hf_dir):
+    ((exports, _),) = case(one_rank, "exports")
+    (trained,) = case(one_rank, "train")
+    _check_peft_and_merged(hf_dir, exports, trained["after"])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -370,9 +375,7 @@ def test_expert_adapter_checkpoint_reloads_at_ep2(one_rank, two_ranks, dirs):
 def test_peft_loads_the_expert_adapters_and_the_merged_export_matches(one_rank, moe_dir):
     import json
 
-    from peft import PeftModel
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
     ((_, exports),) = case(one_rank, "exports")
     (trained,) = case(one_rank, "moe/train")
@@ -383,16 +386,7 @@ def test_peft_loads_the_expert_adapters_and_the_merged_export_matches(one_rank, 
         assert f"{prefix}.{proj}.lora_A.weight" in keys and f"{prefix}.{proj}.lora_B.weight" in keys
     config = json.loads((Path(exports["peft"]) / "adapter_config.json").read_text())
     assert {"gate_proj", "up_proj", "down_proj"} <= set(config["target_modules"])
-    mask = policy_batch().response_mask()
-    base = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
-    plain = _hf_logprobs(base)
-    adapted = PeftModel.from_pretrained(base, exports["peft"]).eval()
-    with_adapter = _hf_logprobs(adapted)
-    merged = AutoModelForCausalLM.from_pretrained(exports["merged"], dtype=torch.float32).eval()
-    from_merged = _hf_logprobs(merged)
-    assert (with_adapter[mask] - plain[mask]).abs().max() > 1e-3  # the adapter is loaded, not ignored
-    torch.testing.assert_close(with_adapter[mask], trained["after_unrouted"][mask], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(from_merged[mask], with_adapter[mask], atol=1e-5, rtol=1e-5)
+    _check_peft_and_merged(moe_dir, exports, trained["after_unrouted"])
 
 
 def test_merging_the_peft_export_gives_the_merged_export_byte_for_byte(one_rank, tmp_path):

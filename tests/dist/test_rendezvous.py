@@ -10,25 +10,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rank_cases import sums_in_fresh_worlds
+
 from megagrpo.parallel.local import run_local_ranks
 
 pytestmark = pytest.mark.dist
 
 
-def _sums(rank: int, world_size: int, worlds: int) -> list[int]:
-    sums = []
-    for i in range(worlds):  # each world after the first meets the same store again
-        dist.init_process_group("gloo")
-        value = torch.tensor([rank + 1 + 10 * i])
-        dist.all_reduce(value)
-        sums.append(int(value))
-        dist.destroy_process_group()
-    return sums
-
-
 def test_worlds_started_at_once_each_come_up():
     with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(run_local_ranks, _sums, 2, 2, timeout_s=120) for _ in range(2)]
+        runs = [pool.submit(run_local_ranks, sums_in_fresh_worlds, 2, 2, timeout_s=120) for _ in range(2)]
         assert [run.result() for run in runs] == [[[3, 23], [3, 23]]] * 2
 
 
@@ -36,7 +27,7 @@ def _outer(rank: int, world_size: int) -> tuple[list, int]:
     # As a torchrun rank would see it: the nested world must not take the outer agent's store.
     os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="outer")
     dist.init_process_group("gloo")
-    nested = run_local_ranks(_sums, 2, 1, timeout_s=120) if rank == 0 else []
+    nested = run_local_ranks(sums_in_fresh_worlds, 2, 1, timeout_s=120) if rank == 0 else []
     value = torch.tensor([rank + 1])
     dist.all_reduce(value)  # the outer world still works after the nested one ended
     dist.destroy_process_group()

@@ -9,8 +9,7 @@ import importlib
 import os
 
 import pytest
-import torch
-import torch.distributed as dist
+from rank_cases import sums_in_fresh_worlds
 
 from megagrpo.compat.torch_store import rendezvous_at_hosted_store
 from megagrpo.parallel.local import host_store, hosted_store_env, run_in_this_process
@@ -39,18 +38,7 @@ def test_each_rendezvous_at_the_hosted_store_is_a_client_under_its_own_prefix(mo
     assert elsewhere.port not in (0, server.port)
 
 
-def _all_reduce_in_fresh_worlds(rank: int, world_size: int) -> list[int]:
-    sums = []
-    for i in range(2):  # the second world meets the same store: its keys must not be the first's
-        dist.init_process_group("gloo")
-        value = torch.tensor([rank + 1 + 10 * i])
-        dist.all_reduce(value)
-        sums.append(int(value))
-        dist.destroy_process_group()
-    return sums
-
-
 def test_run_in_this_process_joins_a_store_it_hosts_and_puts_the_environment_back():
     before = {key: os.environ.get(key) for key in ("MASTER_PORT", "MEGAGRPO_HOSTED_STORE")}
-    assert run_in_this_process(_all_reduce_in_fresh_worlds) == [1, 11]
+    assert run_in_this_process(sums_in_fresh_worlds) == [1, 11]
     assert {key: os.environ.get(key) for key in before} == before
