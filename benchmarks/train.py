@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--offload", action="store_true", help="also time the colocated sleep path (policy.offload: all)"
     )
     args = record.parse(p, argv, QUICK)
+    if min(args.lora_rank) < 0 or len(set(args.lora_rank)) != len(args.lora_rank):
+        p.error(f"--lora-rank {' '.join(map(str, args.lora_rank))}: want distinct ranks >= 0 (0: full)")
     args.shape_values = shape_of(p, args)
     return args
 

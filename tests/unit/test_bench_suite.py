@@ -341,3 +341,6 @@ def test_train_lora_rank_option_reaches_the_config():
     cfg = train.bench_config(args, 1, "local", 64, 2, lora=8)
     assert cfg.policy.lora.rank == 8 and set(cfg.policy.lora.targets) == set(LORA_TARGETS)
     assert not train.bench_config(args, 1, "local", 64, 2).policy.lora.enabled
+    for bad in (["8", "8"], ["-1"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--lora-rank", *bad])
