@@ -6,8 +6,10 @@
 # at 8192 and 16384 tokens; ipc_handoff: the colocated handoff through CUDA IPC handles between two processes,
 # GB/s, bytes checked; probe_bf16: the weight-sync probe's error in bf16 at Qwen2-1.5B's shape, Megatron against
 # transformers on the same weights over 20 syncs; moe: the MoE train step at EP 1 on 4 layers of Qwen3-30B-A3B,
-# tokens/s, peak memory). train and logprob_memory ran on an H200 before (results/suite_gpu/); --offload,
-# train_torch's 4K, ipc_handoff, probe_bf16 and moe have not run on a GPU yet: run --quick first.
+# tokens/s, peak memory), then outside the suite the delta weight sync's encoding (GB/s) and a LoRA train
+# step against full fine-tuning (lora_train.json). train and logprob_memory ran on an H200 before
+# (results/suite_gpu/); --offload, train_torch's 4K, ipc_handoff, probe_bf16, moe, the delta encoding and
+# the LoRA step have not run on a GPU yet: run --quick first.
 # Not here: the timing of grpo.async_mode partial's weight swap into requests in flight (pause, load,
 # resume). The device has no vLLM, and the load is vLLM's layerwise reload around our block copies
 # (weight_sync/vllm_engine.py): a torch-only stand-in would time none of it. The CPU suite's long_tail
@@ -63,5 +65,14 @@ print('torch', torch.__version__, 'megatron-core', m.__version__, torch.cuda.get
   # The delta weight sync's encoding and application, GB/s on one GPU (torch only; smoke-tested on CPU,
   # never run on a GPU yet).
   "$PYTHON" -m benchmarks.delta_sync --encode --device cuda "${QUICK[@]}" --out "$OUT_DIR/delta_encode.json"
+  # A LoRA train step (policy.lora.rank 8, all four target layers) against full fine-tuning of the same
+  # model and batch: tokens/s, peak memory, the gradient buffers and optimizer state (the adapters' alone);
+  # Qwen2-1.5B's shape, bf16, 8 x 4096 tokens (--quick: the smoke shape). Smoke-tested on CPU, never run
+  # on a GPU yet.
+  LORA_STEP=(--preset qwen2-1.5b --tp 1 --seq 4096 --batch 8 --budget 16384 --min-len-frac 1.0
+    --recompute core_attention --warmup 2 --repeat 3)
+  if [[ ${#QUICK[@]} -gt 0 ]]; then LORA_STEP=(--preset smoke); fi
+  "$PYTHON" -m benchmarks.train "${LORA_STEP[@]}" --dtype bfloat16 --lora-rank 0 8 --steps train \
+    "${QUICK[@]}" --out "$OUT_DIR/lora_train.json"
 } 2>&1 | tee "$OUT_DIR/gpu_h200.log"
 exit "${PIPESTATUS[0]}"

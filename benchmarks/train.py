@@ -1,6 +1,7 @@
 """The GRPO train step against a bare Megatron step on the same model and tokens.
 
     python -m benchmarks.train [--tp 1 2] [--impl local torch] [--seq 256] [--repeat 3] [--quick]
+                               [--lora-rank 0 8]
 
 Both steps run in the same rank processes, on the same model (the worker's own engine: weights,
 DDP buffers, optimizer) and the same micro-batches (the worker's own packing of its shard):
@@ -26,6 +27,12 @@ cost within noise (0.85..1.15). With ``--offload`` (the gpu suite's run), after 
 of colocated placement (``policy.offload: all``: optimizer state, gradient buffers and weights to host
 memory, the allocator's free blocks back to the driver, then everything back), seconds each way, the
 device bytes freed, and on CUDA the allocator's reserve before and after.
+
+``--lora-rank`` (``policy.lora.rank``, all four target layers; 0: full fine-tuning): a run of ranks per
+value. Every run counts on its worker the parameters that train and the bytes of their gradient buffers
+and optimizer state (Adam's moments; in bf16 also the fp32 master weights); several values add each later
+run's train step (tokens/s), peak memory, activation memory and that state as ratios to the first value's
+run (separate processes, one after the other: not interleaved).
 """
 
 from __future__ import annotations
@@ -66,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impl", nargs="+", default=["local"], choices=["local", "torch", "transformer_engine"])
     p.add_argument("--steps", nargs="+", default=["train", "bare"], choices=["train", "bare", *LOSSES])
     p.add_argument("--recompute", default="none", choices=["none", "core_attention", "full"])
+    p.add_argument(
+        "--lora-rank", type=int, nargs="+", default=[0], help="policy.lora.rank per run (0: full fine-tuning)"
+    )
     p.add_argument("--compile", action="store_true", help="Megatron's torch.compile'd fusions on")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (H200 bf16: 989)")
     p.add_argument("--sync-bucket-mb", type=float, default=0.0, help="also time the weight-sync sender")
@@ -73,11 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--offload", action="store_true", help="also time the colocated sleep path (policy.offload: all)"
     )
     args = record.parse(p, argv, QUICK)
+    if min(args.lora_rank) < 0 or len(set(args.lora_rank)) != len(args.lora_rank):
+        p.error(f"--lora-rank {' '.join(map(str, args.lora_rank))}: want distinct ranks >= 0 (0: full)")
     args.shape_values = shape_of(p, args)
     return args
 
 
-def bench_config(args, tp: int, impl: str, seq: int, batch: int):
+def bench_config(args, tp: int, impl: str, seq: int, batch: int, lora: int = 0):
     from .common.configs import make_config
 
     run = argparse.Namespace(**{**vars(args), "seq": seq})
@@ -97,6 +109,7 @@ def bench_config(args, tp: int, impl: str, seq: int, batch: int):
             # Parks nothing until the benchmark calls offload (--offload), which colocated placement does.
             "policy.offload": "all" if args.offload else "none",
             "generation.placement": "colocated" if args.offload else "disaggregated",
+            "policy.lora.rank": lora,
         }
     )
 
@@ -119,7 +132,27 @@ def _vm(field: str) -> int:
     return proc_status("self", (field,)).get(field, 0)
 
 
-def rank_main(rank: int, world_size: int, args, impl: str, seq: int, batch: int) -> dict:
+def trained_state(engine) -> dict:
+    """This rank's parameters that train, and the bytes of their gradient buffers and optimizer state
+    (the tensors the optimizer keeps that are not the model's own parameters: Adam's moments, and the fp32
+    master copies of bf16 weights)."""
+    from megagrpo.policy.offload import grad_buffers, optimizer_tensors
+
+    params = list(engine.module.parameters())
+    own = {p.untyped_storage().data_ptr() for p in params}
+    kept = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in optimizer_tensors(engine.optimizer)
+    }
+    return {
+        "trained_params": sum(p.numel() for p in params if p.requires_grad),
+        "params": sum(p.numel() for p in params),
+        "grad_bytes": sum(b.numel() * b.element_size() for b in grad_buffers(engine.model[0])),
+        "optimizer_bytes": sum(n for ptr, n in kept.items() if ptr not in own),
+    }
+
+
+def rank_main(rank: int, world_size: int, args, impl: str, seq: int, batch: int, lora: int = 0) -> dict:
     import torch
 
     from megagrpo.parallel import destroy_parallel
@@ -130,7 +163,7 @@ def rank_main(rank: int, world_size: int, args, impl: str, seq: int, batch: int)
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = bench_config(args, world_size, impl, seq, batch)
+    cfg = bench_config(args, world_size, impl, seq, batch, lora)
     idle = _vm("VmRSS")  # interpreter, torch, Megatron, process groups
     worker = PolicyWorker(cfg)
     with contextlib.suppress(OSError):
@@ -156,7 +189,7 @@ def rank_main(rank: int, world_size: int, args, impl: str, seq: int, batch: int)
                 print(f"[train] round {r}: " + ", ".join(f"{k} {t.seconds:.2f}s" for k, t in done.items()))
 
         times = interleave(steps, args.repeat, warmup=args.warmup, settle=device_sync(device), log=log)
-        out = {"times": times}
+        out = {"times": times, "state": trained_state(engine)}
         out["shard_tokens"] = int(sum(int(data.lengths[i]) for i in shard))
         held = worker.reference.tensors.values() if worker.reference else ()
         reference = sum(t.numel() * t.element_size() for t in held)
@@ -259,7 +292,9 @@ def plan_estimate(cfg) -> float:
     return make_plan(cfg, shape, where, gpu_memory_gib=141.0).ranks[0].total
 
 
-def measure_run(args, tp: int, impl: str, seq: int, batch: int, settings: dict) -> list[Measurement]:
+def measure_run(
+    args, tp: int, impl: str, seq: int, batch: int, settings: dict, lora: int = 0
+) -> list[Measurement]:
     from megagrpo.models.shape import padded_vocab_size
     from megagrpo.parallel.local import run_local_ranks
 
@@ -267,7 +302,7 @@ def measure_run(args, tp: int, impl: str, seq: int, batch: int, settings: dict) 
 
     run = argparse.Namespace(**{**vars(args), "threads": rank_threads(args, tp)})
     print(f"[train] {settings}: {args.warmup} warm-up + {args.repeat} rounds", flush=True)
-    ranks = run_local_ranks(rank_main, tp, run, impl, seq, batch, timeout_s=args.timeout)
+    ranks = run_local_ranks(rank_main, tp, run, impl, seq, batch, lora, timeout_s=args.timeout)
     tokens = sum(r["shard_tokens"] for r in ranks) // tp  # the TP ranks share one shard
     steps = {k: slowest_rank([r["times"][k] for r in ranks]) for k in args.steps}
     rates = {k: [tokens / t.seconds for t in v] for k, v in steps.items()}
@@ -286,8 +321,16 @@ def measure_run(args, tp: int, impl: str, seq: int, batch: int, settings: dict) 
         cpu = [[t.cpu_s for t in steps[k]] for k in ("bare", "train")]
         add("train / bare Megatron step, CPU time", ratio("", *cpu).samples, "x")
     add(f"{args.steps[0]} step activation memory", [max(r["activation_bytes"] for r in ranks) / 2**20], "MiB")
+    state = ranks[0]["state"]  # the TP ranks hold equal shares
+    add("parameters that train, rank 0", [state["trained_params"]], "params")
+    add(
+        "gradient buffers + optimizer state, rank 0",
+        [(state["grad_bytes"] + state["optimizer_bytes"]) / 2**20],
+        "MiB",
+    )
     peak = max(r["peak_bytes"] for r in ranks)
-    estimate = plan_estimate(bench_config(args, tp, impl, seq, batch))
+    add("peak memory of the steps, the largest rank", [peak / 2**20], "MiB")
+    estimate = plan_estimate(bench_config(args, tp, impl, seq, batch, lora))
     add(  # README's table: once, from train's own run (losses repeats the same model's estimate)
         "megagrpo plan's memory estimate / measured peak",
         [estimate / peak],
@@ -333,31 +376,56 @@ def measure_run(args, tp: int, impl: str, seq: int, batch: int, settings: dict) 
     return [*out, other_load(*steps.values(), **settings)]
 
 
+LORA_COMPARED = (
+    "train step",
+    "train step activation memory",
+    "peak memory of the steps, the largest rank",
+    "gradient buffers + optimizer state, rank 0",
+)
+"""The measurements of a LoRA run given as ratios to the first ``--lora-rank``'s run."""
+
+
+def against_first(runs: dict, key: str, names, label) -> list[Measurement]:
+    """Each later run's measurements called ``names`` as ratios to the first run's of the same settings
+    but ``key`` (``runs``: the runs' measurements by their value of ``key``, in order; a value that is
+    falsy, lora rank 0, is no setting); ``label(value, first)`` ends the ratio's name."""
+    first, *later = runs
+    out = []
+    for value in later:
+        for m in (m for m in runs[value] if m.name in names):
+            same = {k: v for k, v in m.settings.items() if k != key} | ({key: first} if first else {})
+            ref = [r for r in runs[first] if r.name == m.name and r.settings == same]
+            if len(ref) != 1:
+                raise KeyError(f"{len(ref)} measurements {m.name!r} with {same}")
+            samples = m.samples[: len(ref[0].samples)]
+            out.append(
+                ratio(f"{m.name}, {label(value, first)}", samples, ref[0].samples, settings=m.settings)
+            )
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     measurements: list[Measurement] = []
     by_impl: dict[str, list[Measurement]] = {}
-    for impl in args.impl:
-        for seq in args.seq:
-            batch = max(2, args.batch * args.seq[0] // seq)  # a group needs two
-            for tp in args.tp:
-                settings = {"tp": tp, "impl": impl, "seq": seq, "batch": batch}
-                run = measure_run(args, tp, impl, seq, batch, settings)
-                by_impl.setdefault(impl, []).extend(run)
-                measurements += run
-    base = args.impl[0]
-    for impl in args.impl[1:]:  # each other layer implementation against the first's same run
-        for m in by_impl[impl]:
-            if m.name in (f"{args.steps[0]} step", f"{args.steps[0]} step activation memory"):
-                ref = record.find(by_impl[base], m.name, **{**m.settings, "impl": base})
-                measurements.append(
-                    ratio(
-                        f"{m.name}, {impl} / {base} layers",
-                        m.samples[: len(ref.samples)],
-                        ref.samples,
-                        settings=m.settings,
-                    )
-                )
+    by_lora: dict[int, list[Measurement]] = {}
+    for lora in args.lora_rank:
+        for impl in args.impl:
+            for seq in args.seq:
+                batch = max(2, args.batch * args.seq[0] // seq)  # a group needs two
+                for tp in args.tp:
+                    settings = {"tp": tp, "impl": impl, "seq": seq, "batch": batch}
+                    settings |= {"lora_rank": lora} if lora else {}
+                    run = measure_run(args, tp, impl, seq, batch, settings, lora)
+                    by_impl.setdefault(impl, []).extend(run)
+                    by_lora.setdefault(lora, []).extend(run)
+                    measurements += run
+    # each other layer implementation, and each LoRA rank, against the first's same run
+    step = (f"{args.steps[0]} step", f"{args.steps[0]} step activation memory")
+    measurements += against_first(by_impl, "impl", step, lambda impl, base: f"{impl} / {base} layers")
+    measurements += against_first(
+        by_lora, "lora_rank", LORA_COMPARED, lambda r, first: f"LoRA / {f'rank {first}' if first else 'full'}"
+    )
     what = "PolicyWorker.train() against a bare Megatron step on the same model and micro-batches"
     notes = [f"model {args.preset} {args.shape_values}, {args.dtype}; {args.warmup} warm-up round(s)"]
     return record.write(args, "train", what, measurements, packages=("torch", "megatron.core"), notes=notes)

@@ -304,3 +304,43 @@ def test_long_tail_busy_seconds_are_clipped_to_the_window(tmp_path):
         lines = [json.dumps({"call": "generate", "start": a, "end": b}) for a, b in spans]
         (tmp_path / f"engine_busy_{engine}.jsonl").write_text("\n".join(lines) + "\n")
     assert busy_seconds(tmp_path, 1.0, 10.0) == (1.0 + 1.0 + 5.0, 2)
+
+
+def test_train_compares_each_later_lora_rank_and_impl_with_the_first_runs_same_settings():
+    from benchmarks.train import LORA_COMPARED, against_first
+
+    def run(value: float, **extra) -> list[Measurement]:
+        s = {"tp": 1, "impl": "local", **extra}
+        return [
+            Measurement("train step", [value, 2 * value], "tokens/s", s),
+            Measurement("other", [1], "x", s),
+        ]
+
+    full, lora = run(100.0), run(150.0, lora_rank=8)
+    [m] = against_first({0: full, 8: lora}, "lora_rank", LORA_COMPARED, lambda r, f: f"LoRA / {f or 'full'}")
+    assert m.name == "train step, LoRA / full" and m.samples == (1.5, 1.5) and m.settings["lora_rank"] == 8
+    # Several LoRA runs at two impls: each is matched with its own impl's first run, not the other's.
+    torch_full, torch_lora = run(10.0, impl="torch"), run(30.0, impl="torch", lora_rank=8)
+    by_lora = {0: [*full, *torch_full], 8: [*lora, *torch_lora]}
+    got = against_first(by_lora, "lora_rank", LORA_COMPARED, lambda r, f: "x")
+    assert [(m.settings["impl"], m.samples[0]) for m in got] == [("local", 1.5), ("torch", 3.0)]
+    by_impl = {"local": [*full, *lora], "torch": [*torch_full, *torch_lora]}
+    got = against_first(by_impl, "impl", ("train step",), lambda i, b: f"{i} / {b} layers")
+    assert [m.name for m in got] == ["train step, torch / local layers"] * 2
+    assert [m.samples[0] for m in got] == pytest.approx([0.1, 0.2])  # full with full, LoRA with LoRA
+    with pytest.raises(KeyError, match="0 measurements 'train step'"):
+        against_first({0: torch_full, 8: lora}, "lora_rank", LORA_COMPARED, lambda r, f: "x")
+
+
+def test_train_lora_rank_option_reaches_the_config():
+    from benchmarks import train
+    from megagrpo.config.training import LORA_TARGETS
+
+    args = train.parse_args(["--quick", "--lora-rank", "0", "8"])
+    assert args.lora_rank == [0, 8]
+    cfg = train.bench_config(args, 1, "local", 64, 2, lora=8)
+    assert cfg.policy.lora.rank == 8 and set(cfg.policy.lora.targets) == set(LORA_TARGETS)
+    assert not train.bench_config(args, 1, "local", 64, 2).policy.lora.enabled
+    for bad in (["8", "8"], ["-1"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--lora-rank", *bad])

@@ -30,3 +30,13 @@ def test_what_the_warm_up_computes_changes_the_stamp():
     ]
     assert all(s != base for s in changed)
     assert len(set(changed)) == len(changed)
+
+
+def test_a_lora_run_reuses_the_full_fine_tuning_warm_up_as_its_base():
+    """``policy.lora`` and the GRPO lr leave the stamp alone, and the warm-up itself trains every weight:
+    a LoRA run of the demo starts its adapters on the dense demo's cached warm-up."""
+    from megagrpo.trainers.warmup import warmup_config
+
+    lora = ("policy.lora.rank=8", "policy.lr=3e-3")
+    assert stamp(*lora) == stamp()
+    assert not warmup_config(load_config(None, list(lora))).policy.lora.enabled
