@@ -365,14 +365,14 @@ class WeightSync:
         trainer_refs = self.policy.submit_all(WeightSyncEndpoints.send_weights, self.plan, with_checksums)
         sent = self._wait(engine_refs, trainer_refs, "weight sync")
         self.stats = sync_stats(self.plan, sent)
-        if self.adapters:
-            self.stats = replace(self.stats, adapter_bytes=self._sync_adapters(with_checksums))
-            self._base_sent = True
         if with_checksums:
             want = dict(d for r in sent if r is not None for d in r.digests)
             for e, workers in enumerate(ray.get(engine_refs)):
                 for w, got in enumerate(workers):
                     self.verified_buckets += self._check_digests(want, got, f"engine {e} worker {w}", w)
+        if self.adapters:  # the base is in (and checked): from now on the adapters alone
+            self.stats = replace(self.stats, adapter_bytes=self._sync_adapters(with_checksums))
+            self._base_sent = True
 
     def _sync_adapters(self, with_checksums: bool) -> int:
         """``generation.lora_sync: adapter``: every stage's LoRA adapters (``weight_sync.adapters``) into
