@@ -292,13 +292,27 @@ def plan_estimate(cfg) -> float:
     return make_plan(cfg, shape, where, gpu_memory_gib=141.0).ranks[0].total
 
 
+def _flops_per_token(shape: dict, seq: int) -> dict[str, int]:
+    """MFU's numerators: all parameters (the tied embedding once), 6 N (+ attention) per token."""
+    from megagrpo.models.shape import padded_vocab_size
+
+    from .common.models import qwen2_params
+
+    hf = {"hidden_size": shape["hidden_size"], "intermediate_size": shape["ffn_hidden_size"]}
+    hf |= {
+        "num_attention_heads": shape["num_attention_heads"],
+        "num_key_value_heads": shape["num_query_groups"],
+    }
+    n = qwen2_params(
+        {**hf, "vocab_size": padded_vocab_size(shape["vocab_size"])}, shape["num_layers"], tied=True
+    )
+    return {"6N": 6 * n, "6N + attention": 6 * n + 12 * shape["num_layers"] * shape["hidden_size"] * seq}
+
+
 def measure_run(
     args, tp: int, impl: str, seq: int, batch: int, settings: dict, lora: int = 0
 ) -> list[Measurement]:
-    from megagrpo.models.shape import padded_vocab_size
     from megagrpo.parallel.local import run_local_ranks
-
-    from .common.models import qwen2_params
 
     run = argparse.Namespace(**{**vars(args), "threads": rank_threads(args, tp)})
     print(f"[train] {settings}: {args.warmup} warm-up + {args.repeat} rounds", flush=True)
@@ -338,19 +352,9 @@ def measure_run(
         target="0.85..1.15",
         headline=args.steps[:2] == ["train", "bare"],
     )
-    if args.peak_tflops:  # MFU: all parameters (the tied embedding once), 6 N (+ attention) per token
-        shape = args.shape_values
-        hf = {"hidden_size": shape["hidden_size"], "intermediate_size": shape["ffn_hidden_size"]}
-        hf |= {
-            "num_attention_heads": shape["num_attention_heads"],
-            "num_key_value_heads": shape["num_query_groups"],
-        }
-        n = qwen2_params(
-            {**hf, "vocab_size": padded_vocab_size(shape["vocab_size"])}, shape["num_layers"], tied=True
-        )
-        flops = {"6N": 6 * n, "6N + attention": 6 * n + 12 * shape["num_layers"] * shape["hidden_size"] * seq}
+    if args.peak_tflops:
         for k, v in rates.items():
-            for what, per_token in flops.items():
+            for what, per_token in _flops_per_token(args.shape_values, seq).items():
                 mfu = [per_token * x / (args.peak_tflops * 1e12 * tp) for x in v]
                 add(f"{k} step MFU ({what})", mfu, "fraction", headline=k == "train" and what == "6N")
         add("peak memory of the steps", [peak / 2**30], "GiB")
